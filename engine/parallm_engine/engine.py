@@ -1,0 +1,324 @@
+"""The engine: one thread owns all MLX work; callers submit from any thread or event loop.
+
+Public surface::
+
+    eng = get_engine()                       # the shared engine for the default model
+    eng.generate(["a", "b"], max_tokens=32)  # list in, list of GenerationResult out (all in flight at once)
+    await eng.agenerate([...])
+    for d in eng.stream("prompt"): ...       # StreamDelta; closing the iterator aborts the request
+    async for d in eng.astream("prompt"): ...
+    eng.chat(messages, tools=...) / achat / chat_stream / achat_stream
+    eng.stats()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from .errors import (
+    ContextLengthExceededError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from .request import Channel, GenerationResult, Request, RequestHandle, StreamDelta
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .stats import EngineStats
+
+logger = logging.getLogger("parallm_engine")
+
+Prompt = str | Sequence[int]
+
+
+def _default_kv_budget() -> int:
+    """A quarter of physical memory for running KV, an eighth for the prefix tree (per engine)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    return max(256 << 20, total // 4)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str | None = None,
+        max_batch_size: int = 64,
+        max_queue: int = 1024,
+        prefill_chunk: int = 512,
+        prefill_budget: int = 2048,
+        kv_budget_bytes: int | None = None,
+        prefix_cache_bytes: int | None = None,
+        enable_prefix_cache: bool = True,
+    ):
+        from .loader import load_model
+
+        for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
+                            ("prefill_chunk", prefill_chunk), ("prefill_budget", prefill_budget)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype)
+        budget = kv_budget_bytes or _default_kv_budget()
+        self.config = SchedulerConfig(
+            max_batch_size=max_batch_size,
+            prefill_chunk=prefill_chunk,
+            prefill_budget=prefill_budget,
+            kv_budget_bytes=budget,
+            radix_budget_bytes=prefix_cache_bytes if prefix_cache_bytes is not None else budget // 2,
+            enable_prefix_cache=enable_prefix_cache,
+        )
+        self.max_queue = max_queue
+        self._stats = EngineStats()
+        self._scheduler = Scheduler(self.model, self.tokenizer, self.model_info, self.config, self._stats)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._pending = 0  # submitted, not yet picked up by the engine thread
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="parallm-engine", daemon=True)
+        self._thread.start()
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.model_info.name
+
+    @property
+    def context_window(self) -> int:
+        return self.model_info.context_window
+
+    @property
+    def running_count(self) -> int:
+        """Requests in flight (queued, prefilling or decoding)."""
+        return self._stats.in_flight
+
+    # -- tokens and templates -------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text must be a string, got {type(text).__name__}")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ):
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts", param="messages")
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=tokenize,
+                **template_kwargs,
+            )
+        except Exception as exc:  # jinja errors: a message shape the template cannot render
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model_info.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
+        else:
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
+            )
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return ids
+
+    # -- submission -----------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        grammar: Any = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> RequestHandle:
+        """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead}")
+        params = sampling.pop("params", None) or SamplingParams.from_kwargs(**sampling)
+        ids = self._prompt_ids(prompt)
+        ctx = self.context_window
+        if len(ids) >= ctx:
+            raise ContextLengthExceededError(
+                f"prompt has {len(ids)} tokens; the model's context window is {ctx} "
+                "(at least one token must be left to generate)",
+                param="prompt",
+            )
+        if params.max_tokens is None:
+            params.max_tokens = ctx - len(ids)
+        with self._lock:
+            if self._stats.in_flight + self._pending >= self.max_queue:
+                self._stats.requests_rejected += 1
+                raise QueueFullError(
+                    f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
+                )
+            self._pending += 1
+        req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id)
+        self._commands.put(("add", req))
+        self._wake.set()
+        return RequestHandle(self, req)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    # -- high-level API -------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[GenerationResult]:
+        """All prompts in flight at once; results in input order. A bare string gives a one-item list."""
+        handles = [self.submit(p, **sampling) for p in self._as_list(prompts)]
+        try:
+            return [self._collect(h) for h in handles]
+        finally:
+            for h in handles:
+                if not h.request.finished:
+                    h.abort()
+
+    async def agenerate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[GenerationResult]:
+        loop = asyncio.get_running_loop()
+        handles = [self.submit(p, loop=loop, **sampling) for p in self._as_list(prompts)]
+        try:
+            return list(await asyncio.gather(*(self._acollect(h) for h in handles)))
+        finally:
+            for h in handles:
+                if not h.request.finished:
+                    h.abort()
+
+    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[StreamDelta]:
+        return iter(self.submit(prompt, **sampling))
+
+    def astream(self, prompt: Prompt, **sampling: Any) -> AsyncIterator[StreamDelta]:
+        return self.submit(prompt, loop=asyncio.get_running_loop(), **sampling).__aiter__()
+
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, **sampling) -> GenerationResult:
+        return self.generate([self.apply_chat_template(messages, tools=tools)], **sampling)[0]
+
+    async def achat(self, messages: list[dict], *, tools: list[dict] | None = None, **sampling) -> GenerationResult:
+        return (await self.agenerate([self.apply_chat_template(messages, tools=tools)], **sampling))[0]
+
+    def chat_stream(self, messages: list[dict], *, tools=None, **sampling) -> Iterator[StreamDelta]:
+        return self.stream(self.apply_chat_template(messages, tools=tools), **sampling)
+
+    def achat_stream(self, messages: list[dict], *, tools=None, **sampling) -> AsyncIterator[StreamDelta]:
+        return self.astream(self.apply_chat_template(messages, tools=tools), **sampling)
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # a single token-id prompt
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+        return list(prompts)
+
+    @staticmethod
+    def _collect(handle: RequestHandle) -> GenerationResult:
+        for _ in handle:
+            pass
+        return handle.request.result
+
+    @staticmethod
+    async def _acollect(handle: RequestHandle) -> GenerationResult:
+        async for _ in handle:
+            pass
+        return handle.request.result
+
+    # -- observability --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        snap = self._stats.snapshot()
+        sched = self._scheduler
+        snap["waiting"] = len(sched.waiting) + self._pending
+        snap["prefilling"] = len(sched.prefilling)
+        snap["model"] = self.model_name
+        if sched.radix is not None:
+            snap["prefix_cache"] = sched.radix.stats()
+        return snap
+
+    def reset_peaks(self) -> None:
+        self._stats.reset_peaks()
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                with self._lock:
+                    self._pending -= 1
+                if arg.cancelled.is_set():
+                    continue
+                self._scheduler.add(arg)
+            elif cmd == "abort":
+                self._scheduler.abort(arg)
+            elif cmd == "call":
+                fn, box, done = arg
+                try:
+                    box.append(fn())
+                except BaseException as exc:  # handed back to the caller
+                    box.append(exc)
+                done.set()
+
+    def run_on_engine_thread(self, fn, timeout: float | None = None):
+        """Run ``fn()`` between steps on the engine thread (for tests and maintenance)."""
+        box: list = []
+        done = threading.Event()
+        self._commands.put(("call", (fn, box, done)))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("engine thread did not answer")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _run(self) -> None:
+        sched = self._scheduler
+        while not self._stop:
+            self._drain_commands()
+            if not sched.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                sched.step()
+            except Exception as exc:  # a bug or an MLX error: fail what is in flight, keep serving
+                logger.exception("engine step failed; failing the requests in flight")
+                sched.fail_all(exc)
+            self._stats.busy_time += time.monotonic() - t0
+        sched.fail_all(EngineDeadError("engine was shut down"))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._dead = self._dead or EngineDeadError("engine was shut down")
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)

@@ -1,0 +1,44 @@
+"""Typed errors. Every error a caller can cause is a subclass of :class:`ParaLLMError`, so one
+``except ParaLLMError`` catches them all, and none of them stops the engine for other requests."""
+
+from __future__ import annotations
+
+
+class ParaLLMError(Exception):
+    """Base class of every error raised by parallm_engine."""
+
+
+class InvalidRequestError(ParaLLMError, ValueError):
+    """A request argument is out of range or of the wrong type (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt (plus max_tokens where it was given) does not fit the model's context window."""
+
+
+class ModelLoadError(ParaLLMError):
+    """The model path does not exist or cannot be loaded."""
+
+
+class QueueFullError(ParaLLMError):
+    """The engine's waiting queue is at its bound; retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestCancelledError(ParaLLMError):
+    """The request was aborted before it finished (caller cancelled, iterator closed, timeout)."""
+
+
+class GrammarError(InvalidRequestError):
+    """A response_format / schema / regex the grammar engine rejects."""
+
+
+class EngineDeadError(ParaLLMError):
+    """The engine thread stopped (shut down or crashed); no new requests are accepted."""

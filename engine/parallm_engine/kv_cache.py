@@ -1,0 +1,169 @@
+"""KV storage for the running batch and for a sequence being prefilled.
+
+Both classes follow the cache protocol mlx-lm's models call (``offset``, ``update_and_fetch``,
+``make_mask``), so any mlx-lm model with plain full-attention layers runs on them unchanged.
+
+The decode batch is left-padded: every row appends its new token at the same column ``idx``; row i
+holds valid keys in columns [left_pad[i], idx). A sequence joins by being copied in right-aligned; it
+leaves by having its row dropped, after which common left padding is trimmed.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+STEP = 256  # capacity grows in steps, as in mlx-lm, so appends rarely reallocate
+
+
+def _round_up(n: int) -> int:
+    return ((n + STEP - 1) // STEP) * STEP
+
+
+class SequenceKV:
+    """One sequence's cache for one layer, used during (chunked) prefill. Shape (1, H, T, D)."""
+
+    def __init__(self, keys: mx.array | None = None, values: mx.array | None = None):
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        if keys is not None and keys.shape[2] > 0:
+            n = keys.shape[2]
+            cap = _round_up(n + 1)
+            pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
+            self.keys = mx.pad(keys, pad)
+            self.values = mx.pad(values, pad)
+            self.offset = n
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        prev = self.offset
+        n = keys.shape[2]
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            cap = _round_up(prev + n)
+            B, H, _, D = keys.shape
+            new_k = mx.zeros((B, H, cap, D), keys.dtype)
+            new_v = mx.zeros((B, H, cap, values.shape[3]), values.dtype)
+            if self.keys is not None:
+                new_k[..., :prev, :] = self.keys[..., :prev, :]
+                new_v[..., :prev, :] = self.values[..., :prev, :]
+            self.keys, self.values = new_k, new_v
+        self.keys[..., prev : prev + n, :] = keys
+        self.values[..., prev : prev + n, :] = values
+        self.offset = prev + n
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if N == 1:
+            return None
+        if self.offset == 0 and not return_array:
+            return "causal"
+        return create_causal_mask(N, offset=self.offset, window_size=window_size)
+
+    def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """A private copy of columns [start, end), for the radix tree."""
+        return (
+            mx.contiguous(self.keys[..., start:end, :]),
+            mx.contiguous(self.values[..., start:end, :]),
+        )
+
+    def valid(self) -> tuple[mx.array, mx.array]:
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+
+class BatchKV:
+    """The running batch's cache for one layer. Shape (B, H, capacity, D), left-padded."""
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.idx = 0
+        self.left_pad: list[int] = []
+        self._lp = mx.array([], dtype=mx.int32)
+        self.offset = mx.array([], dtype=mx.int32)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.left_pad)
+
+    def _sync(self) -> None:
+        self._lp = mx.array(self.left_pad, dtype=mx.int32)
+        self.offset = self.idx - self._lp
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        prev = self.idx
+        n = keys.shape[2]
+        if prev + n > self.keys.shape[2]:
+            grow = _round_up(prev + n) - self.keys.shape[2]
+            pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
+            self.keys = mx.pad(self.keys, pad)
+            self.values = mx.pad(self.values, pad)
+        self.keys[..., prev : prev + n, :] = keys
+        self.values[..., prev : prev + n, :] = values
+        self.idx = prev + n
+        self.offset = self.offset + n
+        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        return create_causal_mask(N, offset=self.idx, left_padding=self._lp, window_size=window_size)
+
+    def add(self, rows: list[tuple[mx.array, mx.array]]) -> None:
+        """Append sequences, each given as its (1, H, L, D) keys and values."""
+        lengths = [k.shape[2] for k, _ in rows]
+        new_idx = max([self.idx] + lengths)
+        parts_k, parts_v = [], []
+        if self.keys is not None and self.batch_size:
+            shift = new_idx - self.idx
+            k, v = self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+            if shift:
+                pad = [(0, 0), (0, 0), (shift, 0), (0, 0)]
+                k, v = mx.pad(k, pad), mx.pad(v, pad)
+                self.left_pad = [lp + shift for lp in self.left_pad]
+            parts_k.append(k)
+            parts_v.append(v)
+        for (k, v), L in zip(rows, lengths):
+            pad = [(0, 0), (0, 0), (new_idx - L, 0), (0, 0)]
+            parts_k.append(mx.pad(k, pad))
+            parts_v.append(mx.pad(v, pad))
+            self.left_pad.append(new_idx - L)
+        keys = mx.concatenate(parts_k, axis=0) if len(parts_k) > 1 else parts_k[0]
+        values = mx.concatenate(parts_v, axis=0) if len(parts_v) > 1 else parts_v[0]
+        cap = _round_up(new_idx + 1)
+        tail = [(0, 0), (0, 0), (0, cap - new_idx), (0, 0)]
+        self.keys = mx.pad(keys, tail)
+        self.values = mx.pad(values, tail)
+        self.idx = new_idx
+        self._sync()
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these rows (in this order), then trim padding every row shares."""
+        if not indices:
+            self.keys = self.values = None
+            self.idx = 0
+            self.left_pad = []
+            self._sync()
+            return
+        sel = mx.array(indices)
+        self.keys = self.keys[sel]
+        self.values = self.values[sel]
+        self.left_pad = [self.left_pad[i] for i in indices]
+        trim = min(self.left_pad)
+        if trim:
+            self.keys = self.keys[..., trim:, :]
+            self.values = self.values[..., trim:, :]
+            self.idx -= trim
+            self.left_pad = [lp - trim for lp in self.left_pad]
+        self._sync()
+
+    def row(self, i: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Row i's tokens [start, end) (counted from the row's first valid column) as private
+        (1, H, end - start, D) copies."""
+        lp = self.left_pad[i]
+        return (
+            mx.contiguous(self.keys[i : i + 1, :, lp + start : lp + end, :]),
+            mx.contiguous(self.values[i : i + 1, :, lp + start : lp + end, :]),
+        )
+
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,372 @@
+"""The continuous-batching scheduler. Runs only on the engine thread.
+
+One ``step()``: admit waiting sequences under the batch and KV budgets; prefill new ones in chunks
+(prompt prefixes come from the radix cache; sequences are prefilled one after another, so requests
+that arrive together with the same uncached prefix compute it once: the first inserts it, the next
+ones hit it); move prefilled sequences into the decode batch; run one decode step for every running
+sequence; sample, detokenise, check stops, deliver deltas; retire finished sequences, keeping their
+KV in the radix tree for the next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .detokenizer import IncrementalDetokenizer
+from .errors import RequestCancelledError
+from .kv_cache import BatchKV, SequenceKV
+from .radix_cache import PrefixMatch, RadixCache
+from .request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
+from .sampling import SeqSampler, sample_batch, top_logprobs_for
+from .stats import EngineStats
+
+logger = logging.getLogger("parallm_engine")
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 64  # sequences decoding at once
+    prefill_chunk: int = 512  # tokens per prefill forward
+    prefill_budget: int = 2048  # prefill tokens per step, so decoding keeps moving
+    kv_budget_bytes: int = 4 << 30  # running-batch KV (admission control)
+    radix_budget_bytes: int = 1 << 30  # prefix tree
+    enable_prefix_cache: bool = True
+
+
+class Sequence:
+    """One generated choice of a request."""
+
+    def __init__(self, request: Request, index: int, tokenizer, eos_ids: set[int]):
+        p = request.params
+        self.request = request
+        self.index = index
+        self.prompt_ids = request.prompt_ids
+        self.sampler = SeqSampler(p, request.prompt_ids, seed_offset=index)
+        self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.include_stop_str_in_output)
+        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+        self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if p.logprobs else None
+        self.max_new = p.max_tokens
+        self.cache: list[SequenceKV] | None = None  # during prefill
+        self.pos = 0  # prompt tokens prefilled so far
+        self.match: PrefixMatch | None = None  # pinned radix match during prefill
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.constraint = request.grammar() if request.grammar is not None else None
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, model_info, config: SchedulerConfig, stats: EngineStats):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = model_info
+        self.config = config
+        self.stats = stats
+        self.n_layers = len(model.layers)
+        self.batch = [BatchKV() for _ in range(self.n_layers)]
+        self.running: list[Sequence] = []  # row i of the batch is running[i]
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        if tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        itemsize = np.dtype(str(model_info.dtype).replace("bfloat16", "float16")).itemsize
+        self.kv_bytes_per_token = model_info.kv_bytes_per_token(itemsize)
+        self.requests: dict[str, Request] = {}
+        self._choices: dict[str, list[Choice | None]] = {}
+        self._lm_head = _lm_head(model)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def add(self, request: Request) -> None:
+        self.requests[request.id] = request
+        self._choices[request.id] = [None] * request.params.n
+        for i in range(request.params.n):
+            self.waiting.append(Sequence(request, i, self.tokenizer, self.eos_ids))
+        self.stats.on_submit(request)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for s in [s for s in self.waiting if s.request is req]:
+            self.waiting.remove(s)
+        for s in [s for s in self.prefilling if s.request is req]:
+            self.prefilling.remove(s)
+            self._release_prefill(s)
+        rows = [i for i, s in enumerate(self.running) if s.request is req]
+        if rows:
+            self._drop_rows(set(rows))
+        self.stats.on_abort(req)
+        self._end_request(req, RequestCancelledError(f"request {req.id} was cancelled"))
+
+    def fail_all(self, error: BaseException) -> None:
+        for req in list(self.requests.values()):
+            self._end_request(req, error)
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.running.clear()
+        self.batch = [BatchKV() for _ in range(self.n_layers)]
+
+    def batch_kv_bytes(self) -> int:
+        return sum(b.nbytes() for b in self.batch)
+
+    def _projected_bytes(self, seq: Sequence) -> int:
+        return (len(seq.prompt_ids) + (seq.max_new or 0)) * self.kv_bytes_per_token
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._admit()
+        joined = self._prefill()
+        if joined:
+            self._join(joined)
+        if self.running:
+            self._decode()
+        self.stats.on_step(len(self.running), self.batch_kv_bytes())
+
+    def _admit(self) -> None:
+        active = len(self.running) + len(self.prefilling)
+        projected = sum(self._projected_bytes(s) for s in self.running) + sum(
+            self._projected_bytes(s) for s in self.prefilling
+        )
+        while self.waiting and active < self.config.max_batch_size:
+            seq = self.waiting[0]
+            need = self._projected_bytes(seq)
+            # Always admit when idle, so one oversized request still runs rather than waiting forever.
+            if active and projected + need > self.config.kv_budget_bytes:
+                break
+            self.waiting.popleft()
+            self.prefilling.append(seq)
+            active += 1
+            projected += need
+
+    def _start_prefill(self, seq: Sequence) -> None:
+        prompt = seq.prompt_ids
+        seg = None
+        if self.radix is not None:
+            # Match at most len-1 tokens: the last prompt token must run to give the first logits.
+            seq.match = self.radix.match(prompt[:-1])
+            self.radix.pin(seq.match.node)
+            seq.cached_tokens = seq.match.length
+            seg = self.radix.gather(seq.match) if seq.match.length else None
+        if seg is not None:
+            seq.cache = [SequenceKV(k, v) for k, v in seg]
+        else:
+            seq.cache = [SequenceKV() for _ in range(self.n_layers)]
+        seq.pos = seq.cached_tokens
+
+    def _release_prefill(self, seq: Sequence) -> None:
+        if seq.match is not None and self.radix is not None:
+            self.radix.unpin(seq.match.node)
+        seq.match = None
+        seq.cache = None
+
+    def _prefill(self) -> list[Sequence]:
+        budget = self.config.prefill_budget
+        done: list[Sequence] = []
+        while self.prefilling and budget > 0:
+            seq = self.prefilling[0]
+            if seq.cache is None:
+                self._start_prefill(seq)
+            prompt = seq.prompt_ids
+            n = min(self.config.prefill_chunk, len(prompt) - seq.pos, budget)
+            chunk = mx.array(prompt[seq.pos : seq.pos + n])[None]
+            h = self.model.model(chunk, cache=seq.cache)
+            seq.pos += n
+            budget -= n
+            self.stats.prefill_tokens += n
+            if seq.pos < len(prompt):
+                mx.eval([c.keys for c in seq.cache])
+                continue
+            self.prefilling.popleft()
+            logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
+            self._sample_and_emit([seq], logits)
+            if self.radix is not None:
+                cache = seq.cache
+                self.radix.insert(prompt, lambda s, e: [c.segment(s, e) for c in cache])
+            self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
+            if seq.finish_reason is None:
+                done.append(seq)
+                self._release_prefill_keep_cache(seq)
+            else:  # finished on its first token: never joins the batch
+                self._release_prefill(seq)
+        return done
+
+    def _release_prefill_keep_cache(self, seq: Sequence) -> None:
+        if seq.match is not None and self.radix is not None:
+            self.radix.unpin(seq.match.node)
+        seq.match = None
+
+    def _join(self, seqs: list[Sequence]) -> None:
+        for layer in range(self.n_layers):
+            self.batch[layer].add([s.cache[layer].valid() for s in seqs])
+        for s in seqs:
+            s.cache = None
+        self.running.extend(seqs)
+
+    def _decode(self) -> None:
+        tokens = mx.array([s.output_ids[-1] for s in self.running])[:, None]
+        h = self.model.model(tokens, cache=self.batch)
+        logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
+        self.stats.decode_steps += 1
+        self._sample_and_emit(self.running, logits)
+        finished = {i for i, s in enumerate(self.running) if s.finish_reason is not None}
+        if finished:
+            self._retire_rows(finished)
+
+    # -- sampling and delivery ------------------------------------------------------------------
+    def _sample_and_emit(self, seqs: list[Sequence], logits: mx.array) -> None:
+        samplers = [s.sampler for s in seqs]
+        for i, s in enumerate(seqs):
+            if s.constraint is not None:
+                logits = s.constraint.mask_logits(logits, i)
+        toks, logprobs = sample_batch(logits, samplers)
+        if logprobs is not None:
+            rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+            chosen = logprobs[mx.arange(len(seqs)), toks]
+            mx.eval(toks, chosen)
+            lp_rows = np.array(logprobs[mx.array(rows)]) if rows else None
+            chosen_list = chosen.tolist()
+        else:
+            mx.eval(toks)
+            lp_rows, rows, chosen_list = None, [], None
+        tok_list = toks.tolist()
+        now = time.monotonic()
+        row_of = {r: j for j, r in enumerate(rows)}
+        for i, (s, t) in enumerate(zip(seqs, tok_list)):
+            lp = None
+            if s.logprobs is not None:
+                k = s.request.params.top_logprobs
+                tops = top_logprobs_for(lp_rows[row_of[i]], k) if k else []
+                lp = TokenLogprob(
+                    t, self._tok_str(t), float(chosen_list[i]), [(tid, self._tok_str(tid), v) for tid, v in tops]
+                )
+            self._accept(s, t, lp, now)
+
+    def _tok_str(self, t: int) -> str:
+        return self.tokenizer.decode([t])
+
+    def _accept(self, s: Sequence, t: int, lp: TokenLogprob | None, now: float) -> None:
+        req = s.request
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.on_first_token(req)
+        s.sampler.observe(t)
+        if s.constraint is not None:
+            s.constraint.advance(t)
+        self.stats.generated_tokens += 1
+        self.stats.on_token(req, now)
+        if t in s.stop_ids:
+            s.output_ids.append(t)  # kept for KV bookkeeping; not part of the text
+            s.finish_reason, s.stop_reason = "stop", t
+            self._emit(s, s.detok.finish(), [], None)
+            return
+        s.output_ids.append(t)
+        if s.logprobs is not None and lp is not None:
+            s.logprobs.append(lp)
+        text = s.detok.add(t)
+        if s.detok.stopped:
+            s.finish_reason = "stop"
+            s.stop_reason = s.detok.matched_stop
+        elif s.max_new is not None and len(s.output_ids) >= s.max_new:
+            s.finish_reason = "length"
+        elif s.total_len >= self.info.context_window:
+            s.finish_reason = "length"
+        elif s.constraint is not None and s.constraint.is_done():
+            s.finish_reason = "stop"
+        if s.finish_reason is not None and not s.detok.stopped:
+            text += s.detok.finish()
+        self._emit(s, text, [t], lp)
+
+    def _emit(self, s: Sequence, text: str, ids: list[int], lp: TokenLogprob | None) -> None:
+        req = s.request
+        delta = StreamDelta(
+            request_id=req.id,
+            index=s.index,
+            text=text,
+            token_ids=ids,
+            logprobs=[lp] if lp is not None else None,
+        )
+        if s.finish_reason is not None:
+            delta.finish_reason = s.finish_reason
+            delta.stop_reason = s.stop_reason
+            # The stop token is counted as generated (it was computed) but is not part of the output.
+            stopped_on_token = s.finish_reason == "stop" and isinstance(s.stop_reason, int)
+            out_ids = s.output_ids[:-1] if stopped_on_token else s.output_ids
+            req.usage.completion_tokens += len(s.output_ids)
+            self._choices[req.id][s.index] = Choice(
+                s.index, s.detok.text, list(out_ids), s.finish_reason, s.logprobs, s.stop_reason
+            )
+            req.remaining_choices -= 1
+            if req.remaining_choices == 0:
+                delta.usage = req.usage
+                req.channel.put(delta)
+                self._complete_request(req)
+                return
+        req.channel.put(delta)
+
+    def _complete_request(self, req: Request) -> None:
+        req.finished = True
+        req.finish_time = time.monotonic()
+        self.stats.on_finish(req)
+        result = GenerationResult(
+            request_id=req.id,
+            choices=self._choices.pop(req.id),
+            usage=req.usage,
+            prompt_token_ids=req.prompt_ids,
+            metrics={"ttft": req.ttft() or 0.0, "latency": req.finish_time - req.arrival},
+        )
+        req.result = result
+        req.channel.put(_Done())
+        self.requests.pop(req.id, None)
+
+    def _end_request(self, req: Request, error: BaseException) -> None:
+        if req.finished:
+            return
+        req.finished = True
+        self.requests.pop(req.id, None)
+        self._choices.pop(req.id, None)
+        req.channel.put(_Done(error))
+
+    # -- retiring -------------------------------------------------------------------------------
+    def _retire_rows(self, rows: set[int]) -> None:
+        if self.radix is not None:
+            for i in sorted(rows):
+                s = self.running[i]
+                # Cache prompt + output (minus the last token, which never ran) for the next turn.
+                ids = s.prompt_ids + s.output_ids[:-1]
+                batch = self.batch
+                self.radix.insert(ids, lambda a, b, i=i: [lay.row(i, a, b) for lay in batch])
+        self._drop_rows(rows)
+
+    def _drop_rows(self, rows: set[int]) -> None:
+        keep = [i for i in range(len(self.running)) if i not in rows]
+        for layer in self.batch:
+            layer.keep(keep)
+        self.running = [self.running[i] for i in keep]
+
+
+def _lm_head(model):
+    """The output projection of an mlx-lm model: its own lm_head, or the tied embedding.
+
+    The scheduler runs ``model.model`` (the trunk) and projects only the rows it samples from, so a
+    512-token prefill chunk does not pay for 512 vocabulary-sized logit rows.
+    """
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return head
+    return model.model.embed_tokens.as_linear

@@ -1,0 +1,125 @@
+"""Engine-wide and per-request measurements: TTFT, inter-token latency, throughput, occupancy."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+
+def _percentile(values, q: float) -> float:
+    if not values:
+        return 0.0
+    v = sorted(values)
+    k = min(len(v) - 1, max(0, int(round(q * (len(v) - 1)))))
+    return v[k]
+
+
+class EngineStats:
+    """Counters updated by the engine thread; read (as a snapshot) from any thread."""
+
+    def __init__(self, window: int = 4096):
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.requests_submitted = 0
+        self.requests_finished = 0
+        self.requests_aborted = 0
+        self.requests_rejected = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.prefill_tokens = 0  # prompt tokens actually computed (not served from cache)
+        self.generated_tokens = 0
+        self.decode_steps = 0
+        self.steps = 0
+        self.busy_time = 0.0
+        self.running = 0
+        self.peak_running = 0
+        self.in_flight = 0  # submitted and not yet finished (waiting + prefilling + running)
+        self.peak_in_flight = 0
+        self.kv_bytes = 0
+        self.peak_kv_bytes = 0
+        self._occupancy_sum = 0
+        self._ttft = deque(maxlen=window)
+        self._itl = deque(maxlen=window)
+        self._last_token: dict[str, float] = {}
+
+    # -- hooks called by the scheduler ---------------------------------------------------------
+    def on_submit(self, req) -> None:
+        with self._lock:
+            self.requests_submitted += 1
+            self.prompt_tokens += len(req.prompt_ids)
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def on_prompt_done(self, req, cached: int | None) -> None:
+        if cached is not None:
+            req.usage.cached_tokens = cached
+            self.cached_tokens += cached
+
+    def on_first_token(self, req) -> None:
+        ttft = req.ttft()
+        if ttft is not None:
+            self._ttft.append(ttft)
+
+    def on_token(self, req, now: float) -> None:
+        last = self._last_token.get(req.id)
+        if last is not None:
+            self._itl.append(now - last)
+        self._last_token[req.id] = now
+
+    def on_finish(self, req) -> None:
+        with self._lock:
+            self.requests_finished += 1
+            self.in_flight -= 1
+        self._last_token.pop(req.id, None)
+
+    def on_abort(self, req) -> None:
+        with self._lock:
+            self.requests_aborted += 1
+            self.in_flight -= 1
+        self._last_token.pop(req.id, None)
+
+    def on_step(self, running: int, kv_bytes: int) -> None:
+        self.steps += 1
+        self.running = running
+        self.peak_running = max(self.peak_running, running)
+        self._occupancy_sum += running
+        self.kv_bytes = kv_bytes
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            self.peak_running = self.running
+            self.peak_in_flight = self.in_flight
+            self.peak_kv_bytes = self.kv_bytes
+
+    def snapshot(self) -> dict:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        ttft, itl = list(self._ttft), list(self._itl)
+        return {
+            "uptime_s": elapsed,
+            "requests_submitted": self.requests_submitted,
+            "requests_finished": self.requests_finished,
+            "requests_aborted": self.requests_aborted,
+            "requests_rejected": self.requests_rejected,
+            "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
+            "running": self.running,
+            "peak_running": self.peak_running,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "decode_steps": self.decode_steps,
+            "busy_s": self.busy_time,
+            "generation_tps_busy": self.generated_tokens / self.busy_time if self.busy_time else 0.0,
+            "mean_batch_occupancy": self._occupancy_sum / self.steps if self.steps else 0.0,
+            "kv_bytes": self.kv_bytes,
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "ttft_p50_s": _percentile(ttft, 0.5),
+            "ttft_p95_s": _percentile(ttft, 0.95),
+            "itl_p50_s": _percentile(itl, 0.5),
+            "itl_p95_s": _percentile(itl, 0.95),
+        }

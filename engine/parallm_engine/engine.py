@@ -14,11 +14,13 @@ Public surface::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from .errors import (
@@ -35,6 +37,16 @@ from .stats import EngineStats
 logger = logging.getLogger("parallm_engine")
 
 Prompt = str | Sequence[int]
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    # Stop engine threads before the interpreter tears down MLX; a daemon thread still inside an
+    # MLX call at exit aborts the process ("terminate called without an active exception").
+    for eng in list(_live_engines):
+        eng.shutdown(timeout=30.0)
 
 
 def _default_kv_budget() -> int:
@@ -87,6 +99,7 @@ class Engine:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="parallm-engine", daemon=True)
         self._thread.start()
+        _live_engines.add(self)
 
     # -- properties -----------------------------------------------------------------------------
     @property

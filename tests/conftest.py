@@ -1,0 +1,59 @@
+"""Shared fixtures: one engine on the real default model for the whole session, and tiny random models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The process-wide engine on the embedded default model (SmolLM2-135M-Instruct, fp32 on CPU)."""
+    from parallm_engine import get_engine
+
+    return get_engine()
+
+
+def chat_ids(engine, question: str, system: str | None = None) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return engine.apply_chat_template(msgs)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, engine) -> Path:
+    """A 2-layer random-weight llama using the default model's real tokenizer: fast to run, real shapes of
+    everything the engine touches."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    src = engine.model_info.path
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    config = {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+        "vocab_size": engine.model_info.vocab_size, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "rope_theta": 10000.0,
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Scale up the embeddings so logits are far from ties (greedy comparisons stay meaningful).
+    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    from parallm_engine import get_engine
+
+    return get_engine(str(tiny_model_dir))

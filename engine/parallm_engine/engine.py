@@ -329,6 +329,12 @@ class Engine:
                 sched.fail_all(exc)
             self._stats.busy_time += time.monotonic() - t0
         sched.fail_all(EngineDeadError("engine was shut down"))
+        # MLX keeps per-thread streams whose destructors abort the process at exit unless the owning
+        # thread destroys them itself (mlx issue #3126 / PR #4110: call clear_streams per thread).
+        import mlx.core as mx
+
+        mx.synchronize()
+        mx.clear_streams()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._dead = self._dead or EngineDeadError("engine was shut down")

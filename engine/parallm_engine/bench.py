@@ -1,0 +1,497 @@
+"""`parallm bench`: ParaLLM side by side with mlx-lm (and transformers when installed), in one run.
+
+Every baseline runs in this process on the *same* loaded weights, dtype and BLAS as the engine, so only
+the scheduling differs. Workloads (sizes for the full run; ``--quick`` shrinks them):
+
+- throughput: 32 concurrent requests, ~100-token distinct prompts, 128 new tokens each (EOS ignored), greedy.
+- fanout:     32 requests sharing a 512-token prefix, distinct 32-token suffixes, 64 new tokens each.
+- single:     one request, 128-token prompt, 256 new tokens.
+- peer:       transformers + torch static batched ``generate`` (fp32 and bf16) on the same weights and
+              prompts as `throughput` (only when torch is installed: ``pip install torch==2.13.0``).
+- roofline:   decode-step FLOP/s at batch 64 vs numpy fp32 GEMM FLOP/s, and weight bytes/s at batch 1 vs
+              measured memory bandwidth, all in this run.
+
+JSON (``--json PATH``)::
+
+    {"workloads": {"<name>": {"parallm": {...}, "mlx_lm_batch": {...}, "sequential": {...},
+                              "ratios": {"vs_mlx_lm_batch": x, "vs_sequential": y}}},
+     "env": {...}}
+
+Each system's entry has ``tok_s`` (aggregate generated tokens / wall), ``wall_s``, ``ttft_p50_s``,
+``ttft_p95_s``, ``itl_p50_s``, ``itl_p95_s``, ``peak_mem_mb``, ``prefill_tokens``, ``requests``,
+``tokens``. The sequential baseline runs a subset of the requests one after another (all of them would
+take minutes) and reports its per-stream rate; ``ratios.vs_sequential`` compares aggregate tok/s.
+``peer`` has ``transformers_fp32`` / ``transformers_bf16`` entries and ``ratios.vs_transformers_fp32`` /
+``vs_transformers_bf16``. ``roofline`` has ``decode_b64_gflops``, ``gemm_gflops``, ``flops_fraction``,
+``decode_b1_weight_gbps``, ``memory_gbps``, ``bandwidth_fraction``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import platform
+import random
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class Sizes:
+    n: int
+    prompt_len: int
+    new_tokens: int
+    prefix_len: int
+    suffix_len: int
+    fan_new: int
+    single_prompt: int
+    single_new: int
+    seq_subset: int
+    roof_batch: int
+
+
+FULL = Sizes(32, 100, 128, 512, 32, 64, 128, 256, 3, 64)
+QUICK = Sizes(8, 64, 24, 256, 16, 16, 64, 48, 2, 32)
+
+
+def _pct(values, q):
+    if not values:
+        return 0.0
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+
+def _summary(tokens: int, wall: float, ttfts, itls, prefill: int, requests: int, peak: int) -> dict:
+    return {
+        "requests": requests,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 2) if wall else 0.0,
+        "ttft_p50_s": round(_pct(ttfts, 0.5), 4),
+        "ttft_p95_s": round(_pct(ttfts, 0.95), 4),
+        "itl_p50_s": round(_pct(itls, 0.5), 4),
+        "itl_p95_s": round(_pct(itls, 0.95), 4),
+        "peak_mem_mb": round(peak / 2**20, 1),
+        "prefill_tokens": prefill,
+    }
+
+
+def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    # Random ordinary-token ids (ids < 100 include the special tokens of most vocabularies).
+    return [[rng.randrange(200, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+# -- ParaLLM ---------------------------------------------------------------------------------------
+
+def run_parallm(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    before = engine.stats()["prefill_tokens"]
+    mx.reset_peak_memory()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        handles = [engine.submit(p, loop=loop, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                   for p in prompts]
+
+        async def consume(h):
+            first, times, n = None, [], 0
+            async for d in h:
+                now = time.perf_counter()
+                if d.token_ids:
+                    times.append(now)
+                    n += len(d.token_ids)
+                    if first is None:
+                        first = now - t0
+            return first, times, n
+
+        outs = await asyncio.gather(*(consume(h) for h in handles))
+        return time.perf_counter() - t0, outs
+
+    wall, outs = asyncio.run(main())
+    ttfts = [o[0] for o in outs if o[0] is not None]
+    itls = [b - a for o in outs for a, b in zip(o[1], o[1][1:])]
+    prefill = engine.stats()["prefill_tokens"] - before
+    return _summary(sum(o[2] for o in outs), wall, ttfts, itls, prefill, len(prompts), mx.get_peak_memory())
+
+
+# -- mlx-lm baselines ------------------------------------------------------------------------------
+
+def run_mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int, caches=None, batch=None) -> dict:
+    from mlx_lm.generate import BatchGenerator
+
+    mx.reset_peak_memory()
+    batch = batch or len(prompts)
+    t0 = time.perf_counter()
+    gen = BatchGenerator(model, max_tokens=new_tokens, stop_tokens=None,
+                         completion_batch_size=batch, prefill_batch_size=batch)
+    uids = gen.insert(prompts, [new_tokens] * len(prompts), caches=caches)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    itls: list[float] = []
+    tokens = 0
+    with gen.stats() as st:
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                tokens += 1
+                if r.uid not in first:
+                    first[r.uid] = now - t0
+                else:
+                    itls.append(now - last[r.uid])
+                last[r.uid] = now
+    wall = time.perf_counter() - t0
+    gen.close()
+    assert set(first) == set(uids)
+    return _summary(tokens, wall, list(first.values()), itls, int(st.prompt_tokens), len(prompts),
+                    mx.get_peak_memory())
+
+
+def run_sequential(model, tokenizer, prompts: list[list[int]], new_tokens: int, prefix_cache=None,
+                   prefix_len: int = 0) -> dict:
+    """mlx_lm's own single-stream generation, one request after another (on a subset)."""
+    from mlx_lm.generate import stream_generate
+
+    mx.reset_peak_memory()
+    ttfts, itls, tokens, prefill = [], [], 0, 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        cache = copy.deepcopy(prefix_cache) if prefix_cache is not None else None
+        ids = p[prefix_len:] if cache is not None else p
+        prefill += len(ids)
+        start = time.perf_counter()
+        last = None
+        n = 0
+        for resp in stream_generate(model, tokenizer, mx.array(ids), max_tokens=new_tokens, prompt_cache=cache):
+            now = time.perf_counter()
+            if last is None:
+                ttfts.append(now - start)
+            else:
+                itls.append(now - last)
+            last = now
+            n += 1
+            if n >= new_tokens:
+                break
+        tokens += n
+    wall = time.perf_counter() - t0
+    return _summary(tokens, wall, ttfts, itls, prefill, len(prompts), mx.get_peak_memory())
+
+
+def _prefix_cache(model, prefix: list[int]):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array(prefix)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+# -- peer: transformers + torch --------------------------------------------------------------------
+
+def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict | None:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=tdtype)
+    hf.eval()
+    ids = torch.tensor(prompts)
+    attn = torch.ones_like(ids)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:2, :8], attention_mask=attn[:2, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=attn, **kw)
+        wall = time.perf_counter() - t0
+    tokens = int((out.shape[1] - ids.shape[1]) * ids.shape[0])
+    return _summary(tokens, wall, [], [], int(ids.numel()), len(prompts), 0)
+
+
+def _hf_dir_with_fp32(engine, tmpdir) -> str:
+    """An HF directory holding the engine's exact (dequantised fp32) weights for transformers."""
+    import json as _json
+    import shutil
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    out = Path(tmpdir)
+    src = engine.model_info.path
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    cfg = dict(engine.model_info.config)
+    for k in ("quantization", "quantization_config", "gguf_source"):
+        cfg.pop(k, None)
+    cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(_json.dumps(cfg))
+    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(engine.model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    return str(out)
+
+
+# -- roofline --------------------------------------------------------------------------------------
+
+def _numpy_gemm_gflops(n: int = 2048, reps: int = 3) -> float:
+    a = np.random.rand(n, n).astype(np.float32)
+    b = np.random.rand(n, n).astype(np.float32)
+    a @ b
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def _memory_gbps(nbytes: int = 512 << 20, reps: int = 3) -> float:
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best / 1e9  # read + write
+
+
+def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float:
+    """Seconds per decode step of the engine's own batch path at this batch size and context."""
+    from .kv_cache import BatchKV, SequenceKV
+
+    def work():
+        model = engine.model
+        n_layers = len(model.layers)
+        rng = random.Random(batch)
+        seq = [SequenceKV() for _ in range(n_layers)]
+        model.model(mx.array([[rng.randrange(200, 40000) for _ in range(context)]]), cache=seq)
+        mx.eval([c.keys for c in seq])
+        caches = [BatchKV() for _ in range(n_layers)]
+        for layer in range(n_layers):
+            caches[layer].add([seq[layer].valid()] * batch)
+        head = engine._scheduler._lm_head
+        toks = mx.array([[5]] * batch)
+        for _ in range(2):
+            mx.eval(mx.argmax(head(model.model(toks, cache=caches)[:, -1, :]), axis=-1))
+        best = 1e9
+        for _ in range(steps):
+            t = time.perf_counter()
+            y = mx.argmax(head(model.model(toks, cache=caches)[:, -1, :]), axis=-1)
+            mx.eval(y)
+            y.tolist()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    return engine.run_on_engine_thread(work)
+
+
+def run_roofline(engine, batch: int) -> dict:
+    from mlx.utils import tree_flatten
+
+    params = sum(v.size for _, v in tree_flatten(engine.model.parameters()))
+    nbytes = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
+    t64 = _decode_step_time(engine, batch, 128)
+    t1 = _decode_step_time(engine, 1, 128)
+    gemm = _numpy_gemm_gflops()
+    bw = _memory_gbps()
+    flops = 2 * params * batch / t64 / 1e9
+    wbps = nbytes / t1 / 1e9
+    return {
+        "params": params,
+        "weight_bytes": nbytes,
+        f"decode_b{batch}_step_s": round(t64, 4),
+        f"decode_b{batch}_gflops": round(flops, 1),
+        "gemm_gflops": round(gemm, 1),
+        "flops_fraction": round(flops / gemm, 3),
+        "decode_b1_step_s": round(t1, 4),
+        "decode_b1_weight_gbps": round(wbps, 2),
+        "memory_gbps": round(bw, 2),
+        "bandwidth_fraction": round(wbps / bw, 3),
+    }
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+def _ratios(entry: dict) -> dict:
+    p = entry["parallm"]
+    out = {}
+    if entry.get("mlx_lm_batch"):
+        m = entry["mlx_lm_batch"]
+        out["vs_mlx_lm_batch"] = round(p["tok_s"] / m["tok_s"], 2) if m["tok_s"] else None
+        out["wall_vs_mlx_lm_batch"] = round(m["wall_s"] / p["wall_s"], 2) if p["wall_s"] else None
+        if p["ttft_p50_s"]:
+            out["ttft_p50_vs_mlx_lm_batch"] = round(m["ttft_p50_s"] / p["ttft_p50_s"], 2)
+    if entry.get("sequential"):
+        s = entry["sequential"]
+        out["vs_sequential"] = round(p["tok_s"] / s["tok_s"], 2) if s["tok_s"] else None
+    return out
+
+
+def run_bench(engine, workloads: list[str], quick: bool = False, progress=None) -> dict:
+    sz = QUICK if quick else FULL
+    vocab = engine.model_info.vocab_size
+    rng = random.Random(1234)
+    model, tok = engine.model, engine.tokenizer
+    result = {"workloads": {}, "env": _env(engine, quick)}
+    tick = progress or (lambda msg: None)
+
+    if "throughput" in workloads:
+        prompts = [p[: sz.prompt_len - (i % 7)] for i, p in enumerate(_prompts(rng, sz.n, sz.prompt_len, vocab))]
+        tick("throughput: parallm")
+        entry = {"parallm": run_parallm(engine, prompts, sz.new_tokens)}
+        tick("throughput: mlx-lm BatchGenerator")
+        entry["mlx_lm_batch"] = _on_engine(engine, lambda: run_mlx_lm_batch(model, prompts, sz.new_tokens))
+        tick("throughput: sequential mlx_lm.generate")
+        entry["sequential"] = _on_engine(engine, lambda: run_sequential(model, tok, prompts[: sz.seq_subset], sz.new_tokens))
+        entry["ratios"] = _ratios(entry)
+        result["workloads"]["throughput"] = entry
+        result["_throughput_prompts"] = prompts
+
+    if "fanout" in workloads:
+        prefix = _prompts(rng, 1, sz.prefix_len, vocab)[0]
+        prompts = [prefix + s for s in _prompts(rng, sz.n, sz.suffix_len, vocab)]
+        tick("fanout: parallm")
+        entry = {"parallm": run_parallm(engine, prompts, sz.fan_new)}
+
+        def mlx_batch_cached():
+            cache = _prefix_cache(model, prefix)
+            caches = [copy.deepcopy(cache) for _ in prompts]
+            return run_mlx_lm_batch(model, [p[sz.prefix_len:] for p in prompts], sz.fan_new, caches=caches)
+
+        tick("fanout: mlx-lm BatchGenerator (+prompt cache)")
+        entry["mlx_lm_batch"] = _on_engine(engine, mlx_batch_cached)
+        tick("fanout: sequential (+prompt cache)")
+        entry["sequential"] = _on_engine(engine, lambda: run_sequential(
+            model, tok, prompts[: sz.seq_subset], sz.fan_new, prefix_cache=_prefix_cache(model, prefix),
+            prefix_len=sz.prefix_len))
+        entry["mlx_lm_batch_no_cache"] = None
+        entry["ratios"] = _ratios(entry)
+        result["workloads"]["fanout"] = entry
+
+    if "single" in workloads:
+        prompt = _prompts(rng, 1, sz.single_prompt, vocab)
+        tick("single: parallm")
+        entry = {"parallm": run_parallm(engine, prompt, sz.single_new)}
+        tick("single: mlx_lm.generate")
+        entry["sequential"] = _on_engine(engine, lambda: run_sequential(model, tok, prompt, sz.single_new))
+        entry["ratios"] = _ratios(entry)
+        result["workloads"]["single"] = entry
+
+    if "peer" in workloads:
+        prompts = result.pop("_throughput_prompts", None) or _prompts(rng, sz.n, sz.prompt_len, vocab)
+        prompts = [p[: min(len(q) for q in prompts)] for p in prompts]  # static batching: equal lengths
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            result["workloads"]["peer"] = {"skipped": "torch is not installed (pip install torch==2.13.0)"}
+        else:
+            import tempfile
+
+            tick("peer: parallm on equal-length prompts")
+            entry = {"parallm": run_parallm(engine, prompts, sz.new_tokens)}
+            with tempfile.TemporaryDirectory() as d:
+                hf_dir = _on_engine(engine, lambda: _hf_dir_with_fp32(engine, d))
+                for dt in ("fp32", "bf16"):
+                    tick(f"peer: transformers {dt}")
+                    entry[f"transformers_{dt}"] = run_transformers(hf_dir, prompts, sz.new_tokens, dt)
+            entry["ratios"] = {
+                f"vs_transformers_{dt}": round(entry["parallm"]["tok_s"] / entry[f"transformers_{dt}"]["tok_s"], 2)
+                for dt in ("fp32", "bf16") if entry.get(f"transformers_{dt}")
+            }
+            result["workloads"]["peer"] = entry
+    result.pop("_throughput_prompts", None)
+
+    if "roofline" in workloads:
+        tick("roofline")
+        result["workloads"]["roofline"] = run_roofline(engine, sz.roof_batch)
+    return result
+
+
+def _on_engine(engine, fn):
+    """Baselines run on the engine thread too (idle meanwhile): same MLX stream, nothing else running."""
+    return engine.run_on_engine_thread(fn)
+
+
+def _env(engine, quick: bool) -> dict:
+    from .backend import backend_info
+
+    info = backend_info()
+    return {
+        "backend": info.as_dict(),
+        "model": engine.model_name,
+        "model_dtype": engine.model_info.dtype,
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "quick": quick,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def format_table(result: dict) -> str:
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = StringIO()
+    console = Console(file=buf, width=140)
+    table = Table(title="parallm bench (aggregate tok/s; ratios = ParaLLM / baseline, same run)")
+    for col in ("workload", "system", "reqs", "tok/s", "wall s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95",
+                "prefill tok", "peak MB"):
+        table.add_column(col, justify="right")
+    for name, entry in result["workloads"].items():
+        if name == "roofline" or "skipped" in entry:
+            continue
+        for system, s in entry.items():
+            if system == "ratios" or not s:
+                continue
+            table.add_row(name, system, str(s["requests"]), f"{s['tok_s']:.1f}", f"{s['wall_s']:.1f}",
+                          f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p95_s']:.3f}", f"{s['itl_p50_s']:.3f}",
+                          f"{s['itl_p95_s']:.3f}", str(s["prefill_tokens"]), f"{s['peak_mem_mb']:.0f}")
+        ratios = ", ".join(f"{k}={v}x" for k, v in entry.get("ratios", {}).items())
+        table.add_row(name, "[bold]ratios[/]", "", ratios, "", "", "", "", "", "", "")
+    console.print(table)
+    for name, entry in result["workloads"].items():
+        if "skipped" in entry:
+            console.print(f"{name}: skipped ({entry['skipped']})")
+    roof = result["workloads"].get("roofline")
+    if roof:
+        b = [k for k in roof if k.startswith("decode_b") and k.endswith("_gflops") and k != "decode_b1_weight_gbps"][0]
+        console.print(
+            f"roofline: {b} = {roof[b]} GFLOP/s vs numpy GEMM {roof['gemm_gflops']} GFLOP/s "
+            f"({roof['flops_fraction']:.0%}); batch-1 weights {roof['decode_b1_weight_gbps']} GB/s vs memory "
+            f"{roof['memory_gbps']} GB/s ({roof['bandwidth_fraction']:.0%})")
+    return buf.getvalue()
+
+
+def main(args) -> int:
+    from tqdm import tqdm
+
+    from .registry import get_engine
+
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    cfg = {}
+    if getattr(args, "max_batch_size", None):
+        cfg["max_batch_size"] = args.max_batch_size
+    engine = get_engine(args.model, **cfg)
+    engine.generate([[300, 301, 302]], max_tokens=2, temperature=0)  # warm-up
+    steps = sum({"throughput": 3, "fanout": 3, "single": 2, "peer": 3, "roofline": 1}.get(w, 0) for w in workloads)
+    with tqdm(total=steps, desc="bench", unit="run") as bar:
+        def tick(msg):
+            bar.set_postfix_str(msg)
+            bar.update(1)
+
+        result = run_bench(engine, workloads, quick=args.quick, progress=tick)
+    print(format_table(result))
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"wrote {args.json_path}")
+    return 0
+

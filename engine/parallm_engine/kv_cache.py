@@ -104,6 +104,8 @@ class BatchKV:
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if N == 1 and window_size is None and not any(self.left_pad):
+            return None  # every row sees every column: SDPA's unmasked path is faster
         return create_causal_mask(N, offset=self.idx, left_padding=self._lp, window_size=window_size)
 
     def add(self, rows: list[tuple[mx.array, mx.array]]) -> None:
@@ -167,3 +169,68 @@ class BatchKV:
         if self.keys is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
+
+
+class FrozenKV:
+    """A finished sequence's KV for one layer, (1, H, T, D): what a batched prefill hands on to the
+    radix tree and the decode batch."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+        self.offset = keys.shape[2]
+
+    def valid(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        return (
+            mx.contiguous(self.keys[..., start:end, :]),
+            mx.contiguous(self.values[..., start:end, :]),
+        )
+
+
+class PrefillBatchKV:
+    """One layer's cache for prefilling several sequences in one forward pass.
+
+    Row i has ``p_i`` cached prefix tokens (from the radix tree) and ``n_i`` new tokens. Columns:
+    ``[0, P)`` hold prefixes right-aligned (P = max p_i), ``[P, P + L)`` the chunk of new tokens,
+    right-aligned too (L = max n_i). The holes in between are masked; each padding query attends to
+    itself only, so nothing in the pass is ever a NaN. RoPE offsets make row i's first new token sit
+    at logical position p_i.
+    """
+
+    def __init__(self, prefix_keys: mx.array | None, prefix_values: mx.array | None, offset: mx.array, mask: mx.array):
+        self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
+        self.offset = offset
+        self._mask = mask
+        self.keys = self.values = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.prefix_keys is not None:
+            keys = mx.concatenate([self.prefix_keys, keys], axis=2)
+            values = mx.concatenate([self.prefix_values, values], axis=2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        return self._mask
+
+    def row(self, i: int, p: int, n: int, P: int, L: int) -> FrozenKV:
+        k = mx.concatenate([self.keys[i : i + 1, :, P - p : P, :], self.keys[i : i + 1, :, P + L - n :, :]], axis=2)
+        v = mx.concatenate([self.values[i : i + 1, :, P - p : P, :], self.values[i : i + 1, :, P + L - n :, :]], axis=2)
+        return FrozenKV(mx.contiguous(k), mx.contiguous(v))
+
+
+def prefill_layout(prefix_lens: list[int], new_lens: list[int]):
+    """RoPE offsets and the (B, 1, L, P + L) boolean mask for a PrefillBatchKV group."""
+    P, L = max(prefix_lens), max(new_lens)
+    p = mx.array(prefix_lens)[:, None, None]
+    n = mx.array(new_lens)[:, None, None]
+    q = mx.arange(L)[None, :, None]  # query index within the chunk
+    c = mx.arange(P + L)[None, None, :]  # key column
+    real_q = q >= (L - n)
+    in_prefix = (c >= P - p) & (c < P)
+    in_chunk = (c >= P + L - n) & (c <= P + q)
+    mask = (real_q & (in_prefix | in_chunk)) | (c == P + q)
+    offset = mx.array([pl - (L - nl) for pl, nl in zip(prefix_lens, new_lens)])
+    return offset, mask[:, None, :, :], P, L

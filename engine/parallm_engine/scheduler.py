@@ -20,7 +20,7 @@ import numpy as np
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestCancelledError
-from .kv_cache import BatchKV, SequenceKV
+from .kv_cache import BatchKV, PrefillBatchKV, SequenceKV, prefill_layout
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
 from .sampling import SeqSampler, sample_batch, top_logprobs_for
@@ -57,6 +57,8 @@ class Sequence:
         self.pos = 0  # prompt tokens prefilled so far
         self.match: PrefixMatch | None = None  # pinned radix match during prefill
         self.cached_tokens = 0
+        self.started = False  # looked up in the radix tree (and pinned) yet?
+        self.prefix_kv = None  # the matched prefix's KV until the prefill uses it
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.constraint = request.grammar() if request.grammar is not None else None
@@ -155,61 +157,147 @@ class Scheduler:
             projected += need
 
     def _start_prefill(self, seq: Sequence) -> None:
+        """Look the prompt up in the radix tree and pin what matched until the prefill is done."""
         prompt = seq.prompt_ids
-        seg = None
+        seq.prefix_kv = None
         if self.radix is not None:
             # Match at most len-1 tokens: the last prompt token must run to give the first logits.
             seq.match = self.radix.match(prompt[:-1])
             self.radix.pin(seq.match.node)
             seq.cached_tokens = seq.match.length
-            seg = self.radix.gather(seq.match) if seq.match.length else None
-        if seg is not None:
-            seq.cache = [SequenceKV(k, v) for k, v in seg]
-        else:
-            seq.cache = [SequenceKV() for _ in range(self.n_layers)]
+            seq.prefix_kv = self.radix.gather(seq.match) if seq.match.length else None
         seq.pos = seq.cached_tokens
+        seq.started = True
+
+    def _uncached_overlap(self, seq: Sequence, group: list[Sequence]) -> bool:
+        """Would ``seq`` recompute new tokens another group member is about to compute? Then it waits
+        one step and finds them in the radix tree (in-flight dedup of a shared uncached prefix)."""
+        if self.radix is None:
+            return False
+        cached = self.radix.match(seq.prompt_ids[:-1], record=False).length
+        for g in group:
+            common = 0
+            for a, b in zip(seq.prompt_ids, g.prompt_ids):
+                if a != b:
+                    break
+                common += 1
+            if common > cached + 8:
+                return True
+        return False
 
     def _release_prefill(self, seq: Sequence) -> None:
         if seq.match is not None and self.radix is not None:
             self.radix.unpin(seq.match.node)
         seq.match = None
         seq.cache = None
+        seq.prefix_kv = None
 
     def _prefill(self) -> list[Sequence]:
+        """Spend up to ``prefill_budget`` prompt tokens this step. A prompt longer than one chunk is
+        prefilled alone, chunk by chunk, across steps; shorter ones are prefilled together in one
+        forward pass (a group), except those whose uncached prefix a group member is computing."""
         budget = self.config.prefill_budget
+        chunk = self.config.prefill_chunk
         done: list[Sequence] = []
         while self.prefilling and budget > 0:
-            seq = self.prefilling[0]
-            if seq.cache is None:
-                self._start_prefill(seq)
-            prompt = seq.prompt_ids
-            n = min(self.config.prefill_chunk, len(prompt) - seq.pos, budget)
-            chunk = mx.array(prompt[seq.pos : seq.pos + n])[None]
-            h = self.model.model(chunk, cache=seq.cache)
-            seq.pos += n
-            budget -= n
-            self.stats.prefill_tokens += n
-            if seq.pos < len(prompt):
-                mx.eval([c.keys for c in seq.cache])
+            head = self.prefilling[0]
+            if not head.started:
+                self._start_prefill(head)
+            if head.cache is not None or len(head.prompt_ids) - head.pos > chunk:
+                budget -= self._prefill_chunk(head, min(chunk, budget), done)
                 continue
-            self.prefilling.popleft()
-            logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
-            self._sample_and_emit([seq], logits)
-            if self.radix is not None:
-                cache = seq.cache
-                self.radix.insert(prompt, lambda s, e: [c.segment(s, e) for c in cache])
-            self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
-            if seq.finish_reason is None:
-                done.append(seq)
-                self._release_prefill_keep_cache(seq)
-            else:  # finished on its first token: never joins the batch
-                self._release_prefill(seq)
+            group, used = [head], len(head.prompt_ids) - head.pos
+            for seq in list(self.prefilling)[1:]:
+                if len(group) >= self.config.max_batch_size:
+                    break
+                remaining = len(seq.prompt_ids) - seq.pos if seq.started else len(seq.prompt_ids)
+                if remaining > chunk or used + remaining > budget or seq.cache is not None:
+                    continue
+                if self._uncached_overlap(seq, group):
+                    continue
+                if not seq.started:
+                    self._start_prefill(seq)
+                group.append(seq)
+                used += len(seq.prompt_ids) - seq.pos
+            for seq in group:
+                self.prefilling.remove(seq)
+            self._prefill_group(group, done)
+            budget -= used
         return done
+
+    def _prefill_chunk(self, seq: Sequence, n_max: int, done: list[Sequence]) -> int:
+        """One chunk of a long prompt through a single-sequence cache."""
+        if seq.cache is None:
+            if seq.prefix_kv is not None:
+                seq.cache = [SequenceKV(k, v) for k, v in seq.prefix_kv]
+            else:
+                seq.cache = [SequenceKV() for _ in range(self.n_layers)]
+            seq.prefix_kv = None
+        prompt = seq.prompt_ids
+        n = min(n_max, len(prompt) - seq.pos)
+        h = self.model.model(mx.array(prompt[seq.pos : seq.pos + n])[None], cache=seq.cache)
+        seq.pos += n
+        self.stats.prefill_tokens += n
+        if seq.pos < len(prompt):
+            mx.eval([c.keys for c in seq.cache])
+            return n
+        self.prefilling.popleft()
+        logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
+        self._sample_and_emit([seq], logits)
+        self._prompt_done(seq, done)
+        return n
+
+    def _prefill_group(self, group: list[Sequence], done: list[Sequence]) -> None:
+        """Prefill several short prompts (each with its own cached prefix) in one forward pass."""
+        prefix_lens = [s.cached_tokens for s in group]
+        new_lens = [len(s.prompt_ids) - s.pos for s in group]
+        offset, mask, P, L = prefill_layout(prefix_lens, new_lens)
+        tokens = mx.array([[0] * (L - n) + s.prompt_ids[s.pos :] for s, n in zip(group, new_lens)])
+        caches = []
+        dtype = next((s.prefix_kv[0][0].dtype for s in group if s.prefix_kv), None)
+        for layer in range(self.n_layers):
+            if P:
+                pk, pv = [], []
+                for s, p in zip(group, prefix_lens):
+                    if p:
+                        k, v = s.prefix_kv[layer]
+                        pad = [(0, 0), (0, 0), (P - p, 0), (0, 0)]
+                        pk.append(mx.pad(k, pad))
+                        pv.append(mx.pad(v, pad))
+                    else:
+                        H, D = self.info.num_kv_heads, self.info.head_dim
+                        zeros = mx.zeros((1, H, P, D), dtype=dtype)
+                        pk.append(zeros)
+                        pv.append(zeros)
+                caches.append(PrefillBatchKV(mx.concatenate(pk), mx.concatenate(pv), offset, mask))
+            else:
+                caches.append(PrefillBatchKV(None, None, offset, mask))
+        h = self.model.model(tokens, cache=caches)
+        self.stats.prefill_tokens += sum(new_lens)
+        logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
+        self._sample_and_emit(group, logits)
+        for i, (s, p, n) in enumerate(zip(group, prefix_lens, new_lens)):
+            s.cache = [c.row(i, p, n, P, L) for c in caches]
+            s.prefix_kv = None
+            self._prompt_done(s, done)
+
+    def _prompt_done(self, seq: Sequence, done: list[Sequence]) -> None:
+        """Prompt fully prefilled: store it in the tree, hand the sequence to the decode batch."""
+        if self.radix is not None:
+            cache = seq.cache
+            self.radix.insert(seq.prompt_ids, lambda a, b: [c.segment(a, b) for c in cache])
+        self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
+        if seq.finish_reason is None:
+            done.append(seq)
+            self._release_prefill_keep_cache(seq)
+        else:  # finished on its first token: never joins the batch
+            self._release_prefill(seq)
 
     def _release_prefill_keep_cache(self, seq: Sequence) -> None:
         if seq.match is not None and self.radix is not None:
             self.radix.unpin(seq.match.node)
         seq.match = None
+        seq.prefix_kv = None
 
     def _join(self, seqs: list[Sequence]) -> None:
         for layer in range(self.n_layers):

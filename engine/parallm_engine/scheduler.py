@@ -37,6 +37,7 @@ class SchedulerConfig:
     kv_budget_bytes: int = 4 << 30  # running-batch KV (admission control)
     radix_budget_bytes: int = 1 << 30  # prefix tree
     enable_prefix_cache: bool = True
+    pipeline: bool = True  # overlap host work with the next decode step (see Scheduler._decode)
 
 
 class Sequence:
@@ -89,10 +90,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._choices: dict[str, list[Choice | None]] = {}
         self._lm_head = _lm_head(model)
+        # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
+        self._pending: tuple | None = None
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._pending is not None)
 
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
@@ -122,6 +125,7 @@ class Scheduler:
         self.waiting.clear()
         self.prefilling.clear()
         self.running.clear()
+        self._pending = None
         self.batch = [BatchKV() for _ in range(self.n_layers)]
 
     def batch_kv_bytes(self) -> int:
@@ -138,6 +142,8 @@ class Scheduler:
             self._join(joined)
         if self.running:
             self._decode()
+        elif self._pending is not None:
+            self._flush_pending()
         self.stats.on_step(len(self.running), self.batch_kv_bytes())
 
     def _admit(self) -> None:
@@ -307,43 +313,87 @@ class Scheduler:
         self.running.extend(seqs)
 
     def _decode(self) -> None:
-        tokens = mx.array([s.output_ids[-1] for s in self.running])[:, None]
-        h = self.model.model(tokens, cache=self.batch)
+        """One decode step for every running sequence.
+
+        Pipelined when no running sequence needs host state that depends on the previous token
+        (penalties, grammar constraints): the step's graph is built on the previous step's tokens
+        while they are still being computed, ``async_eval`` starts it, and the host then detokenises,
+        checks stops and delivers the previous step's tokens while this one runs (as mlx-lm's
+        generate loop does). A sequence that stopped has computed one wasted step; its row is dropped.
+        """
+        pipelined = self.config.pipeline and not any(
+            s.constraint is not None or s.sampler.params.needs_penalties for s in self.running
+        )
+        if self._pending is not None and not pipelined:
+            self._flush_pending()
+            if not self.running:
+                return
+        if self._pending is not None:
+            prev_seqs, prev_toks = self._pending[0], self._pending[1]
+            joined = [s.output_ids[-1] for s in self.running[len(prev_seqs) :]]
+            inputs = mx.concatenate([prev_toks, mx.array(joined)]) if joined else prev_toks
+        else:
+            inputs = mx.array([s.output_ids[-1] for s in self.running])
+        h = self.model.model(inputs[:, None], cache=self.batch)
         logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
         self.stats.decode_steps += 1
-        self._sample_and_emit(self.running, logits)
+        sampled = self._sample(self.running, logits)
+        if pipelined:
+            mx.async_eval([x for x in sampled if x is not None])
+            previous, self._pending = self._pending, (list(self.running), *sampled)
+            if previous is not None:
+                self._deliver(*previous)
+        else:
+            self._deliver(self.running, *sampled)
+        finished = {i for i, s in enumerate(self.running) if s.finish_reason is not None}
+        if finished:
+            self._retire_rows(finished)
+
+    def _flush_pending(self) -> None:
+        """Deliver the last pipelined step's tokens now (the batch is about to change mode or idle)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self._deliver(*pending)
         finished = {i for i, s in enumerate(self.running) if s.finish_reason is not None}
         if finished:
             self._retire_rows(finished)
 
     # -- sampling and delivery ------------------------------------------------------------------
     def _sample_and_emit(self, seqs: list[Sequence], logits: mx.array) -> None:
+        self._deliver(seqs, *self._sample(seqs, logits))
+
+    def _sample(self, seqs: list[Sequence], logits: mx.array):
+        """Lazy: (tokens, logprobs rows for sequences that asked, chosen-token logprobs)."""
         samplers = [s.sampler for s in seqs]
         for i, s in enumerate(seqs):
             if s.constraint is not None:
                 logits = s.constraint.mask_logits(logits, i)
         toks, logprobs = sample_batch(logits, samplers)
-        if logprobs is not None:
-            rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-            chosen = logprobs[mx.arange(len(seqs)), toks]
-            mx.eval(toks, chosen)
-            lp_rows = np.array(logprobs[mx.array(rows)]) if rows else None
-            chosen_list = chosen.tolist()
-        else:
-            mx.eval(toks)
-            lp_rows, rows, chosen_list = None, [], None
+        if logprobs is None:
+            return toks, None, None
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        chosen = logprobs[mx.arange(len(seqs)), toks]
+        return toks, logprobs[mx.array(rows)] if rows else None, chosen
+
+    def _deliver(self, seqs: list[Sequence], toks: mx.array, lp_rows, chosen) -> None:
+        """Host side of a step: accept each sequence's token (stops, detokenising, delivery)."""
         tok_list = toks.tolist()
+        chosen_list = chosen.tolist() if chosen is not None else None
+        lp_np = np.array(lp_rows) if lp_rows is not None else None
         now = time.monotonic()
-        row_of = {r: j for j, r in enumerate(rows)}
+        j = 0
         for i, (s, t) in enumerate(zip(seqs, tok_list)):
             lp = None
             if s.logprobs is not None:
                 k = s.request.params.top_logprobs
-                tops = top_logprobs_for(lp_rows[row_of[i]], k) if k else []
+                tops = top_logprobs_for(lp_np[j], k) if k else []
+                j += 1
                 lp = TokenLogprob(
                     t, self._tok_str(t), float(chosen_list[i]), [(tid, self._tok_str(tid), v) for tid, v in tops]
                 )
-            self._accept(s, t, lp, now)
+            if s.finish_reason is None:  # aborted/finished rows may still sit in a pipelined step
+                self._accept(s, t, lp, now)
 
     def _tok_str(self, t: int) -> str:
         return self.tokenizer.decode([t])
@@ -445,6 +495,22 @@ class Scheduler:
         keep = [i for i in range(len(self.running)) if i not in rows]
         for layer in self.batch:
             layer.keep(keep)
+        if self._pending is not None:
+            # The pipelined step covers the first len(seqs) rows: drop the same rows from it.
+            seqs, toks, lp_rows, chosen = self._pending
+            kept = [i for i in keep if i < len(seqs)]
+            if not kept:
+                self._pending = None
+            else:
+                sel = mx.array(kept)
+                lp_keep = [r for r, i in enumerate([i for i, s in enumerate(seqs) if s.logprobs is not None])
+                           if i in set(kept)]
+                self._pending = (
+                    [seqs[i] for i in kept],
+                    toks[sel],
+                    lp_rows[mx.array(lp_keep)] if lp_rows is not None and lp_keep else None,
+                    chosen[sel] if chosen is not None else None,
+                )
         self.running = [self.running[i] for i in keep]
 
 

@@ -4,7 +4,8 @@ Every baseline runs in this process on the *same* loaded weights, dtype and BLAS
 the scheduling differs. Workloads (sizes for the full run; ``--quick`` shrinks them):
 
 - throughput: 32 concurrent requests, ~100-token distinct prompts, 128 new tokens each (EOS ignored), greedy.
-- fanout:     32 requests sharing a 512-token prefix, distinct 32-token suffixes, 64 new tokens each.
+- fanout:     32 requests sharing a 512-token prefix, distinct 32-token suffixes, 64 new tokens each;
+              also run on a second engine with the prefix cache off (``parallm_no_prefix_cache``).
 - single:     one request, 128-token prompt, 256 new tokens.
 - peer:       transformers + torch static batched ``generate`` (fp32 and bf16) on the same weights and
               prompts as `throughput` (only when torch is installed: ``pip install torch==2.13.0``).
@@ -339,6 +340,10 @@ def _ratios(entry: dict) -> dict:
     if entry.get("sequential"):
         s = entry["sequential"]
         out["vs_sequential"] = round(p["tok_s"] / s["tok_s"], 2) if s["tok_s"] else None
+    if entry.get("parallm_no_prefix_cache"):
+        n = entry["parallm_no_prefix_cache"]
+        out["ttft_p50_vs_no_prefix_cache"] = round(n["ttft_p50_s"] / p["ttft_p50_s"], 2) if p["ttft_p50_s"] else None
+        out["prefill_tokens_vs_no_prefix_cache"] = round(p["prefill_tokens"] / n["prefill_tokens"], 3)
     return out
 
 
@@ -367,6 +372,8 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None) 
         prompts = [prefix + s for s in _prompts(rng, sz.n, sz.suffix_len, vocab)]
         tick("fanout: parallm")
         entry = {"parallm": run_parallm(engine, prompts, sz.fan_new)}
+        tick("fanout: parallm, prefix cache off")
+        entry["parallm_no_prefix_cache"] = _without_prefix_cache(engine, prompts, sz.fan_new)
 
         def mlx_batch_cached():
             # The prefix is prefilled once (timed), then deep-copied into every request's cache: the
@@ -424,6 +431,18 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None) 
         tick("roofline")
         result["workloads"]["roofline"] = run_roofline(engine, sz.roof_batch)
     return result
+
+
+def _without_prefix_cache(engine, prompts, new_tokens) -> dict:
+    """The same fan-out on a second engine (same weights) with the radix cache disabled."""
+    from .engine import Engine
+
+    other = Engine(engine.model_info.path, max_batch_size=engine.config.max_batch_size, enable_prefix_cache=False)
+    try:
+        other.generate([[300, 301]], max_tokens=2, temperature=0)
+        return run_parallm(other, prompts, new_tokens)
+    finally:
+        other.shutdown()
 
 
 def _on_engine(engine, fn):
@@ -494,7 +513,7 @@ def main(args) -> int:
         cfg["max_batch_size"] = args.max_batch_size
     engine = get_engine(args.model, **cfg)
     engine.generate([[300, 301, 302]], max_tokens=2, temperature=0)  # warm-up
-    steps = sum({"throughput": 3, "fanout": 3, "single": 2, "peer": 3, "roofline": 1}.get(w, 0) for w in workloads)
+    steps = sum({"throughput": 3, "fanout": 4, "single": 2, "peer": 3, "roofline": 1}.get(w, 0) for w in workloads)
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def tick(msg):
             bar.set_postfix_str(msg)

@@ -29,6 +29,7 @@ from .errors import (
     InvalidRequestError,
     QueueFullError,
 )
+from .constrained import compile_constraint
 from .request import Channel, GenerationResult, Request, RequestHandle, StreamDelta
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -169,14 +170,29 @@ class Engine:
         prompt: Prompt,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
-        grammar: Any = None,
+        response_format: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
         request_id: str | None = None,
         **sampling: Any,
     ) -> RequestHandle:
-        """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given)."""
+        """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
+
+        ``response_format`` (OpenAI shape, or ``{"type": "regex", "regex": ...}``) and a "required" /
+        named ``tool_choice`` constrain decoding with a grammar; ``tools`` (OpenAI tool dicts) also make
+        the result carry parsed ``tool_calls``. Rendering tools into the prompt is the chat template's
+        job: use :meth:`chat` or :meth:`apply_chat_template`.
+        """
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead}")
         params = sampling.pop("params", None) or SamplingParams.from_kwargs(**sampling)
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequestError("tools must be a list of OpenAI tool dicts", param="tools")
+        grammar = compile_constraint(
+            self.tokenizer, self.model_info.vocab_size, response_format=response_format,
+            tools=list(tools) if tools else None, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+        ) if (response_format is not None or tools) else None
         ids = self._prompt_ids(prompt)
         ctx = self.context_window
         if len(ids) >= ctx:
@@ -194,7 +210,8 @@ class Engine:
                     f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
                 )
             self._pending += 1
-        req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id)
+        req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
+                      tools=list(tools) if tools else None)
         self._commands.put(("add", req))
         self._wake.set()
         return RequestHandle(self, req)
@@ -206,8 +223,10 @@ class Engine:
     # -- high-level API -------------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[GenerationResult]:
         """All prompts in flight at once; results in input order. A bare string gives a one-item list."""
-        handles = [self.submit(p, **sampling) for p in self._as_list(prompts)]
+        handles: list[RequestHandle] = []
         try:
+            for p in self._as_list(prompts):
+                handles.append(self.submit(p, **sampling))
             return [self._collect(h) for h in handles]
         finally:
             for h in handles:
@@ -216,8 +235,10 @@ class Engine:
 
     async def agenerate(self, prompts: Prompt | list[Prompt], **sampling: Any) -> list[GenerationResult]:
         loop = asyncio.get_running_loop()
-        handles = [self.submit(p, loop=loop, **sampling) for p in self._as_list(prompts)]
+        handles: list[RequestHandle] = []
         try:
+            for p in self._as_list(prompts):
+                handles.append(self.submit(p, loop=loop, **sampling))
             return list(await asyncio.gather(*(self._acollect(h) for h in handles)))
         finally:
             for h in handles:
@@ -231,16 +252,18 @@ class Engine:
         return self.submit(prompt, loop=asyncio.get_running_loop(), **sampling).__aiter__()
 
     def chat(self, messages: list[dict], *, tools: list[dict] | None = None, **sampling) -> GenerationResult:
-        return self.generate([self.apply_chat_template(messages, tools=tools)], **sampling)[0]
+        """Chat completion: the template renders ``messages`` (and ``tools``); the result carries parsed
+        ``tool_calls`` when tools were given. Takes ``tool_choice`` / ``response_format`` too."""
+        return self.generate([self.apply_chat_template(messages, tools=tools)], tools=tools, **sampling)[0]
 
     async def achat(self, messages: list[dict], *, tools: list[dict] | None = None, **sampling) -> GenerationResult:
-        return (await self.agenerate([self.apply_chat_template(messages, tools=tools)], **sampling))[0]
+        return (await self.agenerate([self.apply_chat_template(messages, tools=tools)], tools=tools, **sampling))[0]
 
     def chat_stream(self, messages: list[dict], *, tools=None, **sampling) -> Iterator[StreamDelta]:
-        return self.stream(self.apply_chat_template(messages, tools=tools), **sampling)
+        return self.stream(self.apply_chat_template(messages, tools=tools), tools=tools, **sampling)
 
     def achat_stream(self, messages: list[dict], *, tools=None, **sampling) -> AsyncIterator[StreamDelta]:
-        return self.astream(self.apply_chat_template(messages, tools=tools), **sampling)
+        return self.astream(self.apply_chat_template(messages, tools=tools), tools=tools, **sampling)
 
     @staticmethod
     def _as_list(prompts) -> list:

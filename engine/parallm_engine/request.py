@@ -67,6 +67,9 @@ class Choice:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
+    content: str | None = None  # text without tool-call markup (when tools were given)
+    tool_calls: list = field(default_factory=list)  # chat_format.ToolCall, parsed when tools were given
+    incomplete: bool = False  # constrained output cut by max_tokens: it does not match its grammar
 
 
 @dataclass
@@ -94,6 +97,14 @@ class GenerationResult:
     @property
     def logprobs(self):
         return self.choices[0].logprobs
+
+    @property
+    def tool_calls(self):
+        return self.choices[0].tool_calls
+
+    @property
+    def content(self) -> str | None:
+        return self.choices[0].content
 
 
 class _Done:
@@ -145,12 +156,14 @@ class Request:
         grammar: Any = None,
         request_id: str | None = None,
         priority: int = 0,
+        tools: list[dict] | None = None,
     ):
         self.id = request_id or f"req-{next(_req_ids)}"
         self.prompt_ids = prompt_ids
         self.params = params
         self.channel = channel
         self.grammar = grammar  # compiled constraint factory, or None
+        self.tools = tools  # OpenAI tool dicts: tool calls are parsed from the output
         self.priority = priority
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .chat_format import parse_tool_calls
+from .constrained import apply_constraints
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestCancelledError
 from .kv_cache import BatchKV, PrefillBatchKV, SequenceKV, prefill_layout
@@ -366,9 +368,8 @@ class Scheduler:
     def _sample(self, seqs: list[Sequence], logits: mx.array):
         """Lazy: (tokens, logprobs rows for sequences that asked, chosen-token logprobs)."""
         samplers = [s.sampler for s in seqs]
-        for i, s in enumerate(seqs):
-            if s.constraint is not None:
-                logits = s.constraint.mask_logits(logits, i)
+        if any(s.constraint is not None for s in seqs):
+            logits = apply_constraints(logits, [s.constraint for s in seqs])
         toks, logprobs = sample_batch(logits, samplers)
         if logprobs is None:
             return toks, None, None
@@ -446,9 +447,14 @@ class Scheduler:
             stopped_on_token = s.finish_reason == "stop" and isinstance(s.stop_reason, int)
             out_ids = s.output_ids[:-1] if stopped_on_token else s.output_ids
             req.usage.completion_tokens += len(s.output_ids)
-            self._choices[req.id][s.index] = Choice(
-                s.index, s.detok.text, list(out_ids), s.finish_reason, s.logprobs, s.stop_reason
-            )
+            choice = Choice(s.index, s.detok.text, list(out_ids), s.finish_reason, s.logprobs, s.stop_reason)
+            # A grammar-constrained output cut by max_tokens does not match its grammar.
+            choice.incomplete = s.constraint is not None and s.finish_reason == "length"
+            if req.tools:
+                choice.content, choice.tool_calls = parse_tool_calls(choice.text, req.tools)
+            else:
+                choice.content = choice.text
+            self._choices[req.id][s.index] = choice
             req.remaining_choices -= 1
             if req.remaining_choices == 0:
                 delta.usage = req.usage

@@ -1,0 +1,181 @@
+"""Grammar-constrained decoding, per request, inside the continuous batch (llguidance).
+
+A request's ``response_format`` (OpenAI shape, plus ``{"type": "regex", "regex": ...}``) or a required /
+named ``tool_choice`` compiles, at submit time on the caller's thread, to an llguidance grammar. Each
+sequence gets its own matcher; before sampling, the scheduler asks every constrained row's matcher for
+its allowed-token bitmask and masks those rows' logits in one ``mx.where``. Rows without a constraint
+are not touched, so an unconstrained request costs nothing extra and samples exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .chat_format import TOOL_CALL_END, TOOL_CALL_START
+from .errors import GrammarError
+
+_tokenizers: dict[int, Any] = {}
+_tok_lock = threading.Lock()
+
+
+def ll_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's view of the model tokenizer: built once per tokenizer (~1 s), then cached."""
+    import llguidance.hf
+
+    key = id(tokenizer)
+    with _tok_lock:
+        tok = _tokenizers.get(key)
+        if tok is None:
+            hf = getattr(tokenizer, "_tokenizer", tokenizer)
+            eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+            tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos[0])
+            _tokenizers[key] = tok
+        return tok
+
+
+class GrammarConstraint:
+    """One sequence's grammar state."""
+
+    def __init__(self, matcher, words: int):
+        self.matcher = matcher
+        self.words = words
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * row.itemsize)
+
+    def advance(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+    def is_done(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+def apply_constraints(logits: mx.array, constraints: list[GrammarConstraint | None]) -> mx.array:
+    """Mask the constrained rows of (B, V) logits to the tokens their grammars allow."""
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return logits
+    B, V = logits.shape
+    words = constraints[rows[0]].words
+    bitmask = np.full((B, words), -1, dtype=np.int32)  # all allowed for unconstrained rows
+    for i in rows:
+        constraints[i].fill_bitmask(bitmask[i])
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
+    if allowed.shape[1] < V:  # a model vocabulary padded beyond the tokenizer's
+        allowed = np.pad(allowed, ((0, 0), (0, V - allowed.shape[1])))
+        allowed[[i for i in range(B) if constraints[i] is None]] = True
+    return mx.where(mx.array(allowed), logits, -mx.inf)
+
+
+def _tool_schema(tool: dict) -> dict:
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool = True) -> str | None:
+    """A lark grammar for tool calls in the Hermes format, or None when decoding stays free.
+
+    "required"/"any": one or more calls to any of the tools; a named choice: exactly that tool;
+    "auto" and "none": unconstrained (the model may answer in text, which a grammar can only allow
+    by accepting everything anyway).
+    """
+    from llguidance import LLMatcher
+
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        chosen = [t for t in tools if t.get("function", t).get("name") == name]
+        if not chosen:
+            raise GrammarError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        parallel = False
+    elif tool_choice in ("required", "any", True):
+        chosen = tools
+    else:
+        raise GrammarError(f"unsupported tool_choice {tool_choice!r}", param="tool_choice")
+    schemas = [_tool_schema(t) for t in chosen]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    call = f'"{_lark_escape(TOOL_CALL_START)}\\n" %json {json.dumps(schema)} "\\n{_lark_escape(TOOL_CALL_END)}"'
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n")
+
+
+def _lark_escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def response_format_grammar(response_format: dict) -> str | None:
+    from llguidance import LLMatcher
+
+    if not isinstance(response_format, dict) or "type" not in response_format:
+        raise GrammarError("response_format must be a dict with a 'type'", param="response_format")
+    kind = response_format["type"]
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            schema = spec.get("schema", spec if "properties" in spec or "type" in spec else None)
+            if not isinstance(schema, dict):
+                raise GrammarError("response_format.json_schema.schema must be a JSON schema object",
+                                   param="response_format")
+            return LLMatcher.grammar_from_json_schema(schema)
+        if kind == "regex":
+            pattern = response_format.get("regex") or response_format.get("pattern")
+            if not isinstance(pattern, str):
+                raise GrammarError("response_format.regex must be a string", param="response_format")
+            return LLMatcher.grammar_from_regex(pattern)
+        if kind == "lark":
+            return LLMatcher.grammar_from_lark(response_format.get("grammar", ""))
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"invalid response_format: {exc}", param="response_format") from exc
+    raise GrammarError(f"unsupported response_format type {kind!r}", param="response_format")
+
+
+def compile_constraint(
+    tokenizer,
+    vocab_size: int,
+    response_format: dict | None = None,
+    tools: list[dict] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+) -> Callable[[], GrammarConstraint] | None:
+    """Validate and compile; returns a factory of per-sequence constraints, or None (unconstrained).
+    Raises GrammarError for anything llguidance rejects, before the request is queued."""
+    from llguidance import LLMatcher
+
+    grammar = None
+    if response_format is not None:
+        grammar = response_format_grammar(response_format)
+    if grammar is None and tools:
+        grammar = tool_call_grammar(tools, tool_choice, parallel_tool_calls)
+    if grammar is None:
+        return None
+    tok = ll_tokenizer(tokenizer, vocab_size)
+    error = LLMatcher.validate_grammar(grammar, tok)
+    if isinstance(error, tuple):  # (is_error, messages) in some llguidance versions
+        error = "; ".join(error[1]) if error[0] else ""
+    if error:
+        raise GrammarError(f"grammar rejected: {error}", param="response_format")
+    words = (vocab_size + 31) // 32
+
+    def factory() -> GrammarConstraint:
+        matcher = LLMatcher(tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return GrammarConstraint(matcher, words)
+
+    return factory

@@ -72,6 +72,11 @@ def apply_constraints(logits: mx.array, constraints: list[GrammarConstraint | No
     return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
+# Compact JSON (", " and ": " separators, no newlines): with flexible whitespace small models spend
+# their token budget on indentation.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
 def _tool_schema(tool: dict) -> dict:
     fn = tool.get("function", tool)
     params = fn.get("parameters") or {"type": "object", "properties": {}}
@@ -80,13 +85,16 @@ def _tool_schema(tool: dict) -> dict:
         "properties": {"name": {"const": fn["name"]}, "arguments": params},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        "x-guidance": _JSON_OPTIONS,
     }
 
 
-def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool = True) -> str | None:
+def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool | None = None) -> str | None:
     """A lark grammar for tool calls in the Hermes format, or None when decoding stays free.
 
-    "required"/"any": one or more calls to any of the tools; a named choice: exactly that tool;
+    "required"/"any": a call to any of the tools (several in a row only with ``parallel=True``: small
+    models asked to allow more tend to repeat the same call until max_tokens); a named choice: exactly
+    that tool;
     "auto" and "none": unconstrained (the model may answer in text, which a grammar can only allow
     by accepting everything anyway).
     """
@@ -105,9 +113,9 @@ def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool = True
     else:
         raise GrammarError(f"unsupported tool_choice {tool_choice!r}", param="tool_choice")
     schemas = [_tool_schema(t) for t in chosen]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas, "x-guidance": _JSON_OPTIONS}
     call = f'"{_lark_escape(TOOL_CALL_START)}\\n" %json {json.dumps(schema)} "\\n{_lark_escape(TOOL_CALL_END)}"'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    start = 'start: call ("\\n" call)*' if parallel is True else "start: call"
     return LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n")
 
 
@@ -125,14 +133,14 @@ def response_format_grammar(response_format: dict) -> str | None:
         if kind == "text":
             return None
         if kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         if kind == "json_schema":
             spec = response_format.get("json_schema") or {}
             schema = spec.get("schema", spec if "properties" in spec or "type" in spec else None)
             if not isinstance(schema, dict):
                 raise GrammarError("response_format.json_schema.schema must be a JSON schema object",
                                    param="response_format")
-            return LLMatcher.grammar_from_json_schema(schema)
+            return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if kind == "regex":
             pattern = response_format.get("regex") or response_format.get("pattern")
             if not isinstance(pattern, str):
@@ -151,7 +159,7 @@ def compile_constraint(
     response_format: dict | None = None,
     tools: list[dict] | None = None,
     tool_choice: Any = None,
-    parallel_tool_calls: bool = True,
+    parallel_tool_calls: bool | None = None,
 ) -> Callable[[], GrammarConstraint] | None:
     """Validate and compile; returns a factory of per-sequence constraints, or None (unconstrained).
     Raises GrammarError for anything llguidance rejects, before the request is queued."""

@@ -173,7 +173,7 @@ class Engine:
         response_format: dict | None = None,
         tools: list[dict] | None = None,
         tool_choice: Any = None,
-        parallel_tool_calls: bool = True,
+        parallel_tool_calls: bool | None = None,
         request_id: str | None = None,
         **sampling: Any,
     ) -> RequestHandle:

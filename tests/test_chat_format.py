@@ -38,6 +38,8 @@ def test_malformed_or_unknown_calls_stay_content():
     # arguments given as a JSON string, and a call cut off before its end tag
     _, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
     assert calls[0].arguments == {"x": 1}
+    _, calls = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_')
+    assert [c.name for c in calls] == ["f"]
 
 
 def _run_stream(text, cut):

@@ -88,8 +88,10 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, l
             content.append(text[pos:])
             break
         end = text.find(TOOL_CALL_END, start + len(TOOL_CALL_START))
-        body_end = end if end != -1 else len(text)  # a call cut off at the end may still be whole JSON
-        call = _parse_block(text[start + len(TOOL_CALL_START) : body_end])
+        body = text[start + len(TOOL_CALL_START) : end if end != -1 else len(text)]
+        if end == -1:  # cut off by max_tokens: the JSON may still be whole, with part of the end tag
+            body = body[: len(body) - _partial_suffix(body, TOOL_CALL_END)]
+        call = _parse_block(body)
         stop = end + len(TOOL_CALL_END) if end != -1 else len(text)
         if call is not None and (names is None or call.name in names):
             content.append(text[pos:start])

@@ -60,6 +60,7 @@ def apply_constraints(logits: mx.array, constraints: list[GrammarConstraint | No
     rows = [i for i, c in enumerate(constraints) if c is not None]
     if not rows:
         return logits
+    mx.async_eval(logits)  # the forward runs while the host computes the masks (no-op if already started)
     B, V = logits.shape
     words = constraints[rows[0]].words
     bitmask = np.full((B, words), -1, dtype=np.int32)  # all allowed for unconstrained rows
@@ -72,14 +73,15 @@ def apply_constraints(logits: mx.array, constraints: list[GrammarConstraint | No
     return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
-# Compact JSON (", " and ": " separators, no newlines): with flexible whitespace small models spend
-# their token budget on indentation.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# One-line JSON with ", " and ": " separators (json.dumps' defaults, and how chat templates render tool
+# calls): with flexible whitespace small models spend their token budget on indentation, and llguidance's
+# compact default ("," / ":") is out of distribution for them.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _tool_schema(tool: dict) -> dict:
     fn = tool.get("function", tool)
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    params = _closed(fn.get("parameters") or {"type": "object", "properties": {}})
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, "arguments": params},
@@ -89,18 +91,43 @@ def _tool_schema(tool: dict) -> dict:
     }
 
 
+def _closed(schema: Any) -> Any:
+    """A copy where objects that list ``properties`` and say nothing about other keys allow no others.
+
+    JSON Schema's default lets any extra key through, and a small model fills arguments with junk keys
+    ("type", "required", ...) that the function then rejects; every output stays valid for the
+    original schema."""
+    if isinstance(schema, list):
+        return [_closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: _closed(sub) for name, sub in v.items()}  # a map of schemas, not a schema
+        elif k in ("const", "enum", "default", "examples"):
+            out[k] = v
+        else:
+            out[k] = _closed(v)
+    if isinstance(schema.get("properties"), dict) and not any(
+        k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool | None = None) -> str | None:
     """A lark grammar for tool calls in the Hermes format, or None when decoding stays free.
 
     "required"/"any": a call to any of the tools (several in a row only with ``parallel=True``: small
     models asked to allow more tend to repeat the same call until max_tokens); a named choice: exactly
-    that tool;
-    "auto" and "none": unconstrained (the model may answer in text, which a grammar can only allow
-    by accepting everything anyway).
+    that tool; "auto" (and no tool_choice, OpenAI's default when tools are given): free text, which may
+    end in calls; once the model writes the call marker the call must be valid JSON naming one of the
+    tools with arguments matching its schema. "none": free text that never starts a call.
     """
     from llguidance import LLMatcher
 
-    if not tools or tool_choice in (None, "auto", "none"):
+    if not tools:
         return None
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
@@ -108,15 +135,30 @@ def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool | None
         if not chosen:
             raise GrammarError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         parallel = False
-    elif tool_choice in ("required", "any", True):
+    elif tool_choice in ("required", "any", True, None, "auto", "none", False):
         chosen = tools
     else:
         raise GrammarError(f"unsupported tool_choice {tool_choice!r}", param="tool_choice")
     schemas = [_tool_schema(t) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas, "x-guidance": _JSON_OPTIONS}
-    call = f'"{_lark_escape(TOOL_CALL_START)}\\n" %json {json.dumps(schema)} "\\n{_lark_escape(TOOL_CALL_END)}"'
-    start = 'start: call ("\\n" call)*' if parallel is True else "start: call"
-    return LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n")
+    body = f'"\\n" %json {json.dumps(schema)} "\\n{_lark_escape(TOOL_CALL_END)}"'
+    more = f' ("\\n{_lark_escape(TOOL_CALL_START)}" body)*' if parallel is True else ""
+    # Free text is one lexeme that never contains the call marker; PRE is free text ending at the first
+    # marker (it cannot extend past it, so the lexer hands over to the call there).
+    marker, anything = _regex_escape(TOOL_CALL_START), "(?s:.*)"
+    free = f"FREE: /{anything}/ & ~/{anything}{marker}{anything}/"
+    if tool_choice in ("none", False):
+        return LLMatcher.grammar_from_lark(f"start: FREE\n{free}\n")
+    if tool_choice in (None, "auto"):
+        pre = f"PRE: /{anything}{marker}/ & ~/{anything}{marker}(?s:.)+/"
+        return LLMatcher.grammar_from_lark(f"start: FREE | PRE body{more}\n{free}\n{pre}\nbody: {body}\n")
+    start = f'start: "{_lark_escape(TOOL_CALL_START)}" body{more}'
+    return LLMatcher.grammar_from_lark(f"{start}\nbody: {body}\n")
+
+
+def _regex_escape(s: str) -> str:
+    """Escape for a /regex/ in llguidance's lark (Rust regex syntax, '/' delimited)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$/&~-#" else c for c in s)
 
 
 def _lark_escape(s: str) -> str:

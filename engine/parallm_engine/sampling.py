@@ -155,11 +155,12 @@ def _apply_penalties(logits: mx.array, samplers: list[SeqSampler]) -> mx.array:
         return logits
     r = mx.array(rows)
     c = mx.array(cols)
-    vals = logits[r, c]
+    old = logits[r, c]
     rp = mx.array(rep, dtype=logits.dtype)
-    vals = mx.where(vals > 0, vals / rp, vals * rp)
+    vals = mx.where(old > 0, old / rp, old * rp)
     vals = vals - mx.array(pres, dtype=logits.dtype) - mx.array(freq, dtype=logits.dtype)
-    return logits.at[r, c].add(vals - logits[r, c])
+    # Tokens a grammar constraint masked to -inf must stay masked (-inf - -inf would be NaN).
+    return logits.at[r, c].add(mx.where(mx.isinf(old), 0.0, vals - old))
 
 
 def _apply_logit_bias(logits: mx.array, samplers: list[SeqSampler]) -> mx.array:

@@ -318,14 +318,15 @@ class Scheduler:
         """One decode step for every running sequence.
 
         Pipelined when no running sequence needs host state that depends on the previous token
-        (penalties, grammar constraints): the step's graph is built on the previous step's tokens
-        while they are still being computed, ``async_eval`` starts it, and the host then detokenises,
-        checks stops and delivers the previous step's tokens while this one runs (as mlx-lm's
-        generate loop does). A sequence that stopped has computed one wasted step; its row is dropped.
+        (penalties): the step's graph is built on the previous step's tokens while they are still
+        being computed, ``async_eval`` starts it, and the host then detokenises, checks stops and
+        delivers the previous step's tokens while this one runs (as mlx-lm's generate loop does).
+        A sequence that stopped has computed one wasted step; its row is dropped. With grammar
+        constraints in the batch, the forward is started first, the previous step is delivered
+        (advancing the matchers) and the masks are computed while it runs; only the sampling waits.
         """
-        pipelined = self.config.pipeline and not any(
-            s.constraint is not None or s.sampler.params.needs_penalties for s in self.running
-        )
+        pipelined = self.config.pipeline and not any(s.sampler.params.needs_penalties for s in self.running)
+        constrained = pipelined and any(s.constraint is not None for s in self.running)
         if self._pending is not None and not pipelined:
             self._flush_pending()
             if not self.running:
@@ -339,14 +340,22 @@ class Scheduler:
         h = self.model.model(inputs[:, None], cache=self.batch)
         logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
         self.stats.decode_steps += 1
-        sampled = self._sample(self.running, logits)
-        if pipelined:
+        if constrained:  # masks need the previous tokens: deliver them while the forward runs
+            mx.async_eval(logits)
+            previous, self._pending = self._pending, None
+            if previous is not None:
+                self._deliver(*previous)
+            sampled = self._sample(self.running, logits)
+            mx.async_eval([x for x in sampled if x is not None])
+            self._pending = (list(self.running), *sampled)
+        elif pipelined:
+            sampled = self._sample(self.running, logits)
             mx.async_eval([x for x in sampled if x is not None])
             previous, self._pending = self._pending, (list(self.running), *sampled)
             if previous is not None:
                 self._deliver(*previous)
         else:
-            self._deliver(self.running, *sampled)
+            self._deliver(self.running, *self._sample(self.running, logits))
         finished = {i for i, s in enumerate(self.running) if s.finish_reason is not None}
         if finished:
             self._retire_rows(finished)
@@ -369,7 +378,8 @@ class Scheduler:
         """Lazy: (tokens, logprobs rows for sequences that asked, chosen-token logprobs)."""
         samplers = [s.sampler for s in seqs]
         if any(s.constraint is not None for s in seqs):
-            logits = apply_constraints(logits, [s.constraint for s in seqs])
+            # Rows already finished (still in a pipelined step) are left unmasked; their tokens are dropped.
+            logits = apply_constraints(logits, [s.constraint if s.finish_reason is None else None for s in seqs])
         toks, logprobs = sample_batch(logits, samplers)
         if logprobs is None:
             return toks, None, None

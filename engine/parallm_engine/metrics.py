@@ -1,0 +1,204 @@
+"""Prometheus text exposition (format 0.0.4) for ``parallm serve``'s ``GET /metrics``.
+
+Two sources: the engine's own counters and gauges (``Engine.stats()``: requests, tokens, batch
+occupancy, KV bytes, prefix-cache hit rate) read at scrape time, and histograms the server keeps
+itself (time to first token, inter-token latency, end-to-end latency, as clients see them) plus HTTP
+request counts. Written by hand: the format is a few lines of text and needs no extra dependency.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections import Counter
+from typing import Iterable
+
+PREFIX = "parallm"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: dict[str, str] | None) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _num(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class Histogram:
+    """A cumulative-bucket histogram (thread-safe; observed from the server's event loop)."""
+
+    def __init__(self, name: str, help: str, buckets: Iterable[float]):
+        self.name, self.help = name, help
+        self.bounds = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.bounds) + 1)  # last: above the largest bound (+Inf only)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.bounds, value)
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def render(self, labels: dict[str, str] | None = None) -> list[str]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        base = dict(labels or {})
+        running = 0
+        for bound, c in zip(self.bounds, counts):
+            running += c
+            out.append(f"{self.name}_bucket{_labels({**base, 'le': _num(float(bound))})} {running}")
+        running += counts[-1]
+        out.append(f"{self.name}_bucket{_labels({**base, 'le': '+Inf'})} {running}")
+        out.append(f"{self.name}_sum{_labels(base)} {_num(total)}")
+        out.append(f"{self.name}_count{_labels(base)} {running}")
+        return out
+
+
+class ServerMetrics:
+    """What the HTTP layer measures itself."""
+
+    def __init__(self) -> None:
+        p = PREFIX
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds",
+                              "Time from request submission to its first generated token.", TTFT_BUCKETS)
+        self.itl = Histogram(f"{p}_inter_token_latency_seconds",
+                             "Time between consecutive token deliveries of one choice.", ITL_BUCKETS)
+        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds",
+                             "Time from request submission to its last token.", E2E_BUCKETS)
+        self.prompt_tokens = Histogram(f"{p}_request_prompt_tokens", "Prompt tokens per request.",
+                                       TOKENS_BUCKETS)
+        self.generation_tokens = Histogram(f"{p}_request_generation_tokens", "Generated tokens per request.",
+                                           TOKENS_BUCKETS)
+        self._http: Counter = Counter()
+        self._outcomes: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def count_http(self, endpoint: str, method: str, status: int) -> None:
+        with self._lock:
+            self._http[(endpoint, method, str(status))] += 1
+
+    def count_outcome(self, endpoint: str, outcome: str) -> None:
+        """``outcome``: finished | client_disconnected | error | rejected."""
+        with self._lock:
+            self._outcomes[(endpoint, outcome)] += 1
+
+    def render(self, model: str) -> list[str]:
+        p = PREFIX
+        out = [f"# HELP {p}_http_requests_total HTTP requests answered, by endpoint, method and status.",
+               f"# TYPE {p}_http_requests_total counter"]
+        with self._lock:
+            http, outcomes = dict(self._http), dict(self._outcomes)
+        for (endpoint, method, status), n in sorted(http.items()):
+            out.append(f"{p}_http_requests_total"
+                       f"{_labels({'endpoint': endpoint, 'method': method, 'status': status})} {n}")
+        out += [f"# HELP {p}_generation_requests_total Generation requests by endpoint and outcome.",
+                f"# TYPE {p}_generation_requests_total counter"]
+        for (endpoint, outcome), n in sorted(outcomes.items()):
+            out.append(f"{p}_generation_requests_total"
+                       f"{_labels({'model': model, 'endpoint': endpoint, 'outcome': outcome})} {n}")
+        labels = {"model": model}
+        for h in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens):
+            out += h.render(labels)
+        return out
+
+
+# (stats key, metric suffix, type, help)
+_ENGINE_METRICS = (
+    ("requests_submitted", "engine_requests_submitted_total", "counter", "Requests accepted by the engine."),
+    ("requests_finished", "engine_requests_finished_total", "counter", "Requests that ran to completion."),
+    ("requests_aborted", "engine_requests_aborted_total", "counter",
+     "Requests aborted (client disconnect, cancellation, timeout)."),
+    ("requests_rejected", "engine_requests_rejected_total", "counter", "Requests refused because the queue was full."),
+    ("prompt_tokens", "prompt_tokens_total", "counter", "Prompt tokens submitted."),
+    ("cached_tokens", "cached_prompt_tokens_total", "counter", "Prompt tokens served from the radix prefix cache."),
+    ("prefill_tokens", "prefill_tokens_total", "counter", "Prompt tokens computed (not served from the cache)."),
+    ("generated_tokens", "generation_tokens_total", "counter", "Tokens generated."),
+    ("steps", "engine_steps_total", "counter", "Engine steps run."),
+    ("decode_steps", "engine_decode_steps_total", "counter", "Decode steps run."),
+    ("busy_s", "engine_busy_seconds_total", "counter", "Seconds the engine thread spent working."),
+    ("uptime_s", "engine_uptime_seconds", "gauge", "Seconds since the engine started."),
+    ("in_flight", "requests_in_flight", "gauge", "Requests in the engine (waiting, prefilling or decoding)."),
+    ("peak_in_flight", "requests_in_flight_peak", "gauge", "Most requests in the engine at once."),
+    ("waiting", "requests_waiting", "gauge", "Requests queued, not yet admitted."),
+    ("prefilling", "requests_prefilling", "gauge", "Sequences in chunked prefill."),
+    ("running", "batch_size", "gauge", "Sequences in the decode batch (batch occupancy) at the last step."),
+    ("peak_running", "batch_size_peak", "gauge", "Largest decode batch so far."),
+    ("mean_batch_occupancy", "batch_occupancy_mean", "gauge", "Mean decode batch size over all engine steps."),
+    ("kv_bytes", "kv_cache_bytes", "gauge", "Bytes of KV cache held by running sequences."),
+    ("peak_kv_bytes", "kv_cache_bytes_peak", "gauge", "Most bytes of running KV cache so far."),
+    ("cache_hit_rate", "prefix_cache_hit_rate", "gauge", "Fraction of prompt tokens served from the prefix cache."),
+    ("generation_tps_busy", "generation_tokens_per_busy_second", "gauge",
+     "Generated tokens per second of engine busy time."),
+    ("ttft_p50_s", "engine_ttft_p50_seconds", "gauge", "Median time to first token (engine, recent window)."),
+    ("ttft_p95_s", "engine_ttft_p95_seconds", "gauge", "95th percentile time to first token (engine, recent window)."),
+    ("itl_p50_s", "engine_itl_p50_seconds", "gauge", "Median inter-token latency (engine, recent window)."),
+    ("itl_p95_s", "engine_itl_p95_seconds", "gauge", "95th percentile inter-token latency (engine, recent window)."),
+)
+
+_PREFIX_CACHE_METRICS = (
+    ("bytes", "prefix_cache_bytes", "gauge", "Bytes of KV held by the radix prefix tree."),
+    ("max_bytes", "prefix_cache_max_bytes", "gauge", "Byte budget of the radix prefix tree."),
+    ("tokens", "prefix_cache_tokens", "gauge", "Tokens stored in the radix prefix tree."),
+    ("nodes", "prefix_cache_nodes", "gauge", "Nodes in the radix prefix tree."),
+    ("evictions", "prefix_cache_evictions_total", "counter", "Radix tree nodes evicted (LRU)."),
+    ("evicted_tokens", "prefix_cache_evicted_tokens_total", "counter", "Tokens evicted from the radix tree."),
+    ("lookup_tokens", "prefix_cache_lookup_tokens_total", "counter", "Prompt tokens looked up in the radix tree."),
+    ("hit_tokens", "prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the radix tree."),
+)
+
+
+def _gauge_lines(name: str, kind: str, help: str, value, labels: dict[str, str]) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return []
+    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name}{_labels(labels)} {_num(value)}"]
+
+
+def render_engine_stats(stats: dict, model: str) -> list[str]:
+    labels = {"model": model}
+    out: list[str] = []
+    for key, suffix, kind, help in _ENGINE_METRICS:
+        out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, stats.get(key), labels)
+    cache = stats.get("prefix_cache") or {}
+    for key, suffix, kind, help in _PREFIX_CACHE_METRICS:
+        out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, cache.get(key), labels)
+    return out
+
+
+def render(engine_stats: dict | None, server: ServerMetrics | None, model: str, healthy: bool = True) -> str:
+    """The whole ``/metrics`` page."""
+    lines = _gauge_lines(f"{PREFIX}_up", "gauge", "1 while the engine thread is serving.", int(healthy),
+                         {"model": model})
+    if engine_stats is not None:
+        lines += render_engine_stats(engine_stats, model)
+    if server is not None:
+        lines += server.render(model)
+    return "\n".join(lines) + "\n"
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

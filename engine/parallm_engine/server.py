@@ -1,0 +1,609 @@
+"""``parallm serve``: an OpenAI-compatible HTTP server on the shared in-process engine.
+
+Several processes (a notebook, a LangGraph server, scripts) can share one loaded model through it, and
+any OpenAI client talks to it::
+
+    parallm serve --port 8000 [--api-key KEY]          # or: serve(port=8000) from Python
+    OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY").chat.completions.create(...)
+    ChatParaLLM(base_url="http://127.0.0.1:8000/v1", api_key="KEY")
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream as server-sent
+events), ``GET /v1/models[/{id}]``, ``POST /tokenize`` and ``/detokenize`` (vLLM-compatible),
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``.
+
+Behaviour:
+- Binds to 127.0.0.1 unless told otherwise. With an API key, every ``/v1/*`` and tokenizer request must
+  carry ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``), else 401; ``/health`` and ``/metrics``
+  stay open for load balancers and scrapers (as in vLLM).
+- Every request is one engine request (``n`` choices sampled in the same batch); concurrent HTTP
+  requests are decoded together. A client that disconnects (streaming or not) aborts its engine
+  request, freeing its KV at the next engine step.
+- Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: malformed JSON and
+  invalid fields 400 (``invalid_request_error``; the field in ``param``), a prompt longer than the
+  context 400 with ``code="context_length_exceeded"``, an unknown model 404, a full engine queue 429
+  with ``Retry-After``, a stopped engine 503. Nothing a request sends can stop the server: an
+  unexpected failure answers 500 and is logged.
+- Errors after a stream has started arrive as one ``data: {"error": {...}}`` event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import __version__
+from .errors import InvalidRequestError, ParaLLMError, QueueFullError
+from .openai_format import (
+    APIError,
+    Timing,
+    abort_all,
+    api_error_from,
+    chat_response,
+    chat_stream,
+    completion_response,
+    completion_stream,
+    merged,
+    sum_usage,
+)
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics, render as render_metrics
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    NamedToolChoice,
+    TokenizeRequest,
+    TokenizeResponse,
+    now,
+)
+
+logger = logging.getLogger("parallm_engine.server")
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+#: Model names every server answers to when it serves the embedded default model.
+DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    429: {"model": ErrorResponse, "description": "Engine queue full (see Retry-After)"},
+    503: {"model": ErrorResponse, "description": "Engine not running"},
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        msg = "the request body must be a JSON object (Content-Type: application/json)"
+    detail = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        detail += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return APIError(400, detail, param=param)
+
+
+# ----------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------
+
+
+class ServerState:
+    """What the endpoints share: the engine, the names it answers to, the key, the metrics."""
+
+    def __init__(self, engine, model, api_key: str | None, served_model_name: str | list[str] | None,
+                 engine_config: dict[str, Any]):
+        self.engine = engine
+        self.model_arg = model
+        self.engine_config = engine_config
+        self.api_key = api_key or None
+        self.served_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.metrics = ServerMetrics()
+        self.created = now()
+
+    def load_engine(self):
+        if self.engine is None:
+            from .registry import get_engine
+
+            self.engine = get_engine(self.model_arg, **self.engine_config)
+        return self.engine
+
+    @property
+    def model_name(self) -> str:
+        if self.served_names:
+            return self.served_names[0]
+        return self.engine.model_name if self.engine is not None else str(self.model_arg or "default")
+
+    def accepted_names(self) -> set[str]:
+        names = set(self.served_names)
+        if self.engine is not None:
+            names.add(self.engine.model_name)
+        if self.model_arg is None:
+            names.update(DEFAULT_MODEL_ALIASES)
+        else:
+            names.add(str(self.model_arg))
+            names.add(os.path.basename(os.path.normpath(str(self.model_arg))))
+        return names
+
+    def check_model(self, name: str | None) -> str:
+        if name in (None, "") or name in self.accepted_names():
+            return self.model_name
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                       param="model", code="model_not_found")
+
+    def healthy(self) -> bool:
+        eng = self.engine
+        if eng is None or getattr(eng, "_dead", None) is not None:
+            return False
+        thread = getattr(eng, "_thread", None)
+        return thread is None or thread.is_alive()
+
+    def engine_or_503(self):
+        if not self.healthy():
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+        return self.engine
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A validated chat message as the dict the chat template renders (text content only)."""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type in ("text", "input_text") and part.text is not None:
+                parts.append(part.text)
+            else:
+                raise InvalidRequestError(
+                    f"content part of type {part.type!r} is not supported; this model reads text only",
+                    param="messages",
+                )
+        content = "".join(parts)
+    out["content"] = content if content is not None else ""
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the request body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+class _EngineStream(StreamingResponse):
+    """A streaming response that aborts its engine requests however the response ends (finished,
+    client gone, send failed, never started)."""
+
+    def __init__(self, content, handles: list, on_close: Callable[[], None] | None = None):
+        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._handles = handles
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aborted = any(not h.request.finished for h in self._handles)
+            abort_all(self._handles)
+            if self._on_close is not None:
+                self._on_close(aborted)
+
+
+def _submit_all(engine, prompts: list, loop, kwargs: dict) -> list:
+    """Submit every prompt; if one is refused, abort the ones already queued and re-raise."""
+    handles = []
+    try:
+        for p in prompts:
+            handles.append(engine.submit(p, loop=loop, **kwargs))
+    except BaseException:
+        abort_all(handles)
+        raise
+    return handles
+
+
+# ----------------------------------------------------------------------------------------------
+# The app
+# ----------------------------------------------------------------------------------------------
+
+
+class _HTTPCounter:
+    """Pure ASGI middleware counting answered requests by endpoint, method and status (a streaming
+    response is counted when it starts). Paths outside the API are one label, so fuzzing cannot blow
+    up the metric's cardinality."""
+
+    KNOWN = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+             "/detokenize", "/version")
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in self.KNOWN else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        method = scope.get("method", "")
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count_http(endpoint, method, message["status"])
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)
+
+
+def create_app(engine=None, model=None, api_key: str | None = None, *, served_model_name: str | list[str] | None = None,
+               engine_config: dict[str, Any] | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (or, when None, the shared engine for ``model`` and
+    ``engine_config``, loaded at startup). ``api_key``: require it on ``/v1/*`` and the tokenizer
+    endpoints. ``served_model_name``: the name(s) clients use (default: the engine's model name)."""
+    state = ServerState(engine, model, api_key, served_model_name, dict(engine_config or {}))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state.engine is None:
+            await asyncio.to_thread(state.load_engine)
+        yield
+
+    app = FastAPI(title="ParaLLM", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API on ParaLLM's continuous-batching engine.")
+    app.state.parallm = state
+    app.add_middleware(_HTTPCounter, metrics=state.metrics)
+
+    # -- error handlers ---------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code,
+                        headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(ParaLLMError)
+    async def _engine_error(request: Request, exc: ParaLLMError):
+        return api_error_from(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return api_error_from(exc).response()
+
+    # -- auth ---------------------------------------------------------------------------------------
+    async def require_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not token or not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(require_key)]
+
+    # -- info endpoints ------------------------------------------------------------------------------
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERROR_RESPONSES[503]})
+    async def health():
+        if not state.healthy():
+            return JSONResponse({"status": "unavailable", "model": state.model_name}, status_code=503)
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics():
+        stats = state.engine.stats() if state.engine is not None else None
+        body = render_metrics(stats, state.metrics, state.model_name, healthy=state.healthy())
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
+
+    def _card() -> ModelCard:
+        ctx = getattr(state.engine, "context_window", None)
+        return ModelCard(id=state.model_name, created=state.created, max_model_len=ctx)
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=auth,
+             responses={401: _ERROR_RESPONSES[401]})
+    async def list_models():
+        return ModelList(data=[_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth,
+             responses={401: _ERROR_RESPONSES[401], 404: _ERROR_RESPONSES[404]})
+    async def get_model(model_id: str):
+        state.check_model(model_id)
+        return _card()
+
+    # -- tokenizer ------------------------------------------------------------------------------------
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth,
+              responses={k: _ERROR_RESPONSES[k] for k in (400, 401, 404)})
+    async def tokenize(req: TokenizeRequest):
+        state.check_model(req.model)
+        eng = state.engine_or_503()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.messages is not None:
+            msgs = [_message_dict(m) for m in req.messages]
+            ids = list(eng.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt))
+        else:
+            ids = eng.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=eng.context_window, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=auth,
+              responses={k: _ERROR_RESPONSES[k] for k in (400, 401, 404)})
+    async def detokenize(req: DetokenizeRequest):
+        state.check_model(req.model)
+        eng = state.engine_or_503()
+        vocab = eng.model_info.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=eng.decode(req.tokens))
+
+    # -- generation -----------------------------------------------------------------------------------
+    async def run_to_completion(request: Request, handles: list, timing: Timing, endpoint: str) -> list:
+        """Drain the handles; abort them all if the client goes away first."""
+
+        async def drain():
+            async for _ in merged(handles, timing):
+                pass
+
+        work = asyncio.ensure_future(drain())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                state.metrics.count_outcome(endpoint, "client_disconnected")
+                raise APIError(499, "client disconnected", code="client_disconnected")
+            work.result()  # re-raises an engine error
+        except ParaLLMError:
+            state.metrics.count_outcome(endpoint, "error")
+            raise
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+            abort_all(handles)
+        results = [h.request.result for h in handles]
+        timing.on_done(sum_usage(results))
+        state.metrics.count_outcome(endpoint, "finished")
+        return results
+
+    async def submit(prompts: list, kwargs: dict, endpoint: str, offload: bool) -> list:
+        eng = state.engine_or_503()
+        loop = asyncio.get_running_loop()
+        try:
+            if offload:  # compiling a grammar takes a while: keep the event loop serving others
+                return await asyncio.to_thread(_submit_all, eng, prompts, loop, kwargs)
+            return _submit_all(eng, prompts, loop, kwargs)
+        except QueueFullError:
+            state.metrics.count_outcome(endpoint, "rejected")
+            raise
+
+    def stream_closed(endpoint: str, timing: Timing, handles: list) -> Callable[[bool], None]:
+        def on_close(aborted: bool) -> None:
+            if aborted:
+                state.metrics.count_outcome(endpoint, "client_disconnected")
+            else:
+                results = [h.request.result for h in handles]
+                if all(r is not None for r in results):
+                    timing.on_done(sum_usage(results))
+                    state.metrics.count_outcome(endpoint, "finished")
+                else:
+                    state.metrics.count_outcome(endpoint, "error")
+        return on_close
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
+              responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        model_name = state.check_model(req.model)
+        eng = state.engine_or_503()
+        messages = [_message_dict(m) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+        if tools is None and tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice requires tools", param="tool_choice")
+        if tool_choice == "none":  # nothing may be called: do not even show the tools
+            tools, tool_choice = None, None
+        kwargs = req.sampling_kwargs()
+        if tools:
+            kwargs["tools"] = tools
+            if tool_choice is not None:
+                kwargs["tool_choice"] = tool_choice
+            if req.parallel_tool_calls is not None:
+                kwargs["parallel_tool_calls"] = req.parallel_tool_calls
+        response_format = req.response_format.to_engine() if req.response_format else None
+        if response_format is not None:
+            kwargs["response_format"] = response_format
+        constrained = response_format is not None or (tools and tool_choice not in (None, "auto"))
+        prompt = eng.apply_chat_template(messages, tools=tools)
+        timing = Timing(state.metrics)
+        handles = await submit([prompt], kwargs, "chat", offload=bool(constrained))
+        single_call = req.parallel_tool_calls is False
+        if req.stream:
+            gen = chat_stream(handles, timing, model_name, tools is not None, single_call, req.include_usage)
+            return _EngineStream(gen, handles, stream_closed("chat", timing, handles))
+        result = (await run_to_completion(request, handles, timing, "chat"))[0]
+        return JSONResponse(chat_response(result, model_name, single_call))
+
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth,
+              responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def completions(req: CompletionRequest, request: Request):
+        model_name = state.check_model(req.model)
+        eng = state.engine_or_503()
+        prompts = _completion_prompts(req.prompt)
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(400, "best_of must equal n (every sampled choice is returned)", param="best_of")
+        if req.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        kwargs = req.sampling_kwargs()
+        response_format = req.response_format.to_engine() if req.response_format else None
+        if response_format is not None:
+            kwargs["response_format"] = response_format
+        n = req.n or 1
+        timing = Timing(state.metrics)
+        handles = await submit(prompts, kwargs, "completions", offload=response_format is not None)
+        try:  # after submit, which has checked token ids are in the vocabulary
+            echoes = [(p if isinstance(p, str) else eng.decode(p)) if req.echo else "" for p in prompts]
+        except BaseException:
+            abort_all(handles)
+            raise
+        if req.stream:
+            gen = completion_stream(handles, timing, model_name, n, echoes, req.logprobs is not None,
+                                     req.include_usage)
+            return _EngineStream(gen, handles, stream_closed("completions", timing, handles))
+        results = await run_to_completion(request, handles, timing, "completions")
+        return JSONResponse(completion_response(results, model_name, n, echoes, req.logprobs is not None))
+
+    return app
+
+
+def _completion_prompts(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        if any(not p for p in prompt):
+            raise APIError(400, "token-id prompts must not be empty", param="prompt")
+        return [list(p) for p in prompt]
+    raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Response bodies
+# ----------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------
+# Running it
+# ----------------------------------------------------------------------------------------------
+
+
+def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
+          served_model_name: str | list[str] | None = None, log_level: str = "info", **engine_config) -> None:
+    """Load the model (the process-wide shared engine) and serve it until interrupted.
+
+    ``api_key`` defaults to ``$PARALLM_API_KEY``; ``engine_config`` goes to :func:`get_engine`
+    (``max_batch_size``, ``max_queue``, ``enable_prefix_cache``, ...).
+    """
+    import uvicorn
+
+    from .registry import get_engine
+
+    api_key = api_key or os.environ.get("PARALLM_API_KEY") or None
+    engine = get_engine(model, **engine_config)
+    app = create_app(engine=engine, model=model, api_key=api_key, served_model_name=served_model_name)
+    if host not in LOOPBACK_HOSTS and api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
+                       "(pass --api-key to require one)", host)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"ParaLLM serving {app.state.parallm.model_name} at http://{shown}:{port}/v1"
+          f"{' (API key required)' if api_key else ''}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """The server in a background thread of this process: a notebook can share its loaded model with
+    other processes, and tests can talk to a real socket. ``port=0`` picks a free port::
+
+        with ServerThread(engine=get_engine()) as srv:
+            OpenAI(base_url=srv.base_url, api_key="EMPTY") ...
+    """
+
+    def __init__(self, app: FastAPI | None = None, *, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", **create_app_kwargs):
+        import uvicorn
+
+        self.app = app if app is not None else create_app(**create_app_kwargs)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=2))
+        self.host, self.port = host, port
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """What OpenAI clients and ``ChatParaLLM(base_url=...)`` take."""
+        return f"{self.url}/v1"
+
+    def start(self, timeout: float = 120.0) -> "ServerThread":
+        self._thread = threading.Thread(target=self.server.run, name="parallm-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["create_app", "serve", "ServerThread", "APIError", "api_error_from"]

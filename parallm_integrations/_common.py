@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
         cfg = cfg.get("text_config", cfg)
         ctx = cfg.get("max_position_embeddings")
         return int(ctx) if ctx else None
-    except Exception:  # a peek must never make construction fail
+    except Exception:  # noqa: BLE001  (a peek must never make construction fail)
         return None
 
 
@@ -82,7 +82,6 @@ class EngineRequest:
     parallel_tool_calls: bool | None = None
     model: str | None = None
     timeout: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def submit_kwargs(self, engine: Any = None) -> dict[str, Any]:
         """kwargs for ``Engine.submit`` (constraint kwargs only when set, so an engine without

@@ -52,7 +52,7 @@ def content_to_text(content: str | list[Any], *, role: str, skip: tuple[str, ...
             parts.append(block)
             continue
         if not isinstance(block, Mapping):
-            raise ValueError(f"unsupported content block in a {role} message: {block!r}")
+            raise TypeError(f"unsupported content block in a {role} message: {block!r}")
         btype = block.get("type")
         if btype in _TEXT_BLOCK_TYPES:
             parts.append(str(block.get("text", "")))

@@ -18,6 +18,7 @@ Two layers. Results have the engine's shapes, so a class's code does not care wh
        client.models() / await client.amodels()                          -> list[str]
        client.resolve_model(name) / await client.aresolve_model(name)    -> str
        client.tokenize(text, model=None, add_special_tokens=False)       -> list[int]  (vLLM /tokenize)
+       client.tokenize_messages(messages, model=None, tools=None, add_generation_prompt=False) -> list[int]
 
    ``messages`` are OpenAI message dicts, ``tools`` OpenAI tool dicts, ``sampling`` the engine's
    keyword names (max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
@@ -65,6 +66,7 @@ Two layers. Results have the engine's shapes, so a class's code does not care wh
        completion_stream(llm, prompt, params, run_manager=None) -> Iterator[GenerationChunk]
        acompletion_stream(llm, prompt, params, run_manager=None) -> AsyncIterator[GenerationChunk]
        get_token_ids(llm, text) -> list[int]
+       get_num_tokens_from_messages(llm, messages, tools=None) -> int      (OpenAI dicts in)
 
    They build exactly what the in-process paths build (same ``response_metadata``, ``usage_metadata``
    with ``input_token_details.cache_read``, ``tool_call_chunks``, last chunk with
@@ -244,6 +246,8 @@ def _translate(exc: BaseException) -> BaseException:
         message, param, code = _error_fields(exc)
         if code == "context_length_exceeded":
             return ContextLengthExceededError(message, param=param)
+        if getattr(exc, "type", None) == "invalid_request_error":
+            return InvalidRequestError(message, param=param)
     return exc
 
 
@@ -317,17 +321,23 @@ def _completion_kwargs(prompt, model: str, response_format, sampling: dict[str, 
 
 
 class _StreamState:
-    """Re-times an OpenAI chunk stream into engine-style deltas: ``usage`` (a chunk of its own at
-    the end of an OpenAI stream) moves onto the last delta that carries a ``finish_reason``."""
+    """Re-times an OpenAI chunk stream into engine-style deltas: ``usage`` (a chunk of its own at the
+    end of an OpenAI stream, or, from servers that report it continuously, on every chunk) goes onto
+    the request's very last delta, the last one that carries a ``finish_reason``."""
 
     def __init__(self) -> None:
         self.pending: RemoteDelta | None = None
         self.model: str | None = None
+        self.usage: Usage | None = None
+        self.request_id = ""
 
     def feed(self, chunk, completion: bool) -> list[RemoteDelta]:
         self.model = getattr(chunk, "model", None) or self.model
-        out: list[RemoteDelta] = []
+        self.request_id = getattr(chunk, "id", None) or self.request_id
         usage = _usage(getattr(chunk, "usage", None))
+        if usage is not None:
+            self.usage = usage
+        out: list[RemoteDelta] = []
         for ch in chunk.choices or []:
             if completion:
                 delta = RemoteDelta(chunk.id, ch.index, ch.text or "", [], finish_reason=ch.finish_reason,
@@ -349,22 +359,20 @@ class _StreamState:
                 out.append(self.pending)
                 self.pending = None
             if delta.finish_reason is not None:
-                self.pending = delta
+                self.pending = delta  # maybe the last one: usage may still come
             else:
                 out.append(delta)
-        if usage is not None:
-            if self.pending is not None:
-                self.pending.usage = usage
-                out.append(self.pending)
-                self.pending = None
-            else:
-                out.append(RemoteDelta(chunk.id, 0, "", [], usage=usage, model=self.model))
         return out
 
     def flush(self) -> list[RemoteDelta]:
-        out = [self.pending] if self.pending is not None else []
-        self.pending = None
-        return out
+        """At the end of the stream."""
+        last, self.pending = self.pending, None
+        if last is not None:
+            last.usage = self.usage
+            return [last]
+        if self.usage is not None:
+            return [RemoteDelta(self.request_id, 0, "", [], usage=self.usage, model=self.model)]
+        return []
 
 
 class RemoteClient:
@@ -572,12 +580,24 @@ class RemoteClient:
                  timeout: float | None = 30.0) -> list[int]:
         """Token ids from the server's tokenizer (vLLM's ``POST /tokenize``, which ``parallm serve``
         implements too). Raises ``NotImplementedError`` for a server without it."""
+        body = {"model": self.resolve_model(model), "prompt": text, "add_special_tokens": add_special_tokens}
+        return self._tokenize(body, timeout)
+
+    def tokenize_messages(self, messages: list[dict], *, model: str | None = None, tools: list[dict] | None = None,
+                          add_generation_prompt: bool = False, timeout: float | None = 30.0) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``) rendered with the server's chat template."""
+        body: dict[str, Any] = {"model": self.resolve_model(model), "messages": messages,
+                                "add_generation_prompt": add_generation_prompt}
+        if tools:
+            body["tools"] = list(tools)
+        return self._tokenize(body, timeout)
+
+    def _tokenize(self, body: dict, timeout: float | None) -> list[int]:
         root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
-        body = json.dumps({"model": self.resolve_model(model), "prompt": text,
-                           "add_special_tokens": add_special_tokens}).encode()
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}",
                    **self.default_headers}
-        req = urllib.request.Request(f"{root}/tokenize", data=body, headers=headers, method="POST")
+        req = urllib.request.Request(f"{root}/tokenize", data=json.dumps(body).encode(), headers=headers,
+                                     method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the user's base_url)
                 return [int(t) for t in json.loads(resp.read())["tokens"]]
@@ -587,6 +607,9 @@ class RemoteClient:
                     f"the server at {self.base_url} has no /tokenize endpoint; token counts need the model's "
                     "tokenizer (parallm serve and vLLM have one)"
                 ) from exc
+            detail = exc.read().decode("utf-8", "replace")[:500]
+            if exc.code == 400:
+                raise InvalidRequestError(f"tokenize failed: {detail}") from exc
             raise
 
 
@@ -849,8 +872,14 @@ def get_token_ids(llm, text: str) -> list[int]:
     return client_for(llm).tokenize(text, model=getattr(llm, "model", None), add_special_tokens=False)
 
 
+def get_num_tokens_from_messages(llm, messages: list[dict], tools: list[dict] | None = None) -> int:
+    """Tokens of OpenAI message dicts (and OpenAI tool dicts) rendered with the server's template."""
+    return len(client_for(llm).tokenize_messages(messages, model=getattr(llm, "model", None), tools=tools))
+
+
 __all__ = [
     "RemoteClient", "RemoteDelta", "RemoteResult", "RemoteToolCall", "get_client", "client_for",
     "chat_generate", "achat_generate", "chat_stream", "achat_stream", "completion_generate",
     "acompletion_generate", "completion_stream", "acompletion_stream", "get_token_ids",
+    "get_num_tokens_from_messages",
 ]

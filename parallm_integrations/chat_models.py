@@ -6,7 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun, Callbacks
 from langchain_core.language_models import LanguageModelInput
@@ -23,7 +23,6 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import model_validator
-from typing_extensions import Self
 
 from ._common import (
     DEFAULT_MODEL_NAME,
@@ -638,4 +637,4 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         return llm | parser
 
 
-__all__ = ["ChatParaLLM", "DEFAULT_MODEL_NAME"]
+__all__ = ["DEFAULT_MODEL_NAME", "ChatParaLLM"]

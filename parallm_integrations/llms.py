@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models.llms import BaseLLM
 from langchain_core.language_models.base import LangSmithParams
+from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from ._common import EngineCall, EngineRequest, ParaLLMParams, remote_function

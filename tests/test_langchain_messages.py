@@ -6,6 +6,7 @@ import json
 
 import pytest
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
@@ -135,11 +136,25 @@ def test_fields_aliases_and_ls_params():
         ChatParaLLM(n=2, streaming=True)
 
 
-def test_base_url_goes_to_the_remote_client():
-    try:
-        import parallm_integrations._remote  # noqa: F401
-    except ImportError:
-        with pytest.raises(NotImplementedError, match="base_url"):
-            ChatParaLLM(base_url="http://127.0.0.1:9/v1").invoke("hi")
-    else:
-        pytest.skip("the remote client exists; its own tests cover base_url")
+def test_base_url_never_touches_the_local_engine(monkeypatch):
+    """With base_url set, every path goes to parallm_integrations._remote, with OpenAI-shaped input."""
+    import parallm_integrations._common as common
+
+    seen = {}
+
+    def fake(name):
+        def call(llm, messages, params, run_manager=None):
+            seen[name] = (messages, params)
+            return ChatResult(generations=[ChatGeneration(message=AIMessage("remote"))])
+
+        return call
+
+    monkeypatch.setattr(common, "remote_function", fake)
+    monkeypatch.setattr("parallm_integrations.chat_models.remote_function", fake)
+    llm = ChatParaLLM(base_url="http://127.0.0.1:9/v1", temperature=0, max_tokens=5)
+    msg = llm.bind_tools([get_weather], tool_choice="any").invoke("hi", stop=["x"])
+    assert msg.content == "remote" and llm._engine is None
+    messages, params = seen["chat_generate"]
+    assert messages == [{"role": "user", "content": "hi"}]
+    assert params["tool_choice"] == "required" and params["tools"][0]["function"]["name"] == "get_weather"
+    assert params["stop"] == ["x"] and params["max_tokens"] == 5 and params["model"] == "SmolLM2-135M-Instruct"

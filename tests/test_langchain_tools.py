@@ -13,10 +13,10 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Send
+from parallm_engine import Choice, StreamDelta, Usage
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
-from parallm_engine import Choice, StreamDelta, Usage
 from parallm_integrations import ChatParaLLM
 from parallm_integrations._common import EngineRequest
 from parallm_integrations.chat_models import _ChunkBuilder
@@ -196,7 +196,7 @@ async def test_langgraph_four_parallel_tool_calls_overlap(idle_engine):
     async def run_tool(call: dict) -> ToolMessage:
         active["tools"] += 1
         active["tool_peak"] = max(active["tool_peak"], active["tools"])
-        await asyncio.sleep(0.2)  # an I/O-bound tool
+        await asyncio.sleep(1.5)  # an I/O-bound tool (long enough for all four branches to reach it)
         active["tools"] -= 1
         return ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])
 

@@ -52,7 +52,7 @@ def wait_idle(engine, timeout: float = 60.0) -> float:
     """Seconds until the engine has nothing in flight (fails after ``timeout``)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if engine.running_count == 0 and engine.stats()["running"] == 0:
+        if engine.running_count == 0:
             return time.monotonic() - t0
         time.sleep(0.05)
     raise AssertionError(f"engine still busy after {timeout} s: {engine.stats()}")
@@ -440,6 +440,21 @@ def test_error_bodies(server, engine):
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     assert post(chat, json={"messages": ok_msgs, "max_tokens": 2}).status_code == 200
     assert engine.running_count == 0
+
+
+def test_request_body_limit(engine):
+    big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 2}
+    with ServerThread(create_app(engine=engine, max_body_bytes=2048)) as srv:
+        url = f"{srv.base_url}/chat/completions"
+        assert_error_body(httpx.post(url, json=big), 413, code="request_too_large")
+
+        def chunks():  # no Content-Length: the limit is enforced while the body streams in
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+
+        assert_error_body(httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"}), 413)
+        assert httpx.post(url, json={"messages": QUESTION, "max_tokens": 2}).status_code == 200
 
 
 def test_tokenize_detokenize(server, engine):

@@ -341,6 +341,7 @@ class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -217,7 +217,7 @@ class _EngineStream(StreamingResponse):
     """A streaming response that aborts its engine requests however the response ends (finished,
     client gone, send failed, never started)."""
 
-    def __init__(self, content, handles: list, on_close: Callable[[], None] | None = None):
+    def __init__(self, content, handles: list, on_close: Callable[[bool], None] | None = None):
         super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
         self._handles = handles
         self._on_close = on_close
@@ -275,11 +275,51 @@ class _HTTPCounter:
         return await self.app(scope, receive, counting_send)
 
 
+class _BodyLimit:
+    """Pure ASGI middleware refusing request bodies over ``limit`` bytes with 413, by Content-Length
+    up front or while a chunked body streams in, so no request can exhaust the server's memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = StarletteHTTPException(413, f"request body is larger than {self.limit} bytes")
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    if int(value) > self.limit:
+                        return await _http_error_response(too_large)(scope, receive, send)
+                except ValueError:
+                    pass
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise too_large
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+def _http_error_response(exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), type=kind, code=code,
+                    headers=getattr(exc, "headers", None)).response()
+
+
 def create_app(engine=None, model=None, api_key: str | None = None, *, served_model_name: str | list[str] | None = None,
-               engine_config: dict[str, Any] | None = None) -> FastAPI:
+               engine_config: dict[str, Any] | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
     """The FastAPI app serving ``engine`` (or, when None, the shared engine for ``model`` and
     ``engine_config``, loaded at startup). ``api_key``: require it on ``/v1/*`` and the tokenizer
-    endpoints. ``served_model_name``: the name(s) clients use (default: the engine's model name)."""
+    endpoints. ``served_model_name``: the name(s) clients use (default: the engine's model name).
+    ``max_body_bytes``: larger request bodies are refused with 413."""
     state = ServerState(engine, model, api_key, served_model_name, dict(engine_config or {}))
 
     @asynccontextmanager
@@ -291,6 +331,7 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
     app = FastAPI(title="ParaLLM", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API on ParaLLM's continuous-batching engine.")
     app.state.parallm = state
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.add_middleware(_HTTPCounter, metrics=state.metrics)
 
     # -- error handlers ---------------------------------------------------------------------------
@@ -304,10 +345,7 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), type=kind, code=code,
-                        headers=getattr(exc, "headers", None)).response()
+        return _http_error_response(exc)
 
     @app.exception_handler(ParaLLMError)
     async def _engine_error(request: Request, exc: ParaLLMError):
@@ -372,7 +410,8 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
             msgs = [_message_dict(m) for m in req.messages]
-            ids = list(eng.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt))
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = list(eng.apply_chat_template(msgs, tools=tools, add_generation_prompt=req.add_generation_prompt))
         else:
             ids = eng.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=eng.context_window, tokens=ids)

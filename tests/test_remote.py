@@ -208,6 +208,12 @@ def test_leaving_a_stream_aborts_the_server_request(remote, engine):
     assert engine.stats()["requests_aborted"] > before
 
 
+def test_models_and_context_window(remote, engine):
+    assert remote.models() == [engine.model_name]
+    assert remote.context_window() == engine.context_window
+    assert remote.context_window("default") == engine.context_window
+
+
 def test_tokenize(remote, llm, engine):
     assert remote.tokenize("Hello world") == engine.encode("Hello world", add_special_tokens=False)
     ids = remote.tokenize_messages(QUESTION, tools=[WEATHER_TOOL])

@@ -1,0 +1,581 @@
+"""The engine-shaped OpenAI-compatible client behind ``base_url=`` (see ``_remote`` for the
+interface, the result shapes and the LangChain adapters built on it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallm_engine.chat_format import ToolCall, ToolCallDelta
+from parallm_engine.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelLoadError,
+    QueueFullError,
+)
+from parallm_engine.request import Choice, GenerationResult, StreamDelta, TokenLogprob, Usage
+
+DEFAULT_MODEL_ALIASES = ("", "default", "SmolLM2-135M-Instruct")
+
+#: Request fields the OpenAI API has for each endpoint; everything else goes in ``extra_body``.
+_CHAT_FIELDS = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "response_format", "user", "metadata",
+})
+_COMPLETION_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "logit_bias", "logprobs", "echo", "user", "best_of", "suffix",
+})
+
+
+# ----------------------------------------------------------------------------------------------
+# Result types
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RemoteToolCall(ToolCall):
+    raw_arguments: str | None = None  # the argument text as the server sent it
+    error: str | None = None  # set when raw_arguments is not a JSON object (arguments is then {})
+
+
+@dataclass
+class RemoteResult(GenerationResult):
+    model: str | None = None
+
+
+@dataclass
+class RemoteDelta(StreamDelta):
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    model: str | None = None  # the model name the server answered with
+
+
+def _usage(u) -> Usage | None:
+    if u is None:
+        return None
+    details = getattr(u, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    return Usage(prompt_tokens=int(u.prompt_tokens or 0), completion_tokens=int(u.completion_tokens or 0),
+                 cached_tokens=int(cached or 0))
+
+
+def _tool_call(tc) -> RemoteToolCall:
+    fn = tc.function
+    raw = fn.arguments if fn is not None else ""
+    args: dict = {}
+    error = None
+    try:
+        parsed = json.loads(raw) if raw else {}
+        if isinstance(parsed, dict):
+            args = parsed
+        else:
+            error = "arguments are not a JSON object"
+    except (json.JSONDecodeError, TypeError) as exc:
+        error = f"arguments are not valid JSON: {exc}"
+    return RemoteToolCall(id=tc.id or "", name=(fn.name if fn is not None else "") or "", arguments=args,
+                          raw_arguments=raw, error=error)
+
+
+def _chat_logprobs(lp) -> list[TokenLogprob] | None:
+    content = getattr(lp, "content", None) if lp is not None else None
+    if not content:
+        return None
+    return [TokenLogprob(-1, t.token, float(t.logprob),
+                         [(-1, a.token, float(a.logprob)) for a in (t.top_logprobs or [])])
+            for t in content]
+
+
+def _completion_logprobs(lp) -> list[TokenLogprob] | None:
+    if lp is None or not lp.tokens:
+        return None
+    tops = lp.top_logprobs or [None] * len(lp.tokens)
+    out = []
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs or [], tops):
+        alts = [(-1, k, float(v)) for k, v in (top or {}).items()]
+        out.append(TokenLogprob(-1, tok, float(val) if val is not None else float("-inf"), alts))
+    return out
+
+
+def _chat_result(resp) -> RemoteResult:
+    choices = []
+    for ch in sorted(resp.choices, key=lambda c: c.index):
+        msg = ch.message
+        content = msg.content or ""
+        choices.append(Choice(index=ch.index, text=content, token_ids=[], finish_reason=ch.finish_reason,
+                              logprobs=_chat_logprobs(ch.logprobs), content=content,
+                              tool_calls=[_tool_call(tc) for tc in (msg.tool_calls or [])]))
+    return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(),
+                        prompt_token_ids=[], model=resp.model)
+
+
+def _completion_results(resp, n_prompts: int, n: int) -> list[RemoteResult]:
+    """One HTTP response for many prompts -> one result per prompt (choice i*n + j is prompt i's j-th)."""
+    groups: list[list[Choice]] = [[] for _ in range(n_prompts)]
+    for ch in sorted(resp.choices, key=lambda c: c.index):
+        p, j = divmod(ch.index, n)
+        if p < n_prompts:
+            groups[p].append(Choice(index=j, text=ch.text, token_ids=[], finish_reason=ch.finish_reason,
+                                    logprobs=_completion_logprobs(ch.logprobs), content=ch.text))
+    usage = _usage(resp.usage) or Usage()
+    results = []
+    for i, choices in enumerate(groups):
+        # The server reports usage for the whole call: it goes on the first result, so sums stay right.
+        results.append(RemoteResult(request_id=f"{resp.id}-{i}", choices=choices,
+                                    usage=usage if i == 0 else Usage(), prompt_token_ids=[], model=resp.model))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+
+def _error_fields(exc) -> tuple[str, str | None, str | None]:
+    body = getattr(exc, "body", None)
+    err = body.get("error", body) if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or exc), err.get("param"), err.get("code")
+    return str(getattr(exc, "message", None) or exc), None, getattr(exc, "code", None)
+
+
+def _translate(exc: BaseException) -> BaseException:
+    """An ``openai`` exception -> the error the in-process engine raises for the same problem."""
+    import openai
+
+    if isinstance(exc, openai.APITimeoutError):
+        return TimeoutError(f"ParaLLM request to the server timed out ({exc})")
+    if isinstance(exc, openai.RateLimitError):
+        retry = 1.0
+        try:
+            retry = float(exc.response.headers.get("retry-after", 1.0))
+        except (TypeError, ValueError, AttributeError):
+            pass
+        return QueueFullError(_error_fields(exc)[0], retry_after=retry)
+    if isinstance(exc, (openai.BadRequestError, openai.UnprocessableEntityError)):
+        message, param, code = _error_fields(exc)
+        if code == "context_length_exceeded" or "context length" in message.lower():
+            return ContextLengthExceededError(message, param=param)
+        return InvalidRequestError(message, param=param)
+    if isinstance(exc, openai.NotFoundError):
+        message, param, code = _error_fields(exc)
+        if code == "model_not_found" or param == "model" or "model" in message.lower():
+            return ModelLoadError(message)
+    if isinstance(exc, openai.APIError) and not isinstance(exc, openai.APIStatusError):
+        # An error event inside a stream (``data: {"error": ...}``).
+        message, param, code = _error_fields(exc)
+        if code == "context_length_exceeded":
+            return ContextLengthExceededError(message, param=param)
+        if getattr(exc, "type", None) == "invalid_request_error":
+            return InvalidRequestError(message, param=param)
+    return exc
+
+
+def _raise(exc: BaseException):
+    new = _translate(exc)
+    if new is exc:
+        raise exc
+    raise new from exc
+
+
+# ----------------------------------------------------------------------------------------------
+# Request bodies
+# ----------------------------------------------------------------------------------------------
+
+
+def _split(body: dict[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
+    """OpenAI fields as keyword arguments; the rest in ``extra_body``; None values dropped."""
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in body.items():
+        if value is None:
+            continue
+        (kwargs if key in allowed else extra)[key] = value
+    if "logit_bias" in kwargs:
+        kwargs["logit_bias"] = {str(k): v for k, v in kwargs["logit_bias"].items()}
+    if extra:
+        kwargs["extra_body"] = extra
+    return kwargs
+
+
+def _chat_kwargs(messages: list[dict], model: str, tools, tool_choice, response_format, parallel_tool_calls,
+                 sampling: dict[str, Any]) -> dict[str, Any]:
+    body = dict(sampling)
+    if body.get("top_logprobs") and not body.get("logprobs"):
+        body["logprobs"] = True
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+    if tools:
+        body["tools"] = list(tools)
+        if tool_choice is not None:
+            body["tool_choice"] = "required" if tool_choice in ("any", True) else tool_choice
+        if parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = parallel_tool_calls
+    if response_format is not None:
+        body["response_format"] = response_format
+    kwargs = _split(body, _CHAT_FIELDS)
+    kwargs["model"] = model
+    kwargs["messages"] = messages
+    return kwargs
+
+
+def _completion_kwargs(prompt, model: str, response_format, sampling: dict[str, Any]) -> dict[str, Any]:
+    body = dict(sampling)
+    want = body.pop("logprobs", None)
+    top = body.pop("top_logprobs", None)
+    if want or top:
+        body["logprobs"] = int(top or 0)  # the completions API takes the number of alternatives
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+    if response_format is not None:
+        body["response_format"] = response_format  # ParaLLM / vLLM extension: goes in extra_body
+    kwargs = _split(body, _COMPLETION_FIELDS)
+    kwargs["model"] = model
+    kwargs["prompt"] = prompt
+    return kwargs
+
+
+# ----------------------------------------------------------------------------------------------
+# The client
+# ----------------------------------------------------------------------------------------------
+
+
+class _StreamState:
+    """Re-times an OpenAI chunk stream into engine-style deltas: ``usage`` (a chunk of its own at the
+    end of an OpenAI stream, or, from servers that report it continuously, on every chunk) goes onto
+    the request's very last delta, the last one that carries a ``finish_reason``."""
+
+    def __init__(self) -> None:
+        self.pending: RemoteDelta | None = None
+        self.model: str | None = None
+        self.usage: Usage | None = None
+        self.request_id = ""
+
+    def feed(self, chunk, completion: bool) -> list[RemoteDelta]:
+        self.model = getattr(chunk, "model", None) or self.model
+        self.request_id = getattr(chunk, "id", None) or self.request_id
+        usage = _usage(getattr(chunk, "usage", None))
+        if usage is not None:
+            self.usage = usage
+        out: list[RemoteDelta] = []
+        for ch in chunk.choices or []:
+            if completion:
+                delta = RemoteDelta(chunk.id, ch.index, ch.text or "", [], finish_reason=ch.finish_reason,
+                                    logprobs=_completion_logprobs(ch.logprobs))
+            else:
+                d = ch.delta
+                calls = []
+                for tc in (getattr(d, "tool_calls", None) or []):
+                    fn = tc.function
+                    calls.append(ToolCallDelta(tc.index, tc.id or None, (fn.name if fn else None) or None,
+                                               (fn.arguments if fn else "") or ""))
+                delta = RemoteDelta(chunk.id, ch.index, (d.content if d is not None else None) or "", [],
+                                    finish_reason=ch.finish_reason, logprobs=_chat_logprobs(ch.logprobs),
+                                    tool_calls=calls)
+            if not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason):
+                continue  # e.g. the role-only first chunk
+            delta.model = self.model
+            if self.pending is not None:
+                out.append(self.pending)
+                self.pending = None
+            if delta.finish_reason is not None:
+                self.pending = delta  # maybe the last one: usage may still come
+            else:
+                out.append(delta)
+        return out
+
+    def flush(self) -> list[RemoteDelta]:
+        """At the end of the stream."""
+        last, self.pending = self.pending, None
+        if last is not None:
+            last.usage = self.usage
+            return [last]
+        if self.usage is not None:
+            return [RemoteDelta(self.request_id, 0, "", [], usage=self.usage, model=self.model)]
+        return []
+
+
+class RemoteClient:
+    """An OpenAI-compatible server, with the engine's call shapes (see the module docstring)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, *, max_retries: int = 2,
+                 default_headers: dict[str, str] | None = None):
+        if not base_url:
+            raise ValueError("base_url must be given")
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key or "EMPTY"
+        self.max_retries = 2 if max_retries is None else int(max_retries)
+        self.default_headers = dict(default_headers or {})
+        self._sync = None
+        self._async: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._models: list[str] | None = None
+        self._context: dict[str, Any] = {}
+
+    # -- openai clients ------------------------------------------------------------------------------
+    @property
+    def sync_client(self):
+        if self._sync is None:
+            import openai
+
+            with self._lock:
+                if self._sync is None:
+                    self._sync = openai.OpenAI(base_url=self.base_url, api_key=self.api_key,
+                                               max_retries=self.max_retries, default_headers=self.default_headers)
+        return self._sync
+
+    @property
+    def async_client(self):
+        """The ``AsyncOpenAI`` client of the running event loop (its connection pool belongs to one loop,
+        and LlamaIndex may run a second loop in a helper thread)."""
+        import openai
+
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            client = self._async.get(loop)
+            if client is None:
+                client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key,
+                                            max_retries=self.max_retries, default_headers=self.default_headers)
+                self._async[loop] = client
+        return client
+
+    # -- models ----------------------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        """Model ids the server serves (``GET /v1/models``, asked once)."""
+        if self._models is None:
+            try:
+                self._remember([m for m in self.sync_client.models.list()])
+            except Exception as exc:
+                _raise(exc)
+        return list(self._models or [])
+
+    async def amodels(self) -> list[str]:
+        if self._models is None:
+            try:
+                self._remember([m async for m in self.async_client.models.list()])
+            except Exception as exc:
+                _raise(exc)
+        return list(self._models or [])
+
+    def _remember(self, cards: list) -> None:
+        self._context = {m.id: getattr(m, "max_model_len", None) for m in cards}
+        self._models = [m.id for m in cards]
+
+    def context_window(self, model: str | None = None) -> int | None:
+        """The served model's context window, from ``max_model_len`` on ``/v1/models`` (``parallm
+        serve`` and vLLM report it); None when the server does not say."""
+        name = self.resolve_model(model)
+        try:
+            self.models()
+        except Exception:  # a server without /v1/models
+            return None
+        value = self._context.get(name)
+        return int(value) if isinstance(value, (int, float)) else None
+
+    def _pick(self, model: str | None, served: list[str] | None) -> str:
+        if model is not None and str(model) not in DEFAULT_MODEL_ALIASES:
+            return str(model)
+        if served:
+            return str(model) if model and str(model) in served else served[0]
+        return str(model or DEFAULT_MODEL_ALIASES[-1])
+
+    def resolve_model(self, model: str | None) -> str:
+        if model is not None and str(model) not in DEFAULT_MODEL_ALIASES:
+            return str(model)
+        try:
+            served = self.models()
+        except Exception:  # a server without /v1/models: send the name as it is
+            served = None
+        return self._pick(model, served)
+
+    async def aresolve_model(self, model: str | None) -> str:
+        if model is not None and str(model) not in DEFAULT_MODEL_ALIASES:
+            return str(model)
+        try:
+            served = await self.amodels()
+        except Exception:
+            served = None
+        return self._pick(model, served)
+
+    # -- chat ------------------------------------------------------------------------------------------
+    def chat(self, messages: list[dict], *, model: str | None = None, tools=None, tool_choice=None,
+             response_format=None, parallel_tool_calls=None, timeout: float | None = None,
+             **sampling: Any) -> RemoteResult:
+        kwargs = _chat_kwargs(messages, self.resolve_model(model), tools, tool_choice, response_format,
+                              parallel_tool_calls, sampling)
+        try:
+            resp = self.sync_client.chat.completions.create(**kwargs, **_timeout(timeout))
+        except Exception as exc:
+            _raise(exc)
+        return _chat_result(resp)
+
+    async def achat(self, messages: list[dict], *, model: str | None = None, tools=None, tool_choice=None,
+                    response_format=None, parallel_tool_calls=None, timeout: float | None = None,
+                    **sampling: Any) -> RemoteResult:
+        kwargs = _chat_kwargs(messages, await self.aresolve_model(model), tools, tool_choice, response_format,
+                              parallel_tool_calls, sampling)
+        try:
+            resp = await self.async_client.chat.completions.create(**kwargs, **_timeout(timeout))
+        except Exception as exc:
+            _raise(exc)
+        return _chat_result(resp)
+
+    def chat_stream(self, messages: list[dict], *, model: str | None = None, tools=None, tool_choice=None,
+                    response_format=None, parallel_tool_calls=None, timeout: float | None = None,
+                    **sampling: Any) -> Iterator[RemoteDelta]:
+        kwargs = _chat_kwargs(messages, self.resolve_model(model), tools, tool_choice, response_format,
+                              parallel_tool_calls, sampling)
+        return self._stream(self.sync_client.chat.completions.create, kwargs, timeout, completion=False)
+
+    def achat_stream(self, messages: list[dict], *, model: str | None = None, tools=None, tool_choice=None,
+                     response_format=None, parallel_tool_calls=None, timeout: float | None = None,
+                     **sampling: Any) -> AsyncIterator[RemoteDelta]:
+        async def gen():
+            kwargs = _chat_kwargs(messages, await self.aresolve_model(model), tools, tool_choice, response_format,
+                                  parallel_tool_calls, sampling)
+            async for d in self._astream(self.async_client.chat.completions.create, kwargs, timeout, False):
+                yield d
+
+        return gen()
+
+    # -- text completions ------------------------------------------------------------------------------
+    def generate(self, prompts: str | list[str], *, model: str | None = None, response_format=None,
+                 timeout: float | None = None, **sampling: Any) -> list[RemoteResult]:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            return []
+        kwargs = _completion_kwargs(prompts, self.resolve_model(model), response_format, sampling)
+        try:
+            resp = self.sync_client.completions.create(**kwargs, **_timeout(timeout))
+        except Exception as exc:
+            _raise(exc)
+        return _completion_results(resp, len(prompts), int(sampling.get("n") or 1))
+
+    async def agenerate(self, prompts: str | list[str], *, model: str | None = None, response_format=None,
+                        timeout: float | None = None, **sampling: Any) -> list[RemoteResult]:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            return []
+        kwargs = _completion_kwargs(prompts, await self.aresolve_model(model), response_format, sampling)
+        try:
+            resp = await self.async_client.completions.create(**kwargs, **_timeout(timeout))
+        except Exception as exc:
+            _raise(exc)
+        return _completion_results(resp, len(prompts), int(sampling.get("n") or 1))
+
+    def stream(self, prompt: str, *, model: str | None = None, response_format=None, timeout: float | None = None,
+               **sampling: Any) -> Iterator[RemoteDelta]:
+        kwargs = _completion_kwargs(prompt, self.resolve_model(model), response_format, sampling)
+        return self._stream(self.sync_client.completions.create, kwargs, timeout, completion=True)
+
+    def astream(self, prompt: str, *, model: str | None = None, response_format=None, timeout: float | None = None,
+                **sampling: Any) -> AsyncIterator[RemoteDelta]:
+        async def gen():
+            kwargs = _completion_kwargs(prompt, await self.aresolve_model(model), response_format, sampling)
+            async for d in self._astream(self.async_client.completions.create, kwargs, timeout, True):
+                yield d
+
+        return gen()
+
+    # -- streaming plumbing ----------------------------------------------------------------------------
+    def _stream(self, create, kwargs: dict, timeout, completion: bool) -> Iterator[RemoteDelta]:
+        state = _StreamState()
+        try:
+            stream = create(**kwargs, stream=True, stream_options={"include_usage": True}, **_timeout(timeout))
+        except Exception as exc:
+            _raise(exc)
+        try:
+            for chunk in stream:
+                yield from state.feed(chunk, completion)
+            yield from state.flush()
+        except GeneratorExit:
+            raise
+        except Exception as exc:
+            _raise(exc)
+        finally:
+            stream.close()  # an early exit closes the connection: the server aborts the request
+
+    async def _astream(self, create, kwargs: dict, timeout, completion: bool) -> AsyncIterator[RemoteDelta]:
+        state = _StreamState()
+        try:
+            stream = await create(**kwargs, stream=True, stream_options={"include_usage": True}, **_timeout(timeout))
+        except Exception as exc:
+            _raise(exc)
+        try:
+            async for chunk in stream:
+                for d in state.feed(chunk, completion):
+                    yield d
+            for d in state.flush():
+                yield d
+        except Exception as exc:
+            _raise(exc)
+        finally:
+            await stream.close()
+
+    # -- tokenizer -------------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, model: str | None = None, add_special_tokens: bool = False,
+                 timeout: float | None = 30.0) -> list[int]:
+        """Token ids from the server's tokenizer (vLLM's ``POST /tokenize``, which ``parallm serve``
+        implements too). Raises ``NotImplementedError`` for a server without it."""
+        body = {"model": self.resolve_model(model), "prompt": text, "add_special_tokens": add_special_tokens}
+        return self._tokenize(body, timeout)
+
+    def tokenize_messages(self, messages: list[dict], *, model: str | None = None, tools: list[dict] | None = None,
+                          add_generation_prompt: bool = False, timeout: float | None = 30.0) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``) rendered with the server's chat template."""
+        body: dict[str, Any] = {"model": self.resolve_model(model), "messages": messages,
+                                "add_generation_prompt": add_generation_prompt}
+        if tools:
+            body["tools"] = list(tools)
+        return self._tokenize(body, timeout)
+
+    def _tokenize(self, body: dict, timeout: float | None) -> list[int]:
+        root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}",
+                   **self.default_headers}
+        req = urllib.request.Request(f"{root}/tokenize", data=json.dumps(body).encode(), headers=headers,
+                                     method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the user's base_url)
+                return [int(t) for t in json.loads(resp.read())["tokens"]]
+        except urllib.error.HTTPError as exc:
+            if exc.code in (404, 405):
+                raise NotImplementedError(
+                    f"the server at {self.base_url} has no /tokenize endpoint; token counts need the model's "
+                    "tokenizer (parallm serve and vLLM have one)"
+                ) from exc
+            detail = exc.read().decode("utf-8", "replace")[:500]
+            if exc.code == 400:
+                raise InvalidRequestError(f"tokenize failed: {detail}") from exc
+            raise
+
+
+def _timeout(timeout: float | None) -> dict[str, Any]:
+    return {"timeout": timeout} if timeout is not None else {}
+
+
+_clients: dict[tuple, RemoteClient] = {}
+_clients_lock = threading.Lock()
+
+
+def get_client(base_url: str, api_key: str | None = None, *, max_retries: int | None = 2,
+               default_headers: dict[str, str] | None = None) -> RemoteClient:
+    """The process-wide client for this server and key (connection pools are shared)."""
+    key = (base_url.rstrip("/"), api_key, 2 if max_retries is None else int(max_retries),
+           tuple(sorted((default_headers or {}).items())))
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = RemoteClient(base_url, api_key, max_retries=key[2], default_headers=default_headers)
+            _clients[key] = client
+        return client
+
+
+__all__ = ["RemoteClient", "RemoteDelta", "RemoteResult", "RemoteToolCall", "get_client", "DEFAULT_MODEL_ALIASES"]

@@ -299,3 +299,29 @@ def test_stats_report_throughput_and_latency(engine):
                 "cache_hit_rate", "prefix_cache", "generation_tps_busy"):
         assert key in s
     assert s["generated_tokens"] > 0 and s["ttft_p50_s"] > 0 and s["peak_kv_bytes"] > 0
+
+
+def test_bad_seed_is_typed_and_engine_survives_a_failing_request(engine, monkeypatch):
+    with pytest.raises(InvalidRequestError):
+        engine.submit("hi", seed=-1)
+    with pytest.raises(InvalidRequestError):
+        engine.submit("hi", seed=2**64 - 1, n=2)
+    # A request that fails while the engine thread starts it fails alone.
+    import parallm_engine.scheduler as sched_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("sampler exploded")
+
+    monkeypatch.setattr(sched_mod, "SeqSampler", boom)
+    h = engine.submit("hello", max_tokens=3)
+    with pytest.raises(RuntimeError, match="sampler exploded"):
+        list(h)
+    monkeypatch.undo()
+    assert engine.generate(["still serving"], max_tokens=3, temperature=0)[0].usage.completion_tokens == 3
+    assert engine._dead is None
+
+
+def test_completion_keeps_the_first_tokens_leading_space(engine):
+    r = engine.generate(["The capital of France is"], max_tokens=4, temperature=0)[0]
+    assert r.text == engine.decode(r.token_ids)
+    assert r.text.startswith(" ")

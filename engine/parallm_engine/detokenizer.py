@@ -16,6 +16,10 @@ class IncrementalDetokenizer:
         base = tokenizer._detokenizer
         self._detok = copy.copy(base)
         self._detok.reset()
+        if hasattr(self._detok, "_maybe_trim_space"):
+            # mlx-lm's BPE detokenizer drops the first token's leading space (" Paris" -> "Paris");
+            # a completion must keep it, so the text equals tokenizer.decode(token_ids).
+            self._detok._maybe_trim_space = lambda text: text
         self.stop = stop
         self.include_stop = include_stop
         self._max_stop = max((len(s) for s in stop), default=0)

@@ -313,7 +313,11 @@ class Engine:
                     self._pending -= 1
                 if arg.cancelled.is_set():
                     continue
-                self._scheduler.add(arg)
+                try:
+                    self._scheduler.add(arg)
+                except Exception as exc:  # one bad request fails alone; the engine keeps serving
+                    logger.exception("could not start request %s", arg.id)
+                    self._scheduler.reject(arg, exc)
             elif cmd == "abort":
                 self._scheduler.abort(arg)
             elif cmd == "call":
@@ -337,6 +341,13 @@ class Engine:
         return box[0]
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # However the thread ends, later submits must fail fast instead of waiting forever.
+            self._dead = self._dead or EngineDeadError("engine thread stopped")
+
+    def _loop(self) -> None:
         sched = self._scheduler
         while not self._stop:
             self._drain_commands()

@@ -82,7 +82,8 @@ class SamplingParams:
         num("n", self.n, lo=1, hi=128, integer=True)
         num("top_logprobs", self.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
         if self.seed is not None:
-            num("seed", self.seed, integer=True)
+            # mx.random.key takes an unsigned 64-bit seed; choice i uses seed + i.
+            num("seed", self.seed, lo=0, hi=2**64 - 1 - self.n, integer=True)
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         if any(s == "" for s in self.stop):

@@ -100,11 +100,16 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running or self._pending is not None)
 
     def add(self, request: Request) -> None:
+        # Build every sequence first: if one fails (a grammar, a sampler), nothing is registered.
+        seqs = [Sequence(request, i, self.tokenizer, self.eos_ids) for i in range(request.params.n)]
         self.requests[request.id] = request
         self._choices[request.id] = [None] * request.params.n
-        for i in range(request.params.n):
-            self.waiting.append(Sequence(request, i, self.tokenizer, self.eos_ids))
+        self.waiting.extend(seqs)
         self.stats.on_submit(request)
+
+    def reject(self, request: Request, error: BaseException) -> None:
+        """A request whose sequences could not be built: fail it alone (nothing of it is queued)."""
+        self._end_request(request, error)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -119,6 +124,7 @@ class Scheduler:
         if rows:
             self._drop_rows(set(rows))
         self.stats.on_abort(req)
+        self.stats.running = len(self.running)
         self._end_request(req, RequestCancelledError(f"request {req.id} was cancelled"))
 
     def fail_all(self, error: BaseException) -> None:

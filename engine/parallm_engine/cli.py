@@ -215,7 +215,11 @@ def cmd_demo(args) -> int:
 def cmd_serve(args) -> int:
     from .server import serve
 
-    serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key, **_engine_config(args))
+    cfg = _engine_config(args)
+    if args.max_queue:
+        cfg["max_queue"] = args.max_queue
+    serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, log_level=args.log_level, **cfg)
     return 0
 
 
@@ -264,7 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(sp)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument("--api-key", default=None)
+    sp.add_argument("--api-key", default=None, help="require this key (default: $PARALLM_API_KEY, else none)")
+    sp.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
+    sp.add_argument("--served-model-name", default=None)
+    sp.add_argument("--log-level", default="info")
     sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("bench", help="benchmark against mlx-lm (and transformers) in one run")

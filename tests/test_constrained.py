@@ -105,6 +105,11 @@ def test_invalid_grammars_are_typed_errors(engine, rf):
 def test_unknown_named_tool_is_an_error(engine):
     with pytest.raises(GrammarError):
         engine.submit("hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    # a tool schema llguidance rejects: an error when the call is forced, unconstrained under "auto"
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
+    with pytest.raises(GrammarError):
+        engine.submit("hi", tools=[bad], tool_choice="required")
+    assert engine.generate(["hi"], tools=[bad], max_tokens=2, temperature=0)[0].usage.completion_tokens == 2
 
 
 def _matcher(engine, **kw):

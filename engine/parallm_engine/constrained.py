@@ -21,6 +21,10 @@ from .errors import GrammarError
 
 _tokenizers: dict[int, Any] = {}
 _tok_lock = threading.Lock()
+# Compiled grammars (a matcher in its initial state, copied per sequence), keyed by (tokenizer, grammar):
+# a hundred requests with one schema compile it once.
+_templates: dict[tuple[int, str], Any] = {}
+_MAX_TEMPLATES = 128
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
@@ -207,25 +211,49 @@ def compile_constraint(
     Raises GrammarError for anything llguidance rejects, before the request is queued."""
     from llguidance import LLMatcher
 
-    grammar = None
+    grammar, param = None, "response_format"
     if response_format is not None:
         grammar = response_format_grammar(response_format)
+    # "auto"/"none" only guard the model's own choice: a tool schema llguidance cannot compile leaves
+    # such a request unconstrained instead of failing it. A forced call must compile.
+    optional = tool_choice in (None, "auto", "none", False)
     if grammar is None and tools:
-        grammar = tool_call_grammar(tools, tool_choice, parallel_tool_calls)
+        param = "tools"
+        try:
+            grammar = tool_call_grammar(tools, tool_choice, parallel_tool_calls)
+        except GrammarError:
+            if optional:
+                return None
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if optional:
+                return None
+            raise GrammarError(f"cannot build a tool-call grammar from these tools: {exc!r}", param="tools") from exc
     if grammar is None:
         return None
     tok = ll_tokenizer(tokenizer, vocab_size)
-    error = LLMatcher.validate_grammar(grammar, tok)
-    if isinstance(error, tuple):  # (is_error, messages) in some llguidance versions
-        error = "; ".join(error[1]) if error[0] else ""
-    if error:
-        raise GrammarError(f"grammar rejected: {error}", param="response_format")
+    key = (id(tok), grammar)
+    with _tok_lock:
+        template = _templates.pop(key, None)
+    if template is None:
+        error = LLMatcher.validate_grammar(grammar, tok)
+        if isinstance(error, tuple):  # (is_error, messages) in some llguidance versions
+            error = "; ".join(error[1]) if error[0] else ""
+        if not error:
+            template = LLMatcher(tok, grammar, log_level=0)
+            error = template.get_error() if template.is_error() else ""
+        if error:
+            if param == "tools" and optional:
+                return None
+            raise GrammarError(f"grammar rejected: {error}", param=param)
+    with _tok_lock:  # most recently used last; the oldest compiled grammars go first
+        _templates[key] = template
+        while len(_templates) > _MAX_TEMPLATES:
+            _templates.pop(next(iter(_templates)))
     words = (vocab_size + 31) // 32
 
     def factory() -> GrammarConstraint:
-        matcher = LLMatcher(tok, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return GrammarConstraint(matcher, words)
+        # A copy of the compiled matcher in its initial state: microseconds, on the engine thread.
+        return GrammarConstraint(template.deep_copy(), words)
 
     return factory

@@ -179,10 +179,12 @@ class Engine:
     ) -> RequestHandle:
         """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
 
-        ``response_format`` (OpenAI shape, or ``{"type": "regex", "regex": ...}``) and a "required" /
-        named ``tool_choice`` constrain decoding with a grammar; ``tools`` (OpenAI tool dicts) also make
-        the result carry parsed ``tool_calls``. Rendering tools into the prompt is the chat template's
-        job: use :meth:`chat` or :meth:`apply_chat_template`.
+        ``response_format`` (OpenAI shape, or ``{"type": "regex", "regex": ...}``) constrains decoding
+        with a grammar; so do ``tools`` (OpenAI tool dicts): "required" / named ``tool_choice`` forces a
+        valid call, "auto" (the default) allows text or valid calls, "none" text only (see
+        :func:`constrained.tool_call_grammar`). With ``tools`` the result carries parsed ``tool_calls``.
+        Rendering tools into the prompt is the chat template's job: use :meth:`chat` or
+        :meth:`apply_chat_template`.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead}")

@@ -349,6 +349,50 @@ class ParaLLMParams(BaseModel):
     def _on_engine_loaded(self, engine) -> None:  # hook for subclasses
         pass
 
+    # -- identity shared by ChatParaLLM and ParaLLM ----------------------------------------------
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        # langchain_core.load only revives classes listed in its own mapping (even with
+        # allowed_objects="all"), so a third-party class cannot round-trip through dumpd/load.
+        return False
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "PARALLM_API_KEY"}
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"model": self._model_display_name}
+        for name in ("temperature", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
+                     "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        if self.engine_kwargs:
+            params["engine_kwargs"] = self.engine_kwargs
+        if self.model_kwargs:
+            params["model_kwargs"] = self.model_kwargs
+        if self.base_url:
+            params["base_url"] = self.base_url
+        return params
+
+    def _ls_params(self, model_type: str, stop, kwargs: dict[str, Any]):
+        from langchain_core.language_models.base import LangSmithParams
+
+        model = kwargs.get("model") or kwargs.get("model_name") or self._model_display_name
+        ls_params = LangSmithParams(ls_provider="parallm", ls_model_name=str(model), ls_model_type=model_type)
+        temperature = kwargs.get("temperature", self.temperature)
+        if isinstance(temperature, (int, float)):
+            ls_params["ls_temperature"] = float(temperature)
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if isinstance(max_tokens, int):
+            ls_params["ls_max_tokens"] = max_tokens
+        stop = stop or kwargs.get("stop") or self.stop
+        if stop:
+            ls_params["ls_stop"] = [stop] if isinstance(stop, str) else list(stop)
+        return ls_params
+
     @property
     def _model_display_name(self) -> str:
         if self._engine is not None:

@@ -1,7 +1,8 @@
 """Grammar-constrained decoding, per request, inside the continuous batch (llguidance).
 
-A request's ``response_format`` (OpenAI shape, plus ``{"type": "regex", "regex": ...}``) or a required /
-named ``tool_choice`` compiles, at submit time on the caller's thread, to an llguidance grammar. Each
+A request's ``response_format`` (OpenAI shape, plus ``{"type": "regex", "regex": ...}``) or its tools
+and ``tool_choice`` (required / named: a call is forced; auto: text or a valid call; none: text that never
+starts a call) compile, at submit time on the caller's thread, to an llguidance grammar. Each
 sequence gets its own matcher; before sampling, the scheduler asks every constrained row's matcher for
 its allowed-token bitmask and masks those rows' logits in one ``mx.where``. Rows without a constraint
 are not touched, so an unconstrained request costs nothing extra and samples exactly as it would alone.

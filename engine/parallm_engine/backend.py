@@ -105,15 +105,37 @@ def preload_blas() -> str | None:
     return None
 
 
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_lanes() -> int:
+    """Decode lanes on the CPU backend (see ``decode_batch``): one per core, at most 4.
+
+    MLX runs each stream on one thread with scalar elementwise kernels, so parallel lanes are what
+    uses the other cores; past 4 lanes each lane's batch gets too small for efficient GEMMs and the
+    BLAS's own threads (``_configure_mkl``) use the remaining cores. ``PARALLM_DECODE_LANES`` overrides."""
+    env = os.environ.get("PARALLM_DECODE_LANES", "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            logger.warning("ignoring PARALLM_DECODE_LANES=%r (not an integer)", env)
+    return max(1, min(4, usable_cores()))
+
+
 def _configure_mkl() -> None:
     """MKL picks its threading layer from the environment when it is first loaded.
 
-    On 2 cores or fewer: SEQUENTIAL. GNU OpenMP threads spin-wait, and when the engine's host work or
-    another process holds the other core, a (32x576)@(576x1536) GEMM went from 0.5 ms to 8 ms. With more
-    cores: GNU OpenMP on all but one core (the engine thread's Python work keeps one). Explicit
-    MKL_THREADING_LAYER / MKL_NUM_THREADS settings always win."""
-    cores = os.cpu_count() or 1
-    if cores <= 2:
+    Each decode lane (``cpu_lanes``) calls the BLAS from its own thread, so MKL gets the cores left per
+    lane: SEQUENTIAL when that is one (always on 2 cores; GNU OpenMP threads spin-wait, and when another
+    thread holds the other core a (32x576)@(576x1536) GEMM went from 0.5 ms to 8 ms), otherwise GNU
+    OpenMP with cores // lanes threads. Explicit MKL_THREADING_LAYER / MKL_NUM_THREADS settings win."""
+    per_lane = usable_cores() // cpu_lanes()
+    if per_lane <= 1:
         os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
         return
     try:
@@ -122,7 +144,7 @@ def _configure_mkl() -> None:
         os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
         return
     os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
-    os.environ.setdefault("MKL_NUM_THREADS", str(cores - 1))
+    os.environ.setdefault("MKL_NUM_THREADS", str(per_lane))
 
 
 def backend_info() -> BackendInfo:

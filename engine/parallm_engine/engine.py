@@ -59,6 +59,23 @@ def _default_kv_budget() -> int:
     return max(256 << 20, total // 4)
 
 
+def _default_decode_lanes() -> int:
+    """Parallel decode lanes: one per core (up to 4) on the CPU backend, one on Metal and CUDA."""
+    from .backend import backend_info, cpu_lanes
+
+    return cpu_lanes() if backend_info().device == "cpu" else 1
+
+
+def _default_cpu_kernels() -> bool:
+    """The engine's own attention/SwiGLU (``cpu_kernels``) on the CPU backend, unless
+    ``PARALLM_CPU_KERNELS=0``."""
+    from .backend import backend_info
+
+    if os.environ.get("PARALLM_CPU_KERNELS", "").strip() in ("0", "false", "no"):
+        return False
+    return backend_info().device == "cpu"
+
+
 class Engine:
     def __init__(
         self,
@@ -72,11 +89,13 @@ class Engine:
         kv_budget_bytes: int | None = None,
         prefix_cache_bytes: int | None = None,
         enable_prefix_cache: bool = True,
+        decode_lanes: int | None = None,
     ):
         from .loader import load_model
 
         for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
-                            ("prefill_chunk", prefill_chunk), ("prefill_budget", prefill_budget)):
+                            ("prefill_chunk", prefill_chunk), ("prefill_budget", prefill_budget),
+                            ("decode_lanes", 1 if decode_lanes is None else decode_lanes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype)
@@ -88,6 +107,8 @@ class Engine:
             kv_budget_bytes=budget,
             radix_budget_bytes=prefix_cache_bytes if prefix_cache_bytes is not None else budget // 2,
             enable_prefix_cache=enable_prefix_cache,
+            decode_lanes=decode_lanes or _default_decode_lanes(),
+            cpu_kernels=_default_cpu_kernels(),
         )
         self.max_queue = max_queue
         self._stats = EngineStats()

@@ -141,6 +141,7 @@ _ENGINE_METRICS = (
     ("generated_tokens", "generation_tokens_total", "counter", "Tokens generated."),
     ("steps", "engine_steps_total", "counter", "Engine steps run."),
     ("decode_steps", "engine_decode_steps_total", "counter", "Decode steps run."),
+    ("prefill_forwards", "engine_prefill_forwards_total", "counter", "Forward passes spent on prompts."),
     ("busy_s", "engine_busy_seconds_total", "counter", "Seconds the engine thread spent working."),
     ("uptime_s", "engine_uptime_seconds", "gauge", "Seconds since the engine started."),
     ("in_flight", "requests_in_flight", "gauge", "Requests in the engine (waiting, prefilling or decoding)."),

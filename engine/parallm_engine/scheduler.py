@@ -22,7 +22,9 @@ from .chat_format import parse_tool_calls
 from .constrained import apply_constraints
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestCancelledError
-from .kv_cache import BatchKV, PrefillBatchKV, SequenceKV, prefill_layout
+from . import cpu_kernels
+from .decode_batch import DecodeBatch
+from .kv_cache import PrefillBatchKV, SequenceKV, prefill_layout
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
 from .sampling import SeqSampler, sample_batch, top_logprobs_for
@@ -40,6 +42,8 @@ class SchedulerConfig:
     radix_budget_bytes: int = 1 << 30  # prefix tree
     enable_prefix_cache: bool = True
     pipeline: bool = True  # overlap host work with the next decode step (see Scheduler._decode)
+    decode_lanes: int = 1  # parallel decode lanes (CPU cores; see decode_batch)
+    cpu_kernels: bool = False  # faster attention/SwiGLU on MLX's CPU backend (see cpu_kernels)
 
 
 class Sequence:
@@ -79,8 +83,7 @@ class Scheduler:
         self.config = config
         self.stats = stats
         self.n_layers = len(model.layers)
-        self.batch = [BatchKV() for _ in range(self.n_layers)]
-        self.running: list[Sequence] = []  # row i of the batch is running[i]
+        self.batch = DecodeBatch(self.n_layers, config.decode_lanes)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
@@ -92,8 +95,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._choices: dict[str, list[Choice | None]] = {}
         self._lm_head = _lm_head(model)
+        self._cpu_kernels = config.cpu_kernels and cpu_kernels.install(model)
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
         self._pending: tuple | None = None
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The decoding sequences; row i of the batch's logits is ``running[i]``."""
+        return self.batch.running
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -120,9 +129,9 @@ class Scheduler:
         for s in [s for s in self.prefilling if s.request is req]:
             self.prefilling.remove(s)
             self._release_prefill(s)
-        rows = [i for i, s in enumerate(self.running) if s.request is req]
+        rows = {id(s) for s in self.running if s.request is req}
         if rows:
-            self._drop_rows(set(rows))
+            self._drop_rows(rows)
         self.stats.on_abort(req)
         self.stats.running = len(self.running)
         self._end_request(req, RequestCancelledError(f"request {req.id} was cancelled"))
@@ -132,12 +141,11 @@ class Scheduler:
             self._end_request(req, error)
         self.waiting.clear()
         self.prefilling.clear()
-        self.running.clear()
         self._pending = None
-        self.batch = [BatchKV() for _ in range(self.n_layers)]
+        self.batch.clear()
 
     def batch_kv_bytes(self) -> int:
-        return sum(b.nbytes() for b in self.batch)
+        return self.batch.nbytes()
 
     def _projected_bytes(self, seq: Sequence) -> int:
         return (len(seq.prompt_ids) + (seq.max_new or 0)) * self.kv_bytes_per_token
@@ -145,13 +153,14 @@ class Scheduler:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
         self._admit()
-        joined = self._prefill()
-        if joined:
-            self._join(joined)
-        if self.running:
-            self._decode()
-        elif self._pending is not None:
-            self._flush_pending()
+        with cpu_kernels.enabled(self._cpu_kernels):
+            joined = self._prefill()
+            if joined:
+                self._join(joined)
+            if self.running:
+                self._decode()
+            elif self._pending is not None:
+                self._flush_pending()
         self.stats.on_step(len(self.running), self.batch_kv_bytes())
 
     def _admit(self) -> None:
@@ -183,12 +192,17 @@ class Scheduler:
         seq.pos = seq.cached_tokens
         seq.started = True
 
-    def _uncached_overlap(self, seq: Sequence, group: list[Sequence]) -> bool:
+    def _cached_len(self, seq: Sequence) -> int:
+        """Prompt tokens the radix tree holds for ``seq`` now (a peek: nothing is pinned or counted)."""
+        if self.radix is None:
+            return 0
+        return self.radix.match(seq.prompt_ids[:-1], record=False).length
+
+    def _uncached_overlap(self, seq: Sequence, group: list[Sequence], cached: int) -> bool:
         """Would ``seq`` recompute new tokens another group member is about to compute? Then it waits
         one step and finds them in the radix tree (in-flight dedup of a shared uncached prefix)."""
         if self.radix is None:
             return False
-        cached = self.radix.match(seq.prompt_ids[:-1], record=False).length
         for g in group:
             common = 0
             for a, b in zip(seq.prompt_ids, g.prompt_ids):
@@ -224,10 +238,13 @@ class Scheduler:
             for seq in list(self.prefilling)[1:]:
                 if len(group) >= self.config.max_batch_size:
                     break
-                remaining = len(seq.prompt_ids) - seq.pos if seq.started else len(seq.prompt_ids)
-                if remaining > chunk or used + remaining > budget or seq.cache is not None:
+                if seq.cache is not None:
                     continue
-                if self._uncached_overlap(seq, group):
+                cached = seq.pos if seq.started else self._cached_len(seq)
+                remaining = len(seq.prompt_ids) - cached
+                if remaining > chunk or used + remaining > budget:
+                    continue
+                if not seq.started and self._uncached_overlap(seq, group, cached):
                     continue
                 if not seq.started:
                     self._start_prefill(seq)
@@ -252,6 +269,7 @@ class Scheduler:
         h = self.model.model(mx.array(prompt[seq.pos : seq.pos + n])[None], cache=seq.cache)
         seq.pos += n
         self.stats.prefill_tokens += n
+        self.stats.prefill_forwards += 1
         if seq.pos < len(prompt):
             mx.eval([c.keys for c in seq.cache])
             return n
@@ -262,7 +280,24 @@ class Scheduler:
         return n
 
     def _prefill_group(self, group: list[Sequence], done: list[Sequence]) -> None:
-        """Prefill several short prompts (each with its own cached prefix) in one forward pass."""
+        """Prefill several short prompts (each with its own cached prefix) in one forward pass per
+        decode lane: the group is split into token-balanced shares that run at the same time on the
+        lanes' streams (one share on Metal/CUDA), then sampled together."""
+        shares = _split_balanced(group, [len(s.prompt_ids) - s.pos for s in group], len(self.batch.lanes))
+        contexts = self.batch.lane_contexts()
+        logits, finish = [], []
+        for share, ctx in zip(shares, contexts):
+            with ctx:
+                lg, fin = self._prefill_forward(share)
+            logits.append(lg)
+            finish.append(fin)
+        ordered = [s for share in shares for s in share]
+        self._sample_and_emit(ordered, logits[0] if len(logits) == 1 else mx.concatenate(logits))
+        for fin in finish:
+            fin(done)
+
+    def _prefill_forward(self, group: list[Sequence]):
+        """Lazy: the group's last-position logits, and a function that hands each sequence its KV."""
         prefix_lens = [s.cached_tokens for s in group]
         new_lens = [len(s.prompt_ids) - s.pos for s in group]
         offset, mask, P, L = prefill_layout(prefix_lens, new_lens)
@@ -288,12 +323,16 @@ class Scheduler:
                 caches.append(PrefillBatchKV(None, None, offset, mask))
         h = self.model.model(tokens, cache=caches)
         self.stats.prefill_tokens += sum(new_lens)
+        self.stats.prefill_forwards += 1
         logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
-        self._sample_and_emit(group, logits)
-        for i, (s, p, n) in enumerate(zip(group, prefix_lens, new_lens)):
-            s.cache = [c.row(i, p, n, P, L) for c in caches]
-            s.prefix_kv = None
-            self._prompt_done(s, done)
+
+        def finish(done: list[Sequence]) -> None:
+            for i, (s, p, n) in enumerate(zip(group, prefix_lens, new_lens)):
+                s.cache = [c.row(i, p, n, P, L) for c in caches]
+                s.prefix_kv = None
+                self._prompt_done(s, done)
+
+        return logits, finish
 
     def _prompt_done(self, seq: Sequence, done: list[Sequence]) -> None:
         """Prompt fully prefilled: store it in the tree, hand the sequence to the decode batch."""
@@ -314,11 +353,7 @@ class Scheduler:
         seq.prefix_kv = None
 
     def _join(self, seqs: list[Sequence]) -> None:
-        for layer in range(self.n_layers):
-            self.batch[layer].add([s.cache[layer].valid() for s in seqs])
-        for s in seqs:
-            s.cache = None
-        self.running.extend(seqs)
+        self.batch.join(seqs)
 
     def _decode(self) -> None:
         """One decode step for every running sequence.
@@ -337,14 +372,12 @@ class Scheduler:
             self._flush_pending()
             if not self.running:
                 return
+        running = self.running
         if self._pending is not None:
-            prev_seqs, prev_toks = self._pending[0], self._pending[1]
-            joined = [s.output_ids[-1] for s in self.running[len(prev_seqs) :]]
-            inputs = mx.concatenate([prev_toks, mx.array(joined)]) if joined else prev_toks
+            inputs = _next_inputs(running, self._pending[0], self._pending[1])
         else:
-            inputs = mx.array([s.output_ids[-1] for s in self.running])
-        h = self.model.model(inputs[:, None], cache=self.batch)
-        logits = self._lm_head(h[:, -1, :]).astype(mx.float32)
+            inputs = mx.array([s.output_ids[-1] for s in running])
+        logits = self.batch.forward(self.model.model, self._lm_head, inputs)
         self.stats.decode_steps += 1
         if constrained:  # masks need the previous tokens: deliver them while the forward runs
             mx.async_eval(logits)
@@ -362,7 +395,7 @@ class Scheduler:
                 self._deliver(*previous)
         else:
             self._deliver(self.running, *self._sample(self.running, logits))
-        finished = {i for i, s in enumerate(self.running) if s.finish_reason is not None}
+        finished = {id(s) for s in self.running if s.finish_reason is not None}
         if finished:
             self._retire_rows(finished)
 
@@ -372,7 +405,7 @@ class Scheduler:
         if pending is None:
             return
         self._deliver(*pending)
-        finished = {i for i, s in enumerate(self.running) if s.finish_reason is not None}
+        finished = {id(s) for s in self.running if s.finish_reason is not None}
         if finished:
             self._retire_rows(finished)
 
@@ -504,36 +537,64 @@ class Scheduler:
 
     # -- retiring -------------------------------------------------------------------------------
     def _retire_rows(self, rows: set[int]) -> None:
+        """Drop the sequences whose ``id()`` is in ``rows``, caching their KV in the radix tree."""
         if self.radix is not None:
-            for i in sorted(rows):
-                s = self.running[i]
-                # Cache prompt + output (minus the last token, which never ran) for the next turn.
-                ids = s.prompt_ids + s.output_ids[:-1]
-                batch = self.batch
-                self.radix.insert(ids, lambda a, b, i=i: [lay.row(i, a, b) for lay in batch])
+            for s in self.running:
+                if id(s) in rows:
+                    # Cache prompt + output (minus the last token, which never ran) for the next turn.
+                    self.radix.insert(s.prompt_ids + s.output_ids[:-1], self.batch.row_segments(s))
         self._drop_rows(rows)
 
     def _drop_rows(self, rows: set[int]) -> None:
-        keep = [i for i in range(len(self.running)) if i not in rows]
-        for layer in self.batch:
-            layer.keep(keep)
+        """Remove the sequences whose ``id()`` is in ``rows`` from the batch and the step in flight."""
+        self.batch.drop(rows)
         if self._pending is not None:
-            # The pipelined step covers the first len(seqs) rows: drop the same rows from it.
             seqs, toks, lp_rows, chosen = self._pending
-            kept = [i for i in keep if i < len(seqs)]
+            kept = [i for i, s in enumerate(seqs) if id(s) not in rows]
             if not kept:
                 self._pending = None
-            else:
+            elif len(kept) < len(seqs):
                 sel = mx.array(kept)
+                kept_set = set(kept)
                 lp_keep = [r for r, i in enumerate([i for i, s in enumerate(seqs) if s.logprobs is not None])
-                           if i in set(kept)]
+                           if i in kept_set]
                 self._pending = (
                     [seqs[i] for i in kept],
                     toks[sel],
                     lp_rows[mx.array(lp_keep)] if lp_rows is not None and lp_keep else None,
                     chosen[sel] if chosen is not None else None,
                 )
-        self.running = [self.running[i] for i in keep]
+
+
+def _split_balanced(items: list, weights: list[int], n: int) -> list[list]:
+    """At most ``n`` non-empty shares of ``items`` with near-equal total weight (largest first into
+    the lightest share), each keeping the items' original order."""
+    if n <= 1 or len(items) <= 1:
+        return [list(items)]
+    loads = [0] * n
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: -weights[i]):
+        g = loads.index(min(loads))
+        loads[g] += weights[i]
+        owner[i] = g
+    shares = [[x for x, o in zip(items, owner) if o == g] for g in range(n)]
+    return [share for share in shares if share]
+
+
+def _next_inputs(running: list[Sequence], prev_seqs: list[Sequence], prev_toks: mx.array) -> mx.array:
+    """The next decode step's input tokens in ``running``'s row order: the pipelined step's tokens
+    (still being computed) for the sequences it covered, the last sampled token for those that
+    joined since."""
+    pos = {id(s): i for i, s in enumerate(prev_seqs)}
+    joined = [s for s in running if id(s) not in pos]
+    if not joined and len(prev_seqs) == len(running) and all(a is b for a, b in zip(prev_seqs, running)):
+        return prev_toks
+    n = len(prev_seqs)
+    extra = {id(s): n + j for j, s in enumerate(joined)}
+    order = mx.array([pos[id(s)] if id(s) in pos else extra[id(s)] for s in running])
+    pool = mx.concatenate([prev_toks, mx.array([s.output_ids[-1] for s in joined], dtype=prev_toks.dtype)]) \
+        if joined else prev_toks
+    return pool[order]
 
 
 def _lm_head(model):

@@ -30,6 +30,7 @@ class EngineStats:
         self.prefill_tokens = 0  # prompt tokens actually computed (not served from cache)
         self.generated_tokens = 0
         self.decode_steps = 0
+        self.prefill_forwards = 0  # forward passes spent on prompts (a batched group counts once per lane)
         self.steps = 0
         self.busy_time = 0.0
         self.running = 0
@@ -112,6 +113,7 @@ class EngineStats:
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,
             "decode_steps": self.decode_steps,
+            "prefill_forwards": self.prefill_forwards,
             "busy_s": self.busy_time,
             "generation_tps_busy": self.generated_tokens / self.busy_time if self.busy_time else 0.0,
             "mean_batch_occupancy": self._occupancy_sum / self.steps if self.steps else 0.0,

@@ -1,0 +1,148 @@
+"""The CPU fast paths: the engine's own attention/SwiGLU kernels match MLX's, and parallel decode
+lanes change nothing but speed (same tokens as one lane, and as each request alone)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from parallm_engine import Engine, cpu_kernels
+from parallm_engine.decode_batch import DecodeBatch
+from parallm_engine.scheduler import _split_balanced
+
+
+def _close(a: mx.array, b: mx.array, tol: float = 2e-5) -> None:
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("B,H,KH,L,T", [(3, 9, 3, 1, 37), (2, 4, 4, 5, 5), (2, 8, 2, 7, 19), (1, 6, 1, 16, 16)])
+def test_attention_matches_mlx_sdpa(B, H, KH, L, T):
+    mx.random.seed(B * 100 + T)
+    q = mx.random.normal((B, H, L, 16))
+    k = mx.random.normal((B, KH, T, 16)) * 2
+    v = mx.random.normal((B, KH, T, 16))
+    ref = mx.fast.scaled_dot_product_attention
+    _close(cpu_kernels.attention(q, k, v, 0.25), ref(q, k, v, scale=0.25))
+    if L == T:
+        _close(cpu_kernels.attention(q, k, v, 0.25, "causal"), ref(q, k, v, scale=0.25, mask="causal"))
+    # Left-padded rows, as the decode batch builds them (boolean, broadcast over heads).
+    lp = mx.array([i % max(T - L, 1) for i in range(B)])
+    mask = create_causal_mask(L, offset=T - L, left_padding=lp)
+    _close(cpu_kernels.attention(q, k, v, 0.25, mask), ref(q, k, v, scale=0.25, mask=mask))
+    additive = mx.where(mask, 0.0, -1e9).astype(mx.float32)
+    _close(cpu_kernels.attention(q, k, v, 0.25, additive), ref(q, k, v, scale=0.25, mask=additive))
+    # A per-head mask.
+    per_head = mx.random.uniform(shape=(B, H, L, T)) > 0.3
+    per_head = per_head | (mx.arange(T) == 0)  # every query sees at least one key
+    _close(cpu_kernels.attention(q, k, v, 0.25, per_head), ref(q, k, v, scale=0.25, mask=per_head))
+
+
+def test_swiglu_matches_silu_including_extremes():
+    gate = mx.concatenate([mx.random.normal((1000,)) * 6, mx.array([-200.0, -90.0, 0.0, 90.0, 200.0])])
+    x = mx.random.normal(gate.shape)
+    _close(cpu_kernels.swiglu(gate, x), nn.silu(gate) * x)
+    assert not np.isnan(np.array(cpu_kernels.swiglu(gate, x))).any()
+
+
+def test_kernels_apply_only_inside_enabled(tiny_engine):
+    """install() patches the model's module, but mlx-lm's own callers (the bench's baselines, user code)
+    still get mlx-lm's functions: the switch is per thread and off by default."""
+    from mlx_lm.models import llama
+
+    assert getattr(llama.scaled_dot_product_attention, "_parallm", False)
+    assert not cpu_kernels.is_enabled()
+    calls = []
+    orig = cpu_kernels.attention
+    try:
+        cpu_kernels.attention = lambda *a, **k: calls.append(1) or orig(*a, **k)
+        q = mx.random.normal((1, 4, 1, 16))
+        kv = mx.random.normal((1, 2, 3, 16))
+        llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=None)
+        assert calls == []
+        with cpu_kernels.enabled():
+            llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=None)
+        assert calls == [1]
+    finally:
+        cpu_kernels.attention = orig
+
+
+def test_split_balanced_keeps_order_and_balances():
+    items = list("abcdefg")
+    weights = [50, 10, 10, 10, 10, 10, 10]
+    shares = _split_balanced(items, weights, 2)
+    assert sorted(x for s in shares for x in s) == items
+    assert all(s == sorted(s) for s in shares)
+    loads = [sum(weights[items.index(x)] for x in s) for s in shares]
+    assert max(loads) - min(loads) <= 10
+    assert _split_balanced(["a"], [5], 4) == [["a"]]
+    assert _split_balanced(items, weights, 1) == [items]
+
+
+def test_decode_batch_places_rows_on_the_least_loaded_lane():
+    class Seq:
+        def __init__(self):
+            kv = mx.zeros((1, 2, 3, 4))
+            self.cache = [type("C", (), {"valid": lambda self, kv=kv: (kv, kv)})() for _ in range(2)]
+
+    batch = DecodeBatch(n_layers=2, n_lanes=2)
+    seqs = [Seq() for _ in range(5)]
+    batch.join(seqs[:3])
+    assert [len(lane.seqs) for lane in batch.lanes] == [2, 1]
+    batch.drop({id(seqs[0]), id(seqs[2])})
+    assert [len(lane.seqs) for lane in batch.lanes] == [0, 1]
+    batch.join(seqs[3:])
+    assert [len(lane.seqs) for lane in batch.lanes] == [2, 1]
+    # Row order is lane by lane.
+    assert [id(s) for s in batch.running] == [id(seqs[3]), id(seqs[4]), id(seqs[1])]
+    assert batch.nbytes() > 0
+    batch.drop({id(s) for s in seqs})
+    assert len(batch) == 0 and batch.nbytes() == 0
+
+
+def _tokens(engine, prompts, **kw):
+    return [r.token_ids for r in engine.generate(prompts, temperature=0, **kw)]
+
+
+@pytest.fixture(scope="module")
+def lane_engines(tiny_model_dir):
+    one = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=32)
+    three = Engine(str(tiny_model_dir), decode_lanes=3, prefill_chunk=32)
+    yield one, three
+    one.shutdown()
+    three.shutdown()
+
+
+def test_lanes_give_the_same_greedy_tokens(lane_engines, tiny_engine):
+    """Three lanes (uneven shares, rows leaving at different steps) equal one lane, token for token,
+    and each equals its request run alone."""
+    one, three = lane_engines
+    prompts = [three.encode(f"Item {i}: " + "word " * (3 + 5 * i)) for i in range(7)]
+    lengths = [4 + 3 * i for i in range(7)]
+
+    def run(engine):
+        handles = [engine.submit(p, max_tokens=n, temperature=0, ignore_eos=True) for p, n in zip(prompts, lengths)]
+        return [engine._collect(h).token_ids for h in handles]
+
+    together_three, together_one = run(three), run(one)
+    alone = [_tokens(one, [p], max_tokens=n, ignore_eos=True)[0] for p, n in zip(prompts, lengths)]
+    assert together_three == together_one == alone
+    assert three.stats()["running"] == 0 and three._scheduler.batch_kv_bytes() == 0
+
+
+def test_shared_prefix_longer_than_a_chunk_is_prefilled_in_groups(lane_engines):
+    """After the first request puts a shared prefix longer than one prefill chunk in the radix tree,
+    the others (short suffixes) are prefilled together, not one forward each."""
+    one, _ = lane_engines
+    prefix = one.encode("Shared system prompt with tools and rules. " * 6)
+    assert len(prefix) > 32
+    prompts = [prefix + one.encode(f" Question {i}?") for i in range(8)]
+    first = one.generate([prompts[0]], max_tokens=2, temperature=0)[0]
+    before = one.stats()
+    rest = one.generate(prompts[1:], max_tokens=2, temperature=0)
+    after = one.stats()
+    assert all(r.usage.cached_tokens >= len(prefix) - 1 for r in rest)
+    assert after["prefill_forwards"] - before["prefill_forwards"] <= 3
+    assert first.usage.cached_tokens == 0

@@ -1,7 +1,10 @@
 """`parallm bench`: ParaLLM side by side with mlx-lm (and transformers when installed), in one run.
 
-Every baseline runs in this process on the *same* loaded weights, dtype and BLAS as the engine, so only
-the scheduling differs. Workloads (sizes for the full run; ``--quick`` shrinks them):
+Every baseline runs in this process on the *same* loaded weights, dtype and BLAS as the engine. What
+differs is the engine: its scheduling and, on the CPU backend, its decode lanes (``decode_batch``: one
+MLX stream per core) and its own attention/SwiGLU kernels (``cpu_kernels``); the baselines call the
+same model through mlx-lm's own functions. ``env`` records the lanes and whether the kernels were on.
+Workloads (sizes for the full run; ``--quick`` shrinks them):
 
 - throughput: 32 concurrent requests, ~100-token distinct prompts, 128 new tokens each (EOS ignored), greedy.
 - fanout:     32 requests sharing a 512-token prefix, distinct 32-token suffixes, 64 new tokens each;
@@ -272,8 +275,15 @@ def _memory_gbps(nbytes: int = 512 << 20, reps: int = 3) -> float:
 
 
 def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float:
-    """Seconds per decode step of the engine's own batch path at this batch size and context."""
-    from .kv_cache import BatchKV, SequenceKV
+    """Seconds per decode step of the engine's own batch path (its lanes and kernels) at this batch
+    size and context."""
+    from . import cpu_kernels
+    from .decode_batch import DecodeBatch
+    from .kv_cache import SequenceKV
+
+    class _Row:  # what DecodeBatch.join reads of a sequence: its per-layer prefill cache
+        def __init__(self, cache):
+            self.cache = cache
 
     def work():
         model = engine.model
@@ -282,20 +292,19 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
         seq = [SequenceKV() for _ in range(n_layers)]
         model.model(mx.array([[rng.randrange(200, 40000) for _ in range(context)]]), cache=seq)
         mx.eval([c.keys for c in seq])
-        caches = [BatchKV() for _ in range(n_layers)]
-        for layer in range(n_layers):
-            caches[layer].add([seq[layer].valid()] * batch)
+        rows = DecodeBatch(n_layers, engine.config.decode_lanes)
+        rows.join([_Row(list(seq)) for _ in range(batch)])
         head = engine._scheduler._lm_head
-        toks = mx.array([[5]] * batch)
-        for _ in range(2):
-            mx.eval(mx.argmax(head(model.model(toks, cache=caches)[:, -1, :]), axis=-1))
+        toks = mx.array([5] * batch)
         best = 1e9
-        for _ in range(steps):
-            t = time.perf_counter()
-            y = mx.argmax(head(model.model(toks, cache=caches)[:, -1, :]), axis=-1)
-            mx.eval(y)
-            y.tolist()
-            best = min(best, time.perf_counter() - t)
+        with cpu_kernels.enabled(bool(engine._scheduler._cpu_kernels)):
+            for i in range(steps + 2):
+                t = time.perf_counter()
+                y = mx.argmax(rows.forward(model.model, head, toks), axis=-1)
+                mx.eval(y)
+                y.tolist()
+                if i >= 2:
+                    best = min(best, time.perf_counter() - t)
         return best
 
     return engine.run_on_engine_thread(work)
@@ -461,6 +470,8 @@ def _env(engine, quick: bool) -> dict:
         "platform": platform.platform(),
         "processor": platform.processor(),
         "quick": quick,
+        "decode_lanes": engine.config.decode_lanes,
+        "cpu_kernels": bool(engine._scheduler._cpu_kernels),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

@@ -59,8 +59,10 @@ def cmd_info(args) -> int:
     from .backend import backend_info
     from .loader import DEFAULT_MODEL_NAME, default_model_path
 
+    from .engine import _default_cpu_kernels, _default_decode_lanes
+
     info = backend_info()
-    out = {"backend": info.as_dict()}
+    out = {"backend": info.as_dict(), "decode_lanes": _default_decode_lanes(), "cpu_kernels": _default_cpu_kernels()}
     try:
         out["default_model"] = {"name": DEFAULT_MODEL_NAME, "gguf": str(default_model_path())}
     except Exception as exc:
@@ -81,6 +83,7 @@ def cmd_info(args) -> int:
     print(f"backend : {b.device} ({b.platform}), mlx {b.mlx_version}")
     print(f"dtype   : {b.dtype}  (weights run in this dtype on this backend)")
     print(f"blas    : {b.blas}")
+    print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
     if b.device == "cpu" and b.blas == "reference":
         print(f"          {_backend.BLAS_FIX_HINT}")
     dm = out["default_model"]

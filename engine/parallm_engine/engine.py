@@ -111,6 +111,8 @@ class Engine:
             cpu_kernels=_default_cpu_kernels(),
         )
         self.max_queue = max_queue
+        logger.info("decode lanes %d, engine CPU kernels %s", self.config.decode_lanes,
+                    "on" if self.config.cpu_kernels else "off")
         self._stats = EngineStats()
         self._scheduler = Scheduler(self.model, self.tokenizer, self.model_info, self.config, self._stats)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

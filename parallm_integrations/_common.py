@@ -457,9 +457,14 @@ class ParaLLMParams(BaseModel):
 
     # -- tokens ---------------------------------------------------------------------------------
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` from the model's own tokenizer (no special tokens added)."""
+        """Token ids of ``text`` from the model's own tokenizer (no special tokens added). With ``base_url``,
+        from the server's ``/tokenize``; a server without one gets LangChain's default estimate
+        (``custom_get_token_ids`` if set, else the GPT-2 tokenizer)."""
         if self.base_url:
-            return remote_function("get_token_ids")(self, text)
+            try:
+                return remote_function("get_token_ids")(self, text)
+            except NotImplementedError:  # no /tokenize on this server
+                return super().get_token_ids(text)  # type: ignore[misc]  (BaseLanguageModel's, via the MRO)
         return list(self._get_engine().encode(text, add_special_tokens=False))
 
     def get_num_tokens(self, text: str) -> int:

@@ -70,6 +70,9 @@ Two layers. Results have the engine's shapes, so a class's code does not care wh
        get_token_ids(llm, text) -> list[int]
        get_num_tokens_from_messages(llm, messages, tools=None) -> int      (OpenAI dicts in)
 
+   (the last two raise ``NotImplementedError`` for a server without ``/tokenize``; the classes then
+   fall back to LangChain's estimate).
+
    They build exactly what the in-process paths build (same ``response_metadata``, ``usage_metadata``
    with ``input_token_details.cache_read``, ``tool_call_chunks``, last chunk with
    ``chunk_position="last"``) and fire no callbacks: the classes fire token callbacks themselves.

@@ -152,6 +152,17 @@ def _translate(exc: BaseException) -> BaseException:
 
     if isinstance(exc, openai.APITimeoutError):
         return TimeoutError(f"ParaLLM request to the server timed out ({exc})")
+    if type(exc) is openai.APIConnectionError and getattr(exc, "request", None) is not None:
+        # openai says only "Connection error.": say which server, and why (same type, so callers that
+        # catch openai.APIConnectionError still do).
+        request = exc.request
+        url = request.url
+        cause = exc.__cause__ or exc.__context__
+        return openai.APIConnectionError(
+            message=f"cannot reach the OpenAI-compatible server at {url}: {cause or exc} (is base_url right and "
+            "the server running?)",
+            request=request,
+        )
     if isinstance(exc, openai.RateLimitError):
         retry = 1.0
         try:

@@ -491,12 +491,17 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         messages: list[BaseMessage],
         tools: Sequence[dict[str, Any] | type | Callable | BaseTool] | None = None,
     ) -> int:
-        """Tokens of ``messages`` (and ``tools``) rendered with the model's chat template."""
+        """Tokens of ``messages`` (and ``tools``) rendered with the model's chat template. With ``base_url``
+        the server renders and counts them (its ``/tokenize``, as ``parallm serve`` and vLLM have); a server
+        without one gets LangChain's estimate."""
+        openai_messages = messages_to_dicts(messages)
+        openai_tools = tools_to_openai(tools) if tools else None
         if self.base_url:
-            return super().get_num_tokens_from_messages(messages, tools=tools)
-        ids = self._get_engine().apply_chat_template(
-            messages_to_dicts(messages), tools=tools_to_openai(tools) if tools else None, add_generation_prompt=False
-        )
+            try:
+                return remote_function("get_num_tokens_from_messages")(self, openai_messages, tools=openai_tools)
+            except NotImplementedError:  # no /tokenize on this server
+                return super().get_num_tokens_from_messages(messages, tools=tools)
+        ids = self._get_engine().apply_chat_template(openai_messages, tools=openai_tools, add_generation_prompt=False)
         return len(ids)
 
     # -- tools -----------------------------------------------------------------------------------

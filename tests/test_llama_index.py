@@ -110,11 +110,6 @@ def test_shares_the_engine_with_langchain(engine):
     assert ChatParaLLM()._get_engine() is engine
 
 
-def test_base_url_is_not_available_yet():
-    with pytest.raises(NotImplementedError, match="base_url"):
-        ParaLLMLlamaIndex(base_url="http://localhost:8000/v1")
-
-
 def test_message_conversion_for_tool_history():
     assistant = ChatMessage(
         role=MessageRole.ASSISTANT,
@@ -140,15 +135,19 @@ def test_message_conversion_for_tool_history():
 
 
 def test_completion_prompt_modes(engine):
+    from parallm_integrations._common import EngineRequest
+    from parallm_integrations.llama_index._backends import EngineBackend
+
     llm = ParaLLMLlamaIndex(system_prompt="Be brief.")
-    ids = llm._completion_prompt(engine, "Hi there", formatted=False)  # one user turn of the chat template
-    text = engine.decode(ids)
+    msgs = llm._completion_input("Hi there", formatted=False)  # one user turn of the chat template
+    assert msgs == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text = engine.decode(EngineBackend(engine)._engine_prompt(msgs, EngineRequest({})))  # what the engine runs
     assert "<|im_start|>system\nBe brief." in text and "<|im_start|>user\nHi there" in text
     assert text.endswith("<|im_start|>assistant\n")
-    assert llm._completion_prompt(engine, "Hi there", formatted=True) == "Hi there"
-    assert ParaLLMLlamaIndex(complete_with_chat_template=False)._completion_prompt(engine, "Hi", False) == "Hi"
+    assert llm._completion_input("Hi there", formatted=True) == "Hi there"
+    assert ParaLLMLlamaIndex(complete_with_chat_template=False)._completion_input("Hi", False) == "Hi"
     custom = ParaLLMLlamaIndex(completion_to_prompt=lambda p: f"Q: {p}\nA:")
-    assert custom._completion_prompt(engine, "Hi", False) == "Q: Hi\nA:"
+    assert custom._completion_input("Hi", False) == "Q: Hi\nA:"
 
 
 # --------------------------------------------------------------------------------------------

@@ -316,6 +316,38 @@ def test_chat_model_class_with_base_url(server, engine):
     assert "".join(c.content for c in llm.stream(QUESTION[0]["content"])) == ref.text
 
 
+def test_chat_model_counts_tokens_with_the_server(server, engine, monkeypatch):
+    """get_num_tokens_from_messages with base_url: the server's template and tokenizer (/tokenize), so the
+    count is the in-process count; a server without /tokenize gets LangChain's estimate."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage, get_buffer_string
+
+    from parallm_integrations import ChatParaLLM
+
+    messages = [
+        SystemMessage("Be brief."),
+        HumanMessage("What is the weather like in Paris today?"),
+        AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "call_1"}]),
+        ToolMessage("Sunny, 21 C", tool_call_id="call_1"),
+    ]
+    local = ChatParaLLM()
+    remote_llm = ChatParaLLM(base_url=server.base_url, api_key=KEY, max_retries=0)
+    counts = []
+    for tools in (None, [WEATHER_TOOL]):
+        n = remote_llm.get_num_tokens_from_messages(messages, tools=tools)
+        assert n == local.get_num_tokens_from_messages(messages, tools=tools)
+        counts.append(n)
+    assert counts[1] > counts[0]  # the tool schemas are counted
+    assert remote_llm._engine is None
+
+    def no_tokenize(self, body, timeout):
+        raise NotImplementedError("no /tokenize")
+
+    monkeypatch.setattr(RemoteClient, "_tokenize", no_tokenize)
+    estimate = ChatParaLLM(base_url=server.base_url, api_key=KEY, custom_get_token_ids=lambda s: s.split())
+    assert estimate.get_num_tokens_from_messages(messages) == sum(
+        len(get_buffer_string([m]).split()) for m in messages)
+
+
 def test_stream_retiming_without_a_server():
     """Servers that report usage on every chunk (vLLM's continuous_usage_stats) and n > 1: usage still
     arrives once, on the very last delta; every choice's finish_reason is kept."""

@@ -9,6 +9,10 @@
 
 Every ``ParaLLMLlamaIndex`` (and every LangChain ``ChatParaLLM`` / ``ParaLLM``) naming the same model
 in one process shares one engine: one copy of the weights, one continuous batch, one prefix cache.
+
+``ParaLLMLlamaIndex(base_url="http://localhost:8000/v1", api_key=...)`` (or ``PARALLM_BASE_URL`` /
+``PARALLM_API_KEY``) sends the same requests to an OpenAI-compatible server instead (``parallm serve``,
+vLLM, SGLang, mlx-lm's server), with the same responses.
 """
 
 from parallm_integrations.llama_index.base import ParaLLMLlamaIndex

@@ -1,0 +1,247 @@
+"""Engine-shaped results -> LlamaIndex responses.
+
+Both backends (``_backends``: the in-process engine and an OpenAI-compatible server) give
+``GenerationResult``s and ``StreamDelta``s, so the ``ChatResponse`` / ``CompletionResponse`` objects are
+built here once. The one difference is where tool calls are found: the engine's stream carries the
+model's raw text, tool-call markup included, which is parsed here; a server has parsed it already and
+sends ``tool_calls`` deltas (``RemoteDelta.tool_calls``) and content without the markup.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    CompletionResponse,
+    LogProb,
+    MessageRole,
+    TextBlock,
+    ToolCallBlock,
+)
+
+from ._messages import call_to_openai
+
+
+def usage_kwargs(usage: Any) -> dict[str, int]:
+    """Token usage as flat ints for ``additional_kwargs``."""
+    if usage is None:
+        return {}
+    return {"prompt_tokens": int(usage.prompt_tokens), "completion_tokens": int(usage.completion_tokens),
+            "total_tokens": int(usage.prompt_tokens + usage.completion_tokens),
+            "cached_tokens": int(usage.cached_tokens)}
+
+
+def raw_dict(request_id: str, model: str, finish_reason: str | None, usage: Any,
+             tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A response's ``raw``: OpenAI-shaped id, model, finish_reason, usage and tool calls."""
+    raw: dict[str, Any] = {"id": request_id, "model": model, "finish_reason": finish_reason}
+    if usage is not None:
+        raw["usage"] = usage.as_dict()
+    if tool_calls:
+        raw["tool_calls"] = tool_calls
+    return raw
+
+
+def logprobs_lists(logprobs: Sequence[Any] | None) -> list[list[LogProb]] | None:
+    """Engine token logprobs -> LlamaIndex's per-position lists (the chosen token, then alternatives)."""
+    if not logprobs:
+        return None
+    out = []
+    for lp in logprobs:
+        row = [LogProb(token=lp.token, logprob=float(lp.logprob), bytes=list(lp.token.encode("utf-8")))]
+        for _tid, tok, val in lp.top_logprobs or []:
+            if tok != lp.token:
+                row.append(LogProb(token=tok, logprob=float(val), bytes=list(tok.encode("utf-8"))))
+        out.append(row)
+    return out
+
+
+class ToolCalls:
+    """The tool calls of one response, cumulative: ``{"id", "name", "args"}`` with ``args`` the argument
+    JSON text while it streams and the parsed dict once the call is complete."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+
+    def blocks(self) -> list[ToolCallBlock]:
+        return [ToolCallBlock(tool_call_id=c["id"], tool_name=c["name"], tool_kwargs=c["args"]) for c in self.items]
+
+    def openai(self) -> list[dict[str, Any]]:
+        return [call_to_openai(c["id"], c["name"], c["args"]) for c in self.items]
+
+
+def assistant_message(content: str, calls: ToolCalls) -> ChatMessage:
+    kwargs: dict[str, Any] = {}
+    if calls.items:
+        kwargs["tool_calls"] = calls.openai()
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=[TextBlock(text=content), *calls.blocks()],
+                       additional_kwargs=kwargs)
+
+
+class ChatStream:
+    """Turns stream deltas into cumulative chat state: content, and tool calls as they stream.
+
+    ``parse_markup``: the deltas carry the model's raw text (in-process), so tool calls are parsed out of
+    it; otherwise they come as the deltas' own ``tool_calls`` (a server parsed them)."""
+
+    def __init__(self, tools: list[dict[str, Any]] | None, single_call: bool, parse_markup: bool = True):
+        self.single = single_call
+        self.content = ""
+        self.calls = ToolCalls()
+        self._parser = None
+        self._by_index: dict[int, dict[str, Any]] = {}
+        self._finished = False
+        if tools and parse_markup:
+            from parallm_engine.chat_format import ToolCallStreamParser
+
+            self._parser = ToolCallStreamParser()
+
+    def update(self, delta: Any) -> str | None:
+        """Feed one delta; returns the content delta of the chunk to emit, or None when nothing changed
+        (no text, no tool-call progress, no usage). The delta that ends the choice completes the calls."""
+        text, changed = self.feed(delta)
+        if delta.usage is not None or delta.finish_reason is not None:
+            tail, changed2 = self.finish()
+            text, changed = text + tail, changed or changed2
+        return text if (text or changed or delta.usage is not None) else None
+
+    def feed(self, delta: Any) -> tuple[str, bool]:
+        """Returns (content delta, whether the tool calls changed)."""
+        if self._parser is not None:
+            return self._apply(self._parser.feed(delta.text))
+        from parallm_engine.chat_format import ContentDelta
+
+        events: list[Any] = [ContentDelta(delta.text)] if delta.text else []
+        events.extend(getattr(delta, "tool_calls", None) or [])
+        return self._apply(events)
+
+    def finish(self) -> tuple[str, bool]:
+        """The calls are complete: their arguments become parsed dicts (a call whose arguments never
+        became a JSON object is dropped, as the engine's parser drops it)."""
+        if self._finished:
+            return "", False
+        self._finished = True
+        delta = ""
+        if self._parser is not None:
+            delta, _ = self._apply(self._parser.finish())
+        before = [(c["id"], c["args"]) for c in self.calls.items]
+        if self._parser is not None:
+            parsed = list(self._parser.calls)
+            if self.single:
+                parsed = parsed[:1]
+            self.calls.items = [{"id": c.id, "name": c.name, "args": dict(c.arguments)} for c in parsed]
+        elif self.calls.items:
+            items = []
+            for c in self.calls.items:
+                try:
+                    args = json.loads(c["args"]) if c["args"].strip() else {}
+                except (ValueError, TypeError):
+                    continue
+                if isinstance(args, dict):
+                    items.append({**c, "args": args})
+            self.calls.items = items
+        return delta, before != [(c["id"], c["args"]) for c in self.calls.items]
+
+    def _apply(self, events: list) -> tuple[str, bool]:
+        from parallm_engine.chat_format import ContentDelta, ToolCallDelta
+
+        delta, changed = [], False
+        for ev in events:
+            if isinstance(ev, ContentDelta):
+                delta.append(ev.text)
+            elif isinstance(ev, ToolCallDelta):
+                if self.single and ev.index > 0:
+                    continue
+                call = self._by_index.get(ev.index)
+                if call is None:
+                    call = {"id": ev.id or f"call_{uuid.uuid4().hex[:24]}", "name": ev.name or "", "args": ""}
+                    self._by_index[ev.index] = call
+                    self.calls.items.append(call)
+                if ev.arguments_delta:
+                    call["args"] += ev.arguments_delta
+                changed = True
+        text = "".join(delta)
+        self.content += text
+        return text, changed
+
+
+# --------------------------------------------------------------------------------------------
+# Whole responses and stream chunks
+# --------------------------------------------------------------------------------------------
+
+
+def chat_response(result: Any, tools: list[dict[str, Any]] | None, single_call: bool,
+                  model_name: str) -> ChatResponse:
+    """A finished chat request (its first choice) as a ``ChatResponse``."""
+    choice = result.choices[0]
+    calls = ToolCalls()
+    content = choice.text
+    if tools:
+        if choice.content is not None:  # the engine / the server split content and calls already
+            content, parsed = choice.content, list(choice.tool_calls)
+        else:
+            from parallm_engine.chat_format import parse_tool_calls
+
+            content, parsed = parse_tool_calls(choice.text, tools)
+        parsed = [c for c in parsed if not getattr(c, "error", None)]  # a server's unparsable arguments
+        if single_call:
+            parsed = parsed[:1]
+        calls.items = [{"id": c.id, "name": c.name, "args": dict(c.arguments)} for c in parsed]
+    finish = "tool_calls" if calls.items and choice.finish_reason == "stop" else choice.finish_reason
+    return ChatResponse(
+        message=assistant_message(content, calls),
+        raw=raw_dict(result.request_id, model_name, finish, result.usage, calls.openai()),
+        additional_kwargs=usage_kwargs(result.usage),
+        logprobs=logprobs_lists(choice.logprobs),
+    )
+
+
+def completion_response(result: Any, model_name: str) -> CompletionResponse:
+    choice = result.choices[0]
+    return CompletionResponse(
+        text=choice.text,
+        raw=raw_dict(result.request_id, model_name, choice.finish_reason, result.usage),
+        additional_kwargs=usage_kwargs(result.usage),
+        logprobs=logprobs_lists(choice.logprobs),
+    )
+
+
+def chat_chunk(state: ChatStream, delta_text: str, item: Any, model_name: str) -> ChatResponse:
+    """One streamed chat chunk: the cumulative message, this step's ``delta``; finish reason and usage on
+    the deltas that carry them."""
+    usage = getattr(item, "usage", None)
+    raw: dict[str, Any] = {"id": item.request_id, "model": model_name}
+    if getattr(item, "finish_reason", None):
+        finish = item.finish_reason
+        raw["finish_reason"] = "tool_calls" if state.calls.items and finish == "stop" else finish
+    if usage is not None:
+        raw["usage"] = usage.as_dict()
+    return ChatResponse(
+        message=assistant_message(state.content, state.calls),
+        delta=delta_text,
+        raw=raw,
+        additional_kwargs=usage_kwargs(usage),
+        logprobs=logprobs_lists(getattr(item, "logprobs", None)),
+    )
+
+
+def completion_chunk(text: str, item: Any, model_name: str) -> CompletionResponse:
+    """One streamed completion chunk: the cumulative ``text`` and this step's ``delta``."""
+    raw: dict[str, Any] = {"id": item.request_id, "model": model_name}
+    if item.finish_reason:
+        raw["finish_reason"] = item.finish_reason
+    if item.usage is not None:
+        raw["usage"] = item.usage.as_dict()
+    return CompletionResponse(text=text, delta=item.text, raw=raw, additional_kwargs=usage_kwargs(item.usage),
+                              logprobs=logprobs_lists(item.logprobs))
+
+
+__all__ = [
+    "ChatStream", "ToolCalls", "assistant_message", "chat_chunk", "chat_response", "completion_chunk",
+    "completion_response", "logprobs_lists", "raw_dict", "usage_kwargs",
+]

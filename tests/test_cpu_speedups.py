@@ -146,3 +146,31 @@ def test_shared_prefix_longer_than_a_chunk_is_prefilled_in_groups(lane_engines):
     assert all(r.usage.cached_tokens >= len(prefix) - 1 for r in rest)
     assert after["prefill_forwards"] - before["prefill_forwards"] <= 3
     assert first.usage.cached_tokens == 0
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rope_table_matches_mlx_rope(traditional):
+    rope = nn.RoPE(16, traditional=traditional, base=10000.0, scale=0.5)
+    table = cpu_kernels.RoPETable(16, 10000.0, 0.5, traditional, max_positions=4096)
+    x = mx.random.normal((3, 4, 5, 24))  # dims < head size: the tail passes through
+    _close(table(x, 0), rope(x, offset=0), tol=1e-4)
+    _close(table(x, 3000), rope(x, offset=3000), tol=1e-3)
+    offsets = mx.array([0, 7, 1000])  # per-row offsets, as the decode batch passes them
+    _close(table(x, offsets), rope(x, offset=offsets), tol=1e-3)
+
+
+def test_install_is_idempotent_and_keeps_the_parameter_tree(tiny_model_dir):
+    from mlx.utils import tree_flatten
+
+    from parallm_engine.loader import load_model
+
+    model = load_model(str(tiny_model_dir))[0]
+    before = [k for k, _ in tree_flatten(model.parameters())]
+    assert cpu_kernels.install(model, 512)
+    assert cpu_kernels.install(model, 512)  # a second engine on the same module still gets them
+    assert [k for k, _ in tree_flatten(model.parameters())] == before
+    x = mx.array([[1, 2, 3, 4]])
+    ref = model(x)
+    with cpu_kernels.enabled():
+        fast = model(x)
+    _close(fast, ref, tol=1e-3)

@@ -10,9 +10,11 @@ and the MLP's SiLU are the two places a llama decode step spends most of its non
   divide per output instead of per score). 1.35-1.7x faster than ``mx.fast.scaled_dot_product_attention``
   on this machine for decode (batch 16-32, 160-600 keys) and prefill (32-512 queries) shapes.
 - :func:`swiglu`: ``gate / (1 + 2 ** (-gate * log2(e))) * x``, 2.8-4.5x faster than ``silu(gate) * x``.
+- :class:`RoPETable`: rotary embedding from a cos/sin table built once, instead of ``mx.fast.rope``'s
+  per-call scalar trigonometry.
 
 :func:`install` swaps them into an mlx-lm model's module (its names ``scaled_dot_product_attention``
-and ``swiglu``) behind a thread-local switch, so they run only while :func:`enabled` is active on the
+and ``swiglu``, and each layer's plain ``nn.RoPE``) behind a thread-local switch, so they run only while :func:`enabled` is active on the
 building thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's
 own generate in ``parallm bench``, a user's code) gets mlx-lm's functions unchanged. On Metal and CUDA
 nothing is installed: their fused kernels are the fast path there.
@@ -92,13 +94,85 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return gate / (1.0 + mx.power(2.0, gate * -LOG2E)) * x
 
 
-def install(model) -> bool:
-    """Route ``model``'s attention and SwiGLU through this module while :func:`enabled` is on.
-    Returns whether anything was installed (False for a model module that names neither)."""
+class RoPETable:
+    """Rotary embedding from a precomputed cos/sin table, for positions below ``max_positions``.
+
+    ``mx.fast.rope`` on the CPU computes a cosine and a sine per rotated pair on every call (scalar
+    ``std::cos``/``std::sin``); a gather from a table built once is cheaper. Same contract as
+    ``nn.RoPE.__call__``: x (B, H, L, D), ``offset`` an int or an array of per-row offsets (B,)."""
+
+    def __init__(self, dims: int, base: float, scale: float, traditional: bool, max_positions: int):
+        import numpy as np
+
+        self.dims, self.traditional, self.max_positions = dims, traditional, max_positions
+        inv_freq = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+        angles = (np.arange(max_positions, dtype=np.float64) * scale)[:, None] * inv_freq[None, :]
+        self.cos = mx.array(np.cos(angles).astype(np.float32))  # (max_positions, dims / 2)
+        self.sin = mx.array(np.sin(angles).astype(np.float32))
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        B, H, L, D = x.shape
+        if isinstance(offset, int):
+            pos = mx.arange(offset, offset + L)
+            cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]  # (1, 1, L, d/2)
+        else:
+            pos = offset.astype(mx.int32)[:, None] + mx.arange(L)[None, :]  # (B, L)
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, L, d/2)
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        half = self.dims // 2
+        if self.traditional:
+            pairs = x[..., : self.dims].reshape(B, H, L, half, 2)
+            x1, x2 = pairs[..., 0], pairs[..., 1]
+            rotated = mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(B, H, L, self.dims)
+        else:
+            x1, x2 = x[..., :half], x[..., half : self.dims]
+            rotated = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        if self.dims < D:
+            rotated = mx.concatenate([rotated, x[..., self.dims :]], axis=-1)
+        return rotated
+
+
+class _SwitchedRoPE:
+    """Stands in for a layer's ``nn.RoPE``: the table while :func:`enabled` is on (and the positions
+    fit), the original otherwise. A plain object, not an ``nn.Module``, so the model's parameter tree
+    (saved, counted, compared by the bench) does not change."""
+
+    def __init__(self, original, table: RoPETable):
+        self.original, self.table = original, table
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if is_enabled() and (not isinstance(offset, int) or offset + x.shape[2] <= self.table.max_positions):
+            return self.table(x, offset)
+        return self.original(x, offset=offset)
+
+
+def _install_rope(model, max_positions: int) -> bool:
+    import mlx.nn as nn
+
+    layers = getattr(getattr(model, "model", None), "layers", None) or getattr(model, "layers", None) or []
+    tables: dict[tuple, RoPETable] = {}
+    done = False
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        rope = getattr(attn, "rope", None)
+        if type(rope) is not nn.RoPE:  # scaled variants (llama3, yarn, ...) keep their own
+            continue
+        key = (rope.dims, float(rope.base), float(rope.scale), bool(rope.traditional))
+        if key not in tables:
+            tables[key] = RoPETable(*key, max_positions=max_positions)
+        attn.rope = _SwitchedRoPE(rope, tables[key])
+        done = True
+    return done
+
+
+def install(model, max_positions: int | None = None) -> bool:
+    """Route ``model``'s attention, SwiGLU and (plain) RoPE through this module while :func:`enabled`
+    is on. ``max_positions`` sizes the RoPE table (the context window; positions past it use the
+    original). Returns whether any of them is in place for this model."""
     module = sys.modules.get(type(model).__module__)
     if module is None:
         return False
-    done = False
+    done = bool(max_positions) and _install_rope(model, int(max_positions))
     orig_sdpa = getattr(module, "scaled_dot_product_attention", None)
     if orig_sdpa is not None and not getattr(orig_sdpa, "_parallm", False):
 
@@ -118,7 +192,9 @@ def install(model) -> bool:
 
         fast_swiglu._parallm = True
         module.swiglu = fast_swiglu
-        done = True
+    # Another engine may have patched this module already: what counts is that the hooks are in place.
+    for name in ("scaled_dot_product_attention", "swiglu"):
+        done = done or getattr(getattr(module, name, None), "_parallm", False)
     if done:
-        logger.debug("CPU attention/SwiGLU kernels installed in %s", module.__name__)
-    return done
+        logger.debug("CPU kernels installed for %s", module.__name__)
+    return bool(done)

@@ -95,7 +95,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._choices: dict[str, list[Choice | None]] = {}
         self._lm_head = _lm_head(model)
-        self._cpu_kernels = config.cpu_kernels and cpu_kernels.install(model)
+        self._cpu_kernels = config.cpu_kernels and cpu_kernels.install(model, model_info.context_window)
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
         self._pending: tuple | None = None
 

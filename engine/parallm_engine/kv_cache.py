@@ -109,30 +109,30 @@ class BatchKV:
         return create_causal_mask(N, offset=self.idx, left_padding=self._lp, window_size=window_size)
 
     def add(self, rows: list[tuple[mx.array, mx.array]]) -> None:
-        """Append sequences, each given as its (1, H, L, D) keys and values."""
+        """Append sequences, each given as its (1, H, L, D) keys and values.
+
+        The new storage is allocated once and every row (the running ones shifted right when the new
+        ones are longer) is written into it with slice updates, which MLX performs in place: one copy
+        of each row, where padding and concatenating row by row made three."""
         lengths = [k.shape[2] for k, _ in rows]
         new_idx = max([self.idx] + lengths)
-        parts_k, parts_v = [], []
-        if self.keys is not None and self.batch_size:
-            shift = new_idx - self.idx
-            k, v = self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
-            if shift:
-                pad = [(0, 0), (0, 0), (shift, 0), (0, 0)]
-                k, v = mx.pad(k, pad), mx.pad(v, pad)
-                self.left_pad = [lp + shift for lp in self.left_pad]
-            parts_k.append(k)
-            parts_v.append(v)
-        for (k, v), L in zip(rows, lengths):
-            pad = [(0, 0), (0, 0), (new_idx - L, 0), (0, 0)]
-            parts_k.append(mx.pad(k, pad))
-            parts_v.append(mx.pad(v, pad))
-            self.left_pad.append(new_idx - L)
-        keys = mx.concatenate(parts_k, axis=0) if len(parts_k) > 1 else parts_k[0]
-        values = mx.concatenate(parts_v, axis=0) if len(parts_v) > 1 else parts_v[0]
         cap = _round_up(new_idx + 1)
-        tail = [(0, 0), (0, 0), (0, cap - new_idx), (0, 0)]
-        self.keys = mx.pad(keys, tail)
-        self.values = mx.pad(values, tail)
+        old = self.batch_size if self.keys is not None else 0
+        _, H, _, Dk = rows[0][0].shape
+        Dv = rows[0][1].shape[3]
+        dtype = rows[0][0].dtype
+        keys = mx.zeros((old + len(rows), H, cap, Dk), dtype)
+        values = mx.zeros((old + len(rows), H, cap, Dv), dtype)
+        if old:
+            shift = new_idx - self.idx
+            keys[:old, :, shift:new_idx, :] = self.keys[..., : self.idx, :]
+            values[:old, :, shift:new_idx, :] = self.values[..., : self.idx, :]
+            self.left_pad = [lp + shift for lp in self.left_pad]
+        for r, ((k, v), L) in enumerate(zip(rows, lengths)):
+            keys[old + r : old + r + 1, :, new_idx - L : new_idx, :] = k
+            values[old + r : old + r + 1, :, new_idx - L : new_idx, :] = v
+            self.left_pad.append(new_idx - L)
+        self.keys, self.values = keys, values
         self.idx = new_idx
         self._sync()
 
@@ -172,20 +172,40 @@ class BatchKV:
 
 
 class FrozenKV:
-    """A finished sequence's KV for one layer, (1, H, T, D): what a batched prefill hands on to the
-    radix tree and the decode batch."""
+    """A finished sequence's KV for one layer, as a view of row ``i`` of a batched prefill's
+    (B, H, P + L, D) block: tokens [0, p) sit in columns [P - p, P), tokens [p, p + n) in
+    [P + L - n, P + L). What the prefill hands on to the radix tree (:meth:`segment`: private copies
+    of just the asked-for tokens) and the decode batch (:meth:`valid`: lazy, copied once when the
+    batch takes it). Nothing is copied when the view is made."""
 
-    def __init__(self, keys: mx.array, values: mx.array):
-        self.keys, self.values = keys, values
-        self.offset = keys.shape[2]
+    def __init__(self, keys: mx.array, values: mx.array, i: int, p: int, n: int, P: int, L: int):
+        self._keys, self._values = keys, values
+        self._i, self._p, self._n, self._P, self._L = i, p, n, P, L
+        self.offset = p + n
+
+    def _cols(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Column ranges of the block holding tokens [start, end)."""
+        p, n, P, L = self._p, self._n, self._P, self._L
+        out = []
+        if start < p:
+            out.append((P - p + start, P - p + min(end, p)))
+        if end > p:
+            a = max(start, p) - p
+            out.append((P + L - n + a, P + L - n + end - p))
+        return out
+
+    def _take(self, arr: mx.array, start: int, end: int) -> mx.array:
+        i = self._i
+        parts = [arr[i : i + 1, :, a:b, :] for a, b in self._cols(start, end)]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
     def valid(self) -> tuple[mx.array, mx.array]:
-        return self.keys, self.values
+        return self._take(self._keys, 0, self.offset), self._take(self._values, 0, self.offset)
 
     def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         return (
-            mx.contiguous(self.keys[..., start:end, :]),
-            mx.contiguous(self.values[..., start:end, :]),
+            mx.contiguous(self._take(self._keys, start, end)),
+            mx.contiguous(self._take(self._values, start, end)),
         )
 
 
@@ -216,9 +236,7 @@ class PrefillBatchKV:
         return self._mask
 
     def row(self, i: int, p: int, n: int, P: int, L: int) -> FrozenKV:
-        k = mx.concatenate([self.keys[i : i + 1, :, P - p : P, :], self.keys[i : i + 1, :, P + L - n :, :]], axis=2)
-        v = mx.concatenate([self.values[i : i + 1, :, P - p : P, :], self.values[i : i + 1, :, P + L - n :, :]], axis=2)
-        return FrozenKV(mx.contiguous(k), mx.contiguous(v))
+        return FrozenKV(self.keys, self.values, i, p, n, P, L)
 
 
 def prefill_layout(prefix_lens: list[int], new_lens: list[int]):

@@ -304,8 +304,15 @@ class Scheduler:
         tokens = mx.array([[0] * (L - n) + s.prompt_ids[s.pos :] for s, n in zip(group, new_lens)])
         caches = []
         dtype = next((s.prefix_kv[0][0].dtype for s in group if s.prefix_kv), None)
+        shared = P and all(p == P for p in prefix_lens) and all(s.prefix_kv is not None for s in group)
         for layer in range(self.n_layers):
-            if P:
+            if shared and all(s.prefix_kv[layer][0] is group[0].prefix_kv[layer][0] for s in group[1:]):
+                # Every row continues the same cached prefix (the agent fan-out): broadcast it rather
+                # than stacking one copy per row; the attention's concatenation makes the only copy.
+                k, v = group[0].prefix_kv[layer]
+                caches.append(PrefillBatchKV(mx.broadcast_to(k, (len(group), *k.shape[1:])),
+                                             mx.broadcast_to(v, (len(group), *v.shape[1:])), offset, mask))
+            elif P:
                 pk, pv = [], []
                 for s, p in zip(group, prefix_lens):
                     if p:

@@ -22,6 +22,8 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import BaseModel
 from llama_index.core.llms.llm import ToolSelection
 
+from parallm_integrations._messages import close_schema, close_tool_schemas
+
 _ROLE_MAP = {"developer": "system", "chatbot": "assistant", "model": "assistant", "function": "tool"}
 
 
@@ -112,32 +114,8 @@ def tool_to_openai(tool: Any) -> dict[str, Any]:
     raise ValueError(f"unsupported tool {tool!r}: pass LlamaIndex tools or OpenAI tool dicts")
 
 
-def close_schema(schema: Any) -> Any:
-    """A copy of a JSON schema where every object without an explicit ``additionalProperties`` gets
-    ``additionalProperties: false``. Under constrained decoding an open schema lets a small model
-    invent keys until it runs out of tokens; closed, it writes the declared fields and stops."""
-    if isinstance(schema, list):
-        return [close_schema(s) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out = {k: close_schema(v) for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(schema.get(key), Mapping):
-            out[key] = {name: close_schema(sub) for name, sub in schema[key].items()}
-    stype = schema.get("type")
-    is_object = stype == "object" or (isinstance(stype, list) and "object" in stype)
-    if (is_object or "properties" in schema) and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
-
-
-def close_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for t in tools:
-        fn = dict(t["function"])
-        fn["parameters"] = close_schema(fn.get("parameters") or {"type": "object", "properties": {}})
-        out.append({**t, "function": fn})
-    return out
+# The same closing as the LangChain classes (one definition of what "closed" means for the engine).
+close_tools = close_tool_schemas
 
 
 def resolve_tool_choice(tool_choice: Any, tool_required: bool, names: list[str]) -> Any:

@@ -174,3 +174,23 @@ def test_install_is_idempotent_and_keeps_the_parameter_tree(tiny_model_dir):
     with cpu_kernels.enabled():
         fast = model(x)
     _close(fast, ref, tol=1e-3)
+
+
+def test_install_leaves_a_module_own_variants_alone():
+    import sys
+    import types
+
+    mod = types.ModuleType("fake_mlx_model")
+
+    def own_swiglu(gate, x, alpha=1.702):  # a model's own variant, not mlx-lm's
+        return gate * x * alpha
+
+    mod.swiglu = own_swiglu
+    mod.scaled_dot_product_attention = lambda *a, **k: None
+    exec("class Model:\n    pass", mod.__dict__)
+    sys.modules[mod.__name__] = mod
+    try:
+        assert not cpu_kernels.install(mod.Model(), None)
+        assert mod.swiglu is own_swiglu
+    finally:
+        del sys.modules[mod.__name__]

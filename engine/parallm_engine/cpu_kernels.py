@@ -172,9 +172,12 @@ def install(model, max_positions: int | None = None) -> bool:
     module = sys.modules.get(type(model).__module__)
     if module is None:
         return False
+    from mlx_lm.models import activations, base
+
     done = bool(max_positions) and _install_rope(model, int(max_positions))
+    # Only mlx-lm's own functions are replaced: a module that defines its own variant keeps it.
     orig_sdpa = getattr(module, "scaled_dot_product_attention", None)
-    if orig_sdpa is not None and not getattr(orig_sdpa, "_parallm", False):
+    if orig_sdpa is base.scaled_dot_product_attention:
 
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             if sinks is None and is_enabled() and not hasattr(cache, "bits"):
@@ -185,7 +188,7 @@ def install(model, max_positions: int | None = None) -> bool:
         module.scaled_dot_product_attention = sdpa
         done = True
     orig_swiglu = getattr(module, "swiglu", None)
-    if orig_swiglu is not None and not getattr(orig_swiglu, "_parallm", False):
+    if orig_swiglu is activations.swiglu:
 
         def fast_swiglu(gate, x):
             return swiglu(gate, x) if is_enabled() else orig_swiglu(gate, x)

@@ -457,9 +457,12 @@ class ParaLLMParams(BaseModel):
 
     # -- tokens ---------------------------------------------------------------------------------
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` from the model's own tokenizer (no special tokens added). With ``base_url``,
-        from the server's ``/tokenize``; a server without one gets LangChain's default estimate
-        (``custom_get_token_ids`` if set, else the GPT-2 tokenizer)."""
+        """Token ids of ``text``: a user's ``custom_get_token_ids`` first (LangChain's convention), else the
+        model's own tokenizer (no special tokens added). With ``base_url``, from the server's ``/tokenize``;
+        a server without one gets LangChain's GPT-2 estimate."""
+        custom = getattr(self, "custom_get_token_ids", None)
+        if custom is not None:
+            return list(custom(text))
         if self.base_url:
             try:
                 return remote_function("get_token_ids")(self, text)

@@ -12,7 +12,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.model_profile import ModelProfile
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, convert_to_messages
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
@@ -493,14 +493,16 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
     ) -> int:
         """Tokens of ``messages`` (and ``tools``) rendered with the model's chat template. With ``base_url``
         the server renders and counts them (its ``/tokenize``, as ``parallm serve`` and vLLM have); a server
-        without one gets LangChain's estimate."""
+        without one, or a ``custom_get_token_ids``, gets LangChain's counting over its message rendering."""
+        if self.custom_get_token_ids is not None:  # the user's counter, over LangChain's message rendering
+            return super().get_num_tokens_from_messages(convert_to_messages(messages), tools=tools)
         openai_messages = messages_to_dicts(messages)
         openai_tools = tools_to_openai(tools) if tools else None
         if self.base_url:
             try:
                 return remote_function("get_num_tokens_from_messages")(self, openai_messages, tools=openai_tools)
             except NotImplementedError:  # no /tokenize on this server
-                return super().get_num_tokens_from_messages(messages, tools=tools)
+                return super().get_num_tokens_from_messages(convert_to_messages(messages), tools=tools)
         ids = self._get_engine().apply_chat_template(openai_messages, tools=openai_tools, add_generation_prompt=False)
         return len(ids)
 

@@ -76,6 +76,11 @@ def test_profile_and_tokenizer(engine):
     assert llm.get_num_tokens("Hello world") == 2
     n = llm.get_num_tokens_from_messages([("system", "Be brief."), ("human", "Hello world")])
     assert 5 < n < 40
+    # A user's own counter wins, as LangChain's convention has it.
+    assert ChatParaLLM(custom_get_token_ids=lambda s: list(s)).get_num_tokens("Hello world") == 11
+    assert ParaLLM(custom_get_token_ids=lambda s: s.split()).get_token_ids("a b c") == ["a", "b", "c"]
+    by_words = ChatParaLLM(custom_get_token_ids=lambda s: s.split())
+    assert by_words.get_num_tokens_from_messages([("human", "one two three")]) == len("Human: one two three".split())
 
 
 # -- fan-out --------------------------------------------------------------------------------------

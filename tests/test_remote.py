@@ -343,9 +343,15 @@ def test_chat_model_counts_tokens_with_the_server(server, engine, monkeypatch):
         raise NotImplementedError("no /tokenize")
 
     monkeypatch.setattr(RemoteClient, "_tokenize", no_tokenize)
+    expected = sum(len(get_buffer_string([m]).split()) for m in messages)
+    # A server without /tokenize: LangChain's default estimate (GPT-2 from the hub, so stood in for here).
+    import langchain_core.language_models.base as lc_base
+
+    monkeypatch.setattr(lc_base, "_get_token_ids_default_method", lambda s: s.split())
+    assert ChatParaLLM(base_url=server.base_url, api_key=KEY).get_num_tokens_from_messages(messages) == expected
+    # A user's own counter is used first, without asking the server.
     estimate = ChatParaLLM(base_url=server.base_url, api_key=KEY, custom_get_token_ids=lambda s: s.split())
-    assert estimate.get_num_tokens_from_messages(messages) == sum(
-        len(get_buffer_string([m]).split()) for m in messages)
+    assert estimate.get_num_tokens_from_messages(messages) == expected
 
 
 def test_stream_retiming_without_a_server():

@@ -1,4 +1,4 @@
-"""Faster attention and SwiGLU for MLX's CPU backend, used only inside the engine's own forwards.
+"""Faster attention, SwiGLU and RoPE for MLX's CPU backend, used only inside the engine's own forwards.
 
 MLX's CPU ``exp`` (and so ``softmax``, ``sigmoid``, SiLU and the fused SDPA, which falls back to
 them) runs at ~25 ns per element on x86 Linux, while ``mx.power(2.0, x)`` runs at ~9 ns with the
@@ -14,8 +14,8 @@ and the MLP's SiLU are the two places a llama decode step spends most of its non
   per-call scalar trigonometry.
 
 :func:`install` swaps them into an mlx-lm model's module (its names ``scaled_dot_product_attention``
-and ``swiglu``, and each layer's plain ``nn.RoPE``) behind a thread-local switch, so they run only while :func:`enabled` is active on the
-building thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's
+and ``swiglu``, and each layer's plain ``nn.RoPE``) behind a thread-local switch, so they run only
+while :func:`enabled` is active on the building thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's
 own generate in ``parallm bench``, a user's code) gets mlx-lm's functions unchanged. On Metal and CUDA
 nothing is installed: their fused kernels are the fast path there.
 """

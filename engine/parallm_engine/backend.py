@@ -21,10 +21,16 @@ from dataclasses import asdict, dataclass
 
 logger = logging.getLogger("parallm_engine")
 
-# Candidate CBLAS libraries, best first. MKL (PyPI `mkl`, a dependency on Linux x86_64) runs the skinny
-# decode GEMMs 2-4x faster than Debian's OpenBLAS 0.3.21 here (measured: (32x576)@(576x1536) 0.38 ms vs
-# 1.5 ms); OpenBLAS (`apt-get install libopenblas0-pthread`) is the fallback. PyPI `scipy-openblas32`
-# does NOT work (its symbols are prefixed).
+# Candidate CBLAS libraries. Which is faster depends on the CPU (measured on the 2-core CI-class
+# machines, fp32, single-core GEMMs of a decode step; see docs/benchmarks.md):
+# - Intel: MKL (PyPI `mkl`, a dependency on Linux x86_64) ran the skinny decode GEMMs faster than
+#   Debian's OpenBLAS 0.3.21.
+# - AMD with AVX-512 (Zen 4/5): MKL takes its generic non-Intel code path and packs the weight matrix on
+#   every call (20% of a decode step's CPU time in `mkl_blas_def_sgemm_scopy_right16_bdz`), and
+#   OpenBLAS 0.3.21 predates Zen 4 and picks its AVX2 Haswell kernels. OpenBLAS with its AVX-512
+#   SkylakeX kernels (OPENBLAS_CORETYPE) and both cores inside each GEMM makes a batch-32 decode step
+#   1.3x faster than MKL; :func:`blas_candidates` puts it first there.
+# PyPI `scipy-openblas32` does NOT work (its symbols are prefixed).
 _OPENBLAS_CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -72,6 +78,40 @@ def _mkl_candidates() -> list[str]:
     return found
 
 
+def cpu_features() -> tuple[str, set[str]]:
+    """(vendor id, feature flags) of this CPU from /proc/cpuinfo; ("", set()) where unreadable."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                if vendor and flags:
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+def _prefers_openblas() -> bool:
+    vendor, flags = cpu_features()
+    return vendor == "AuthenticAMD" and "avx512f" in flags
+
+
+def blas_candidates() -> list[str]:
+    """CBLAS libraries to try, best first for this CPU (see the note on the candidates above)."""
+    mkl = _mkl_candidates()
+    return _OPENBLAS_CANDIDATES + mkl if _prefers_openblas() else mkl + _OPENBLAS_CANDIDATES
+
+
+def _is_openblas(path: str | None) -> bool:
+    return bool(path) and "openblas" in os.path.basename(path)
+
+
 def preload_blas() -> str | None:
     """Load an optimised CBLAS into the process with RTLD_GLOBAL. Idempotent.
 
@@ -89,20 +129,54 @@ def preload_blas() -> str | None:
         return None
     if "mlx.core" in sys.modules:
         logger.debug("mlx.core already imported; a BLAS preload now would have no effect")
-    candidates = [choice] if choice else _mkl_candidates() + _OPENBLAS_CANDIDATES
+    candidates = [choice] if choice else blas_candidates()
     for path in candidates:
         if not os.path.exists(path):
             continue
+        restore: dict[str, str | None] = {}
         if "mkl" in os.path.basename(path):
             _configure_mkl()
+        elif _is_openblas(path):
+            restore = _configure_openblas()
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:  # a broken library: try the next one
             logger.debug("could not load %s: %s", path, exc)
             continue
+        finally:
+            for key, value in restore.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         _preloaded = path
         return path
     return None
+
+
+def _configure_openblas() -> dict[str, str | None]:
+    """Settings OpenBLAS reads when it is loaded; returns the environment to restore afterwards.
+
+    On an AVX-512 CPU it does not know (Debian's 0.3.21 and Zen 4) OpenBLAS falls back to its AVX2
+    Haswell kernels; its SkylakeX AVX-512 kernels run there (Zen 4 implements every AVX-512 subset
+    they use) and are 1.2-1.4x faster on decode-shaped GEMMs. The core type is set only while
+    ParaLLM's OpenBLAS loads, so an OPENBLAS_CORETYPE in the environment (some machines pin it for
+    numpy's own OpenBLAS) still applies to everything else; PARALLM_OPENBLAS_CORETYPE picks another
+    core type for ParaLLM's ("inherit": use OPENBLAS_CORETYPE as it is). Its threads default to one
+    per core, right for the single lane it gets (``cpu_lanes``); lanes forced with
+    PARALLM_DECODE_LANES share the cores instead."""
+    restore: dict[str, str | None] = {}
+    core = os.environ.get("PARALLM_OPENBLAS_CORETYPE", "").strip()
+    if not core:
+        _, flags = cpu_features()
+        core = "SkylakeX" if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags else "inherit"
+    if core.lower() != "inherit":
+        restore["OPENBLAS_CORETYPE"] = os.environ.get("OPENBLAS_CORETYPE")
+        os.environ["OPENBLAS_CORETYPE"] = core
+    lanes = os.environ.get("PARALLM_DECODE_LANES", "").strip()
+    if lanes.isdigit() and int(lanes) > 1:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, usable_cores() // int(lanes))))
+    return restore
 
 
 def usable_cores() -> int:
@@ -113,17 +187,22 @@ def usable_cores() -> int:
 
 
 def cpu_lanes() -> int:
-    """Decode lanes on the CPU backend (see ``decode_batch``): one per core, at most 4.
+    """Decode lanes on the CPU backend (see ``decode_batch``).
 
-    MLX runs each stream on one thread with scalar elementwise kernels, so parallel lanes are what
-    uses the other cores; past 4 lanes each lane's batch gets too small for efficient GEMMs and the
-    BLAS's own threads (``_configure_mkl``) use the remaining cores. ``PARALLM_DECODE_LANES`` overrides."""
+    With OpenBLAS: one lane, and OpenBLAS's own threads use every core inside each GEMM (GEMMs are
+    ~60% of a decode step; at batch 32 one 2-thread GEMM over all rows beats two 1-thread GEMMs over
+    16 rows each by enough to pay for the elementwise work left on one core, and at batch 1 the
+    2-thread GEMV is 1.2x faster). Otherwise one lane per core, at most 4: MLX runs each stream on one
+    thread with scalar elementwise kernels, so parallel lanes are what uses the other cores, and MKL
+    runs single-threaded inside each (``_configure_mkl``). ``PARALLM_DECODE_LANES`` overrides."""
     env = os.environ.get("PARALLM_DECODE_LANES", "").strip()
     if env:
         try:
             return max(1, int(env))
         except ValueError:
             logger.warning("ignoring PARALLM_DECODE_LANES=%r (not an integer)", env)
+    if _is_openblas(_preloaded):
+        return 1
     return max(1, min(4, usable_cores()))
 
 

@@ -497,9 +497,10 @@ def format_table(result: dict) -> str:
             table.add_row(name, system, str(s["requests"]), f"{s['tok_s']:.1f}", f"{s['wall_s']:.1f}",
                           f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p95_s']:.3f}", f"{s['itl_p50_s']:.3f}",
                           f"{s['itl_p95_s']:.3f}", str(s["prefill_tokens"]), f"{s['peak_mem_mb']:.0f}")
-        ratios = ", ".join(f"{k}={v}x" for k, v in entry.get("ratios", {}).items())
-        table.add_row(name, "[bold]ratios[/]", "", ratios, "", "", "", "", "", "", "")
     console.print(table)
+    for name, entry in result["workloads"].items():
+        if entry.get("ratios"):  # below the table: a row would truncate them
+            console.print(f"{name} ratios: " + ", ".join(f"{k}={v}x" for k, v in entry["ratios"].items()))
     for name, entry in result["workloads"].items():
         if "skipped" in entry:
             console.print(f"{name}: skipped ({entry['skipped']})")

@@ -1,0 +1,107 @@
+"""Choosing the CBLAS and its settings for this CPU (parallm_engine.backend), before MLX loads it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from parallm_engine import backend
+
+AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"}
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend to be a given CPU: cpu("AuthenticAMD", flags)."""
+
+    def fake(vendor: str, flags: set[str]):
+        monkeypatch.setattr(backend, "cpu_features", lambda: (vendor, set(flags)))
+
+    return fake
+
+
+def test_cpu_features_reads_this_machine():
+    vendor, flags = backend.cpu_features()
+    if os.path.exists("/proc/cpuinfo"):
+        assert isinstance(vendor, str) and flags, "flags should be read from /proc/cpuinfo"
+
+
+def test_openblas_goes_first_on_amd_with_avx512(cpu, monkeypatch):
+    monkeypatch.setattr(backend, "_mkl_candidates", lambda: ["/x/lib/libmkl_rt.so.3"])
+    cpu("AuthenticAMD", AVX512)
+    order = backend.blas_candidates()
+    assert "openblas" in os.path.basename(order[0]) and order[-1].endswith("libmkl_rt.so.3")
+    cpu("GenuineIntel", AVX512)
+    assert backend.blas_candidates()[0].endswith("libmkl_rt.so.3")
+    cpu("AuthenticAMD", {"avx2", "fma"})  # not measured without AVX-512: MKL keeps its place
+    assert backend.blas_candidates()[0].endswith("libmkl_rt.so.3")
+
+
+def test_openblas_core_type_applies_to_our_load_only(cpu, monkeypatch):
+    cpu("AuthenticAMD", AVX512)
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")  # a machine-wide pin for numpy's OpenBLAS
+    monkeypatch.delenv("PARALLM_OPENBLAS_CORETYPE", raising=False)
+    restore = backend._configure_openblas()
+    assert os.environ["OPENBLAS_CORETYPE"] == "SkylakeX"
+    assert restore == {"OPENBLAS_CORETYPE": "Haswell"}
+
+    monkeypatch.setenv("PARALLM_OPENBLAS_CORETYPE", "inherit")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    assert backend._configure_openblas() == {}
+    assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"
+
+    monkeypatch.setenv("PARALLM_OPENBLAS_CORETYPE", "Zen")
+    monkeypatch.delenv("OPENBLAS_CORETYPE")
+    assert backend._configure_openblas() == {"OPENBLAS_CORETYPE": None}
+    assert os.environ["OPENBLAS_CORETYPE"] == "Zen"
+
+
+def test_no_avx512_leaves_the_core_type_alone(cpu, monkeypatch):
+    cpu("AuthenticAMD", {"avx2", "fma"})
+    monkeypatch.delenv("PARALLM_OPENBLAS_CORETYPE", raising=False)
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    assert backend._configure_openblas() == {}
+    assert "OPENBLAS_CORETYPE" not in os.environ
+
+
+def test_preload_restores_the_environment_after_loading(cpu, monkeypatch, tmp_path):
+    """The core type is set while the library loads (it reads it then) and put back afterwards."""
+    cpu("AuthenticAMD", AVX512)
+    fake = tmp_path / "libopenblas.so.0"
+    fake.write_bytes(b"")
+    seen = {}
+
+    def fake_cdll(path, mode=0):
+        seen["core"] = os.environ.get("OPENBLAS_CORETYPE")
+        return object()
+
+    monkeypatch.setattr(backend.ctypes, "CDLL", fake_cdll)
+    monkeypatch.setattr(backend, "_preload_done", False)
+    monkeypatch.setattr(backend, "_preloaded", None)
+    monkeypatch.setenv("PARALLM_BLAS", str(fake))
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.delenv("PARALLM_OPENBLAS_CORETYPE", raising=False)
+    assert backend.preload_blas() == str(fake)
+    assert seen["core"] == "SkylakeX"
+    assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"
+
+
+def test_blas_threads_follow_the_lanes(monkeypatch):
+    monkeypatch.delenv("PARALLM_DECODE_LANES", raising=False)
+    monkeypatch.setattr(backend, "_preloaded", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+    assert backend.cpu_lanes() == 1  # OpenBLAS threads use the cores inside each GEMM
+    monkeypatch.setattr(backend, "_preloaded", "/x/lib/libmkl_rt.so.3")
+    monkeypatch.setattr(backend, "usable_cores", lambda: 2)
+    assert backend.cpu_lanes() == 2  # MKL runs sequential inside one lane per core
+    monkeypatch.setenv("PARALLM_DECODE_LANES", "3")
+    assert backend.cpu_lanes() == 3
+
+
+def test_forced_lanes_share_the_openblas_threads(cpu, monkeypatch):
+    cpu("AuthenticAMD", AVX512)
+    monkeypatch.setattr(backend, "usable_cores", lambda: 4)
+    monkeypatch.setenv("PARALLM_DECODE_LANES", "2")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    backend._configure_openblas()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "2"

@@ -1,0 +1,41 @@
+"""`parallm bench --quick` on a tiny random model: every workload runs against its baselines in one
+process and the JSON has the documented shape. Timings are not asserted (shared, noisy machines)."""
+
+from __future__ import annotations
+
+import json
+
+from parallm_engine import bench
+
+
+def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
+    ticks = []
+    result = bench.run_bench(tiny_engine, ["throughput", "fanout", "single", "roofline"], quick=True,
+                             progress=ticks.append)
+    work = result["workloads"]
+    q = bench.QUICK
+    for name, systems in (("throughput", ("parallm", "mlx_lm_batch", "sequential")),
+                          ("fanout", ("parallm", "parallm_no_prefix_cache", "mlx_lm_batch", "sequential")),
+                          ("single", ("parallm", "sequential"))):
+        entry = work[name]
+        for system in systems:
+            s = entry[system]
+            assert s["tokens"] > 0 and s["tok_s"] > 0 and s["wall_s"] > 0, (name, system, s)
+            assert s["ttft_p50_s"] <= s["ttft_p95_s"]
+        assert entry["ratios"]["vs_sequential"] > 0
+    # Every request generated exactly its fixed length (EOS ignored), in each system.
+    assert work["throughput"]["parallm"]["tokens"] == q.n * q.new_tokens
+    assert work["throughput"]["mlx_lm_batch"]["tokens"] == q.n * q.new_tokens
+    assert work["fanout"]["parallm"]["tokens"] == q.n * q.fan_new
+    # The shared prefix is computed once with the radix cache, once per request without it.
+    fan = work["fanout"]
+    assert fan["parallm"]["prefill_tokens"] < fan["parallm_no_prefix_cache"]["prefill_tokens"]
+    assert fan["ratios"]["prefill_tokens_vs_no_prefix_cache"] < 1
+    roof = work["roofline"]
+    assert roof["gemm_gflops"] > 0 and roof["memory_gbps"] > 0 and 0 < roof["flops_fraction"]
+    assert result["env"]["quick"] is True and "blas" in result["env"]["backend"]
+    assert ticks, "progress callback was called"
+
+    table = bench.format_table(result)
+    assert "throughput ratios: vs_mlx_lm_batch=" in table and "roofline:" in table
+    json.dumps(result)  # what --json writes

@@ -194,3 +194,28 @@ def test_install_leaves_a_module_own_variants_alone():
         assert mod.swiglu is own_swiglu
     finally:
         del sys.modules[mod.__name__]
+
+
+@pytest.mark.parametrize("B,H,KH,L,P,T", [(3, 9, 3, 1, 40, 7), (4, 4, 2, 1, 5, 1), (2, 8, 2, 6, 11, 6), (1, 6, 1, 3, 64, 9)])
+def test_cascade_attention_equals_attention_over_the_concatenation(B, H, KH, L, P, T):
+    """A prefix held once equals every row holding its own copy, for rows that continue it and rows
+    that do not (their prefix columns masked out), with and without a mask on the rows' own keys."""
+    mx.random.seed(P * 10 + T)
+    q = mx.random.normal((B, H, L, 16))
+    pk, pv = mx.random.normal((1, KH, P, 16)) * 2, mx.random.normal((1, KH, P, 16))
+    k, v = mx.random.normal((B, KH, T, 16)) * 2, mx.random.normal((B, KH, T, 16))
+    full_k = mx.concatenate([mx.broadcast_to(pk, (B, KH, P, 16)), k], axis=2)
+    full_v = mx.concatenate([mx.broadcast_to(pv, (B, KH, P, 16)), v], axis=2)
+    # Rows' own keys left-padded as the decode batch pads them (every query keeps its own key);
+    # causal within them when L > 1.
+    lp = mx.array([i % (T - L + 1) for i in range(B)])
+    own_mask = create_causal_mask(L, offset=T - L, left_padding=lp)  # (B, 1, L, T)
+    uses = mx.array([i % 2 == 0 for i in range(B)]) if B > 1 else None
+    for shared_mask in (None, uses):
+        prefix_cols = mx.ones((B, 1, L, P), dtype=mx.bool_)
+        if shared_mask is not None:
+            prefix_cols = prefix_cols & shared_mask.reshape(B, 1, 1, 1)
+        full_mask = mx.concatenate([prefix_cols, own_mask], axis=-1)
+        got = cpu_kernels.cascade_attention(q, k, v, pk, pv, 0.25, own_mask, shared_mask)
+        _close(got, cpu_kernels.attention(q, full_k, full_v, 0.25, full_mask), tol=5e-5)
+        _close(got, mx.fast.scaled_dot_product_attention(q, full_k, full_v, scale=0.25, mask=full_mask), tol=5e-5)

@@ -4,6 +4,7 @@ decode batch keeps every row's keys right-aligned at the shared write column aft
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -72,3 +73,50 @@ def test_batch_rows_stay_right_aligned_through_joins_and_leaves(first, second, s
         assert lp == kv.idx - len(e)
         np.testing.assert_array_equal(keys[r, 0, lp : kv.idx, 0], e)
         np.testing.assert_array_equal(np.array(kv.offset)[r], len(e))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tails=st.lists(st.tuples(st.booleans(), st.integers(1, 7)), min_size=1, max_size=5),
+       P=st.integers(1, 6), steps=st.integers(0, 2), drop=st.integers(0, 4),
+       a=st.integers(0, 14), w=st.integers(1, 14))
+def test_shared_prefix_rows_hand_out_prefix_and_own_tokens(tails, P, steps, drop, a, w):
+    """Rows continuing a shared prefix store only their later tokens, yet ``row`` (what the radix tree
+    receives) and ``offset`` (RoPE positions) count from the sequence's first token."""
+    kv = BatchKV()
+    prefix = _row(-1000, P)  # prefix token t has tag -1000 + t
+    kv.set_shared(prefix, prefix)
+    rows, expect = [], []
+    for j, (uses, n) in enumerate(tails):
+        own = _row(100 * j + (P if uses else 0), n)  # own tokens continue the numbering after P
+        rows.append((own, own))
+        expect.append(([-1000 + t for t in range(P)] if uses else []) + [100 * j + (P if uses else 0) + t for t in range(n)])
+    kv.add(rows, [u for u, _ in tails])
+    for s in range(steps):
+        new = mx.full((kv.batch_size, 2, 1, 3), float(10_000 + s))
+        kv.update_and_fetch(new, new)
+        expect = [e + [10_000 + s] for e in expect]
+    keep = [i for i in range(len(expect)) if i != drop] or [0]
+    kv.keep(keep)
+    expect = [expect[i] for i in keep]
+    uses = [tails[i][0] for i in keep]
+    assert (kv.shared_mask is None) == all(uses)
+    for r, e in enumerate(expect):
+        assert int(np.array(kv.offset)[r]) == len(e)
+        start = min(a, len(e) - 1)
+        end = min(start + w, len(e))
+        k, v = kv.row(r, start, end)
+        np.testing.assert_array_equal(np.array(k)[0, 1, :, 2], e[start:end])
+    assert kv.nbytes() == kv.keys.nbytes + kv.values.nbytes  # the prefix is counted by its owner
+
+
+def test_shared_prefix_cannot_change_under_rows_using_it():
+    kv = BatchKV()
+    prefix = _row(0, 4)
+    kv.set_shared(prefix, prefix)
+    kv.add([(_row(4, 2), _row(4, 2))], [True])
+    with pytest.raises(AssertionError):
+        kv.set_shared(None, None)
+    kv.keep([])
+    kv.set_shared(None, None)
+    with pytest.raises(ValueError):
+        kv.add([(_row(4, 2), _row(4, 2))], [True])

@@ -56,28 +56,61 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     queries (B, H, L, D), keys/values (B, KH, T, D) with H a multiple of KH, mask None, "causal",
     a boolean (True = attend) or an additive array broadcastable to (B, H, L, T)."""
     B, H, L, D = queries.shape
-    KH, T = keys.shape[1], keys.shape[2]
-    rep = H // KH
-    q = (queries * (scale * LOG2E)).reshape(B, KH, rep * L, D)
-    s = q @ keys.swapaxes(-1, -2)  # (B, KH, rep * L, T) in log2 units
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unsupported mask {mask!r}")
-        if L > 1:
-            mask = mx.arange(T)[None, :] <= (mx.arange(L)[:, None] + (T - L))
-        else:
-            mask = None
-    if mask is not None:
-        s = s.reshape(B, KH, rep, L, T)
-        m = _group_heads(mask, KH, rep)
-        if m.dtype == mx.bool_:
-            s = mx.where(m, s, -mx.inf)
-        else:
-            s = s + m.astype(s.dtype) * LOG2E
-        s = s.reshape(B, KH, rep * L, T)
+    KH = keys.shape[1]
+    q = (queries * (scale * LOG2E)).reshape(B, KH, (H // KH) * L, D)
+    s = _masked_scores(q @ keys.swapaxes(-1, -2), mask, H // KH, L)  # (B, KH, rep * L, T), log2 units
     e = mx.power(2.0, s - mx.max(s, axis=-1, keepdims=True))
     out = (e @ values) / mx.sum(e, axis=-1, keepdims=True)
     return out.reshape(B, H, L, values.shape[-1]).astype(queries.dtype)
+
+
+def cascade_attention(queries: mx.array, keys: mx.array, values: mx.array, shared_keys: mx.array,
+                      shared_values: mx.array, scale: float, mask=None, shared_mask=None) -> mx.array:
+    """Attention over a prefix every row shares followed by each row's own keys, reading the
+    prefix once for the whole batch.
+
+    Equal to :func:`attention` over ``concatenate([shared, keys])`` per row (the prefix columns
+    masked out for rows where the (B,) bool ``shared_mask`` is False; None: every row continues it).
+    ``shared_keys``/``shared_values`` are (1, KH, P, D); ``mask`` applies to the rows' own keys only
+    (all prefix keys come before every query). The prefix part is one matmul per KV head with all
+    rows' queries stacked (M = B * rep * L) instead of B tiny ones, and the two parts are merged with
+    a common max, normalised once after both value matmuls."""
+    B, H, L, D = queries.shape
+    KH, P = keys.shape[1], shared_keys.shape[2]
+    M = (H // KH) * L
+    q = (queries * (scale * LOG2E)).reshape(B, KH, M, D)
+    s = _masked_scores(q @ keys.swapaxes(-1, -2), mask, H // KH, L)  # (B, KH, M, T)
+    qs = q.transpose(1, 0, 2, 3).reshape(KH, B * M, D)
+    sp = (qs @ shared_keys[0].swapaxes(-1, -2)).reshape(KH, B, M, P)
+    if shared_mask is not None:
+        sp = mx.where(shared_mask.reshape(1, B, 1, 1), sp, -mx.inf)
+    m = mx.maximum(mx.max(s, axis=-1, keepdims=True), mx.max(sp, axis=-1, keepdims=True).transpose(1, 0, 2, 3))
+    e = mx.power(2.0, s - m)
+    ep = mx.power(2.0, sp - m.transpose(1, 0, 2, 3))  # (KH, B, M, P)
+    Dv = values.shape[-1]
+    shared_out = (ep.reshape(KH, B * M, P) @ shared_values[0]).reshape(KH, B, M, Dv).transpose(1, 0, 2, 3)
+    den = mx.sum(e, axis=-1, keepdims=True) + mx.sum(ep, axis=-1, keepdims=True).transpose(1, 0, 2, 3)
+    out = (e @ values + shared_out) / den
+    return out.reshape(B, H, L, Dv).astype(queries.dtype)
+
+
+def _masked_scores(s: mx.array, mask, rep: int, L: int) -> mx.array:
+    """Apply an SDPA-style mask (None, "causal", bool or additive, broadcastable to (B, H, L, T)) to
+    scores laid out (B, KH, rep * L, T) in log2 units."""
+    B, KH, _, T = s.shape
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported mask {mask!r}")
+        mask = mx.arange(T)[None, :] <= (mx.arange(L)[:, None] + (T - L)) if L > 1 else None
+    if mask is None:
+        return s
+    s = s.reshape(B, KH, rep, L, T)
+    m = _group_heads(mask, KH, rep)
+    if m.dtype == mx.bool_:
+        s = mx.where(m, s, -mx.inf)
+    else:
+        s = s + m.astype(s.dtype) * LOG2E
+    return s.reshape(B, KH, rep * L, T)
 
 
 def _group_heads(mask: mx.array, KH: int, rep: int) -> mx.array:
@@ -165,6 +198,13 @@ def _install_rope(model, max_positions: int) -> bool:
     return done
 
 
+def handles_shared_prefix(model) -> bool:
+    """Whether ``model``'s attention runs through this module's hook, which is what reads a decode
+    batch's shared prefix (without it a batch must hold every row's whole KV)."""
+    module = sys.modules.get(type(model).__module__)
+    return bool(getattr(getattr(module, "scaled_dot_product_attention", None), "_parallm", False))
+
+
 def install(model, max_positions: int | None = None) -> bool:
     """Route ``model``'s attention, SwiGLU and (plain) RoPE through this module while :func:`enabled`
     is on. ``max_positions`` sizes the RoPE table (the context window; positions past it use the
@@ -181,6 +221,10 @@ def install(model, max_positions: int | None = None) -> bool:
 
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             if sinks is None and is_enabled() and not hasattr(cache, "bits"):
+                shared = getattr(cache, "shared_keys", None)
+                if shared is not None:  # a decode batch holding a prefix once (kv_cache.SharedPrefix)
+                    return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,
+                                             cache.shared_mask)
                 return attention(queries, keys, values, scale, mask)
             return orig_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

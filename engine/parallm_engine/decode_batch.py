@@ -12,6 +12,10 @@ Rows are ordered lane by lane: :attr:`DecodeBatch.running` is lane 0's sequences
 the logits :meth:`DecodeBatch.forward` returns follow that order. Joining sequences go to the lane
 with the fewest rows. Streams are created lazily because MLX streams belong to the thread that made
 them (the engine thread).
+
+The batch may hold one :class:`~parallm_engine.kv_cache.SharedPrefix` (chosen by the scheduler):
+rows that continue it keep only their later tokens, every lane reads the same prefix arrays, and it
+is released when the last such row leaves.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import contextlib
 
 import mlx.core as mx
 
-from .kv_cache import BatchKV
+from .kv_cache import BatchKV, SharedPrefix
 
 
 class DecodeLane:
@@ -42,6 +46,7 @@ class DecodeBatch:
         self.n_layers = n_layers
         self.lanes = [DecodeLane(n_layers) for _ in range(n_lanes)]
         self._streams_made = n_lanes == 1
+        self.shared: SharedPrefix | None = None
 
     def _ensure_streams(self) -> None:
         if not self._streams_made:
@@ -66,9 +71,32 @@ class DecodeBatch:
     def __len__(self) -> int:
         return sum(len(lane.seqs) for lane in self.lanes)
 
-    def join(self, seqs: list) -> None:
-        """Add prefilled sequences (each with ``seq.cache``: one cache per layer with ``valid()``)."""
+    def set_shared(self, prefix: SharedPrefix) -> None:
+        """Hold ``prefix`` once for the rows that will join continuing it (none may use one now)."""
+        if self.shared is not None:
+            raise RuntimeError("the batch already holds a shared prefix")
         self._ensure_streams()
+        self.shared = prefix
+        for lane in self.lanes:
+            with lane.context():
+                for layer, (k, v) in zip(lane.kv, prefix.kv):
+                    layer.set_shared(k, v)
+
+    def _release_shared(self) -> None:
+        prefix, self.shared = self.shared, None
+        for lane in self.lanes:
+            with lane.context():
+                for layer in lane.kv:
+                    layer.set_shared(None, None)
+        prefix.release()
+
+    def join(self, seqs: list, shared: list[bool] | None = None) -> None:
+        """Add prefilled sequences (each with ``seq.cache``: one cache per layer with ``valid()`` and
+        ``tail(start)``). Those flagged in ``shared`` continue the batch's shared prefix and bring only
+        their tokens after it."""
+        self._ensure_streams()
+        flags = dict(zip(map(id, seqs), shared or [False] * len(seqs)))
+        P = self.shared.length if self.shared is not None else 0
         counts = [len(lane.seqs) for lane in self.lanes]
         placed: list[list] = [[] for _ in self.lanes]
         for s in seqs:
@@ -78,9 +106,11 @@ class DecodeBatch:
         for lane, group in zip(self.lanes, placed):
             if not group:
                 continue
+            uses = [flags[id(s)] for s in group]
             with lane.context():
                 for layer in range(self.n_layers):
-                    lane.kv[layer].add([s.cache[layer].valid() for s in group])
+                    lane.kv[layer].add([s.cache[layer].tail(P) if u else s.cache[layer].valid()
+                                        for s, u in zip(group, uses)], uses)
             for s in group:
                 s.cache = None
             lane.seqs.extend(group)
@@ -95,11 +125,20 @@ class DecodeBatch:
                 for layer in lane.kv:
                     layer.keep(keep)
             lane.seqs = [lane.seqs[i] for i in keep]
+        if self.shared is not None and not any(any(lane.kv[0].shared_rows) for lane in self.lanes):
+            self._release_shared()
 
     def clear(self) -> None:
         for lane in self.lanes:
             lane.seqs = []
             lane.kv = [BatchKV() for _ in range(self.n_layers)]
+        if self.shared is not None:
+            prefix, self.shared = self.shared, None
+            prefix.release()
+
+    def shared_rows(self) -> int:
+        """Rows continuing the shared prefix."""
+        return sum(sum(lane.kv[0].shared_rows) for lane in self.lanes) if self.n_layers else 0
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, trunk, lm_head, tokens: mx.array) -> mx.array:
@@ -129,4 +168,6 @@ class DecodeBatch:
         raise KeyError("sequence is not in the batch")
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)
+        """KV bytes of the batch: every row's own storage, and the shared prefix once."""
+        own = sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)
+        return own + (self.shared.nbytes() if self.shared is not None else 0)

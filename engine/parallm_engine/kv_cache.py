@@ -6,6 +6,10 @@ Both classes follow the cache protocol mlx-lm's models call (``offset``, ``updat
 The decode batch is left-padded: every row appends its new token at the same column ``idx``; row i
 holds valid keys in columns [left_pad[i], idx). A sequence joins by being copied in right-aligned; it
 leaves by having its row dropped, after which common left padding is trimmed.
+
+A prefix that several rows continue (the agent fan-out's system prompt and tools) can be held once
+for the whole batch (:class:`SharedPrefix`): those rows store only the tokens after it, and attention
+reads it once per step for all of them (``cpu_kernels.cascade_attention``) instead of once per row.
 """
 
 from __future__ import annotations
@@ -69,6 +73,33 @@ class SequenceKV:
     def valid(self) -> tuple[mx.array, mx.array]:
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def tail(self, start: int) -> tuple[mx.array, mx.array]:
+        """Tokens [start, offset) (what a row continuing a shared prefix of ``start`` tokens keeps)."""
+        return self.keys[..., start : self.offset, :], self.values[..., start : self.offset, :]
+
+
+class SharedPrefix:
+    """A prefix held once for every batch row that continues it: its tokens and, per layer, its
+    (1, H, P, D) keys and values. ``release`` is called once when the batch stops using it (the
+    scheduler unpins the radix node the KV came from, so the tree cannot evict and recompute it)."""
+
+    def __init__(self, tokens: list[int], kv: list[tuple[mx.array, mx.array]], release=None):
+        self.tokens = list(tokens)
+        self.kv = kv
+        self.length = len(self.tokens)
+        self._release = release
+
+    def continues(self, prompt_ids: list[int]) -> bool:
+        return len(prompt_ids) > self.length and prompt_ids[: self.length] == self.tokens
+
+    def release(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+
 
 class BatchKV:
     """The running batch's cache for one layer. Shape (B, H, capacity, D), left-padded."""
@@ -80,6 +111,13 @@ class BatchKV:
         self.left_pad: list[int] = []
         self._lp = mx.array([], dtype=mx.int32)
         self.offset = mx.array([], dtype=mx.int32)
+        # A shared prefix (this layer's (1, H, P, D) keys and values) and which rows continue it.
+        # Those rows store only their tokens after it; their positions start at P.
+        self.shared_keys: mx.array | None = None
+        self.shared_values: mx.array | None = None
+        self.shared_len = 0
+        self.shared_rows: list[bool] = []
+        self.shared_mask: mx.array | None = None  # (B,) bool: row attends to the prefix
 
     @property
     def batch_size(self) -> int:
@@ -88,6 +126,19 @@ class BatchKV:
     def _sync(self) -> None:
         self._lp = mx.array(self.left_pad, dtype=mx.int32)
         self.offset = self.idx - self._lp
+        if self.shared_keys is not None:
+            uses = mx.array(self.shared_rows, dtype=mx.bool_)
+            self.offset = self.offset + uses.astype(mx.int32) * self.shared_len
+            self.shared_mask = None if all(self.shared_rows) else uses  # None: every row continues it
+
+    def set_shared(self, keys: mx.array | None, values: mx.array | None) -> None:
+        """Hold this (1, H, P, D) prefix once for the rows that will continue it (None: no prefix).
+        Only while no row uses a shared prefix."""
+        assert not any(self.shared_rows), "rows still continue the current shared prefix"
+        self.shared_keys, self.shared_values = keys, values
+        self.shared_len = 0 if keys is None else keys.shape[2]
+        self.shared_mask = None
+        self._sync()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         prev = self.idx
@@ -108,12 +159,16 @@ class BatchKV:
             return None  # every row sees every column: SDPA's unmasked path is faster
         return create_causal_mask(N, offset=self.idx, left_padding=self._lp, window_size=window_size)
 
-    def add(self, rows: list[tuple[mx.array, mx.array]]) -> None:
-        """Append sequences, each given as its (1, H, L, D) keys and values.
+    def add(self, rows: list[tuple[mx.array, mx.array]], shared: list[bool] | None = None) -> None:
+        """Append sequences, each given as its (1, H, L, D) keys and values: the tokens after the
+        shared prefix for rows flagged in ``shared``, all of them otherwise.
 
         The new storage is allocated once and every row (the running ones shifted right when the new
         ones are longer) is written into it with slice updates, which MLX performs in place: one copy
         of each row, where padding and concatenating row by row made three."""
+        shared = shared or [False] * len(rows)
+        if any(shared) and self.shared_keys is None:
+            raise ValueError("rows continue a shared prefix but none is set")
         lengths = [k.shape[2] for k, _ in rows]
         new_idx = max([self.idx] + lengths)
         cap = _round_up(new_idx + 1)
@@ -129,9 +184,11 @@ class BatchKV:
             values[:old, :, shift:new_idx, :] = self.values[..., : self.idx, :]
             self.left_pad = [lp + shift for lp in self.left_pad]
         for r, ((k, v), L) in enumerate(zip(rows, lengths)):
-            keys[old + r : old + r + 1, :, new_idx - L : new_idx, :] = k
-            values[old + r : old + r + 1, :, new_idx - L : new_idx, :] = v
+            if L:
+                keys[old + r : old + r + 1, :, new_idx - L : new_idx, :] = k
+                values[old + r : old + r + 1, :, new_idx - L : new_idx, :] = v
             self.left_pad.append(new_idx - L)
+        self.shared_rows += list(shared)
         self.keys, self.values = keys, values
         self.idx = new_idx
         self._sync()
@@ -142,12 +199,14 @@ class BatchKV:
             self.keys = self.values = None
             self.idx = 0
             self.left_pad = []
+            self.shared_rows = []
             self._sync()
             return
         sel = mx.array(indices)
         self.keys = self.keys[sel]
         self.values = self.values[sel]
         self.left_pad = [self.left_pad[i] for i in indices]
+        self.shared_rows = [self.shared_rows[i] for i in indices]
         trim = min(self.left_pad)
         if trim:
             self.keys = self.keys[..., trim:, :]
@@ -157,56 +216,65 @@ class BatchKV:
         self._sync()
 
     def row(self, i: int, start: int, end: int) -> tuple[mx.array, mx.array]:
-        """Row i's tokens [start, end) (counted from the row's first valid column) as private
-        (1, H, end - start, D) copies."""
+        """Row i's tokens [start, end) (counted from the sequence's first token, the shared prefix
+        included when the row continues it) as private (1, H, end - start, D) copies."""
+        P = self.shared_len if self.shared_rows[i] else 0
         lp = self.left_pad[i]
-        return (
-            mx.contiguous(self.keys[i : i + 1, :, lp + start : lp + end, :]),
-            mx.contiguous(self.values[i : i + 1, :, lp + start : lp + end, :]),
-        )
+        ks, vs = [], []
+        if start < P:
+            ks.append(self.shared_keys[..., start : min(end, P), :])
+            vs.append(self.shared_values[..., start : min(end, P), :])
+        if end > P:
+            a, b = lp + max(start, P) - P, lp + end - P
+            ks.append(self.keys[i : i + 1, :, a:b, :])
+            vs.append(self.values[i : i + 1, :, a:b, :])
+        cat = lambda parts: parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+        return mx.contiguous(cat(ks)), mx.contiguous(cat(vs))
 
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the rows' own storage (a shared prefix is counted by its owner, once)."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 class FrozenKV:
     """A finished sequence's KV for one layer, as a view of row ``i`` of a batched prefill's
     (B, H, P + L, D) block: tokens [0, p) sit in columns [P - p, P), tokens [p, p + n) in
-    [P + L - n, P + L). What the prefill hands on to the radix tree (:meth:`segment`: private copies
-    of just the asked-for tokens) and the decode batch (:meth:`valid`: lazy, copied once when the
-    batch takes it). Nothing is copied when the view is made."""
+    [P + L - n, P + L). When every row continued one shared prefix (``prefix``: its (1, H, P, D) keys
+    and values, p == P) the block holds only the L chunk columns and tokens [0, P) come from the prefix.
+    What the prefill hands on to the radix tree (:meth:`segment`: private copies of just the asked-for
+    tokens) and the decode batch (:meth:`valid` / :meth:`tail`: lazy, copied once when the batch takes
+    them). Nothing is copied when the view is made."""
 
-    def __init__(self, keys: mx.array, values: mx.array, i: int, p: int, n: int, P: int, L: int):
-        self._keys, self._values = keys, values
+    def __init__(self, keys: mx.array, values: mx.array, i: int, p: int, n: int, P: int, L: int, prefix=None):
+        self._arrays = (keys, values)
         self._i, self._p, self._n, self._P, self._L = i, p, n, P, L
+        self._prefix = prefix
         self.offset = p + n
 
-    def _cols(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Column ranges of the block holding tokens [start, end)."""
-        p, n, P, L = self._p, self._n, self._P, self._L
-        out = []
+    def _take(self, which: int, start: int, end: int) -> mx.array:
+        """Tokens [start, end) of the keys (which=0) or values (1)."""
+        p, n, P, L, i = self._p, self._n, self._P, self._L, self._i
+        block = self._arrays[which]
+        parts = []
         if start < p:
-            out.append((P - p + start, P - p + min(end, p)))
+            if self._prefix is not None:
+                parts.append(self._prefix[which][..., start : min(end, p), :])
+            else:
+                parts.append(block[i : i + 1, :, P - p + start : P - p + min(end, p), :])
         if end > p:
+            first = (0 if self._prefix is not None else P) + L - n  # column of token p
             a = max(start, p) - p
-            out.append((P + L - n + a, P + L - n + end - p))
-        return out
-
-    def _take(self, arr: mx.array, start: int, end: int) -> mx.array:
-        i = self._i
-        parts = [arr[i : i + 1, :, a:b, :] for a, b in self._cols(start, end)]
+            parts.append(block[i : i + 1, :, first + a : first + end - p, :])
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
     def valid(self) -> tuple[mx.array, mx.array]:
-        return self._take(self._keys, 0, self.offset), self._take(self._values, 0, self.offset)
+        return self._take(0, 0, self.offset), self._take(1, 0, self.offset)
+
+    def tail(self, start: int) -> tuple[mx.array, mx.array]:
+        return self._take(0, start, self.offset), self._take(1, start, self.offset)
 
     def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        return (
-            mx.contiguous(self._take(self._keys, start, end)),
-            mx.contiguous(self._take(self._values, start, end)),
-        )
+        return mx.contiguous(self._take(0, start, end)), mx.contiguous(self._take(1, start, end))
 
 
 class PrefillBatchKV:
@@ -217,16 +285,25 @@ class PrefillBatchKV:
     right-aligned too (L = max n_i). The holes in between are masked; each padding query attends to
     itself only, so nothing in the pass is ever a NaN. RoPE offsets make row i's first new token sit
     at logical position p_i.
+
+    With ``shared=True`` every row continues the same prefix, given once as (1, H, P, D): it is not
+    copied into the rows; the attention hook reads it through ``shared_keys`` / ``shared_values``
+    (``cpu_kernels.cascade_attention``) and the mask covers only the chunk's columns.
     """
 
-    def __init__(self, prefix_keys: mx.array | None, prefix_values: mx.array | None, offset: mx.array, mask: mx.array):
+    def __init__(self, prefix_keys: mx.array | None, prefix_values: mx.array | None, offset: mx.array,
+                 mask: mx.array, shared: bool = False):
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
         self.offset = offset
         self._mask = mask
         self.keys = self.values = None
+        self.shared_keys = self.shared_values = self.shared_mask = None
+        if shared:
+            self.shared_keys, self.shared_values = prefix_keys, prefix_values
+            self._mask = mask[..., prefix_keys.shape[2]:]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self.prefix_keys is not None:
+        if self.prefix_keys is not None and self.shared_keys is None:
             keys = mx.concatenate([self.prefix_keys, keys], axis=2)
             values = mx.concatenate([self.prefix_values, values], axis=2)
         self.keys, self.values = keys, values
@@ -236,7 +313,8 @@ class PrefillBatchKV:
         return self._mask
 
     def row(self, i: int, p: int, n: int, P: int, L: int) -> FrozenKV:
-        return FrozenKV(self.keys, self.values, i, p, n, P, L)
+        prefix = (self.shared_keys, self.shared_values) if self.shared_keys is not None else None
+        return FrozenKV(self.keys, self.values, i, p, n, P, L, prefix)
 
 
 def prefill_layout(prefix_lens: list[int], new_lens: list[int]):

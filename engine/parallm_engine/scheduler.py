@@ -24,13 +24,17 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import RequestCancelledError
 from . import cpu_kernels
 from .decode_batch import DecodeBatch
-from .kv_cache import PrefillBatchKV, SequenceKV, prefill_layout
+from .kv_cache import PrefillBatchKV, SequenceKV, SharedPrefix, prefill_layout
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
 from .sampling import SeqSampler, sample_batch, top_logprobs_for
 from .stats import EngineStats
 
 logger = logging.getLogger("parallm_engine")
+
+# A cached prefix at least this long, continued by at least two joining sequences, is held once for
+# the decode batch (see Scheduler._shared_prefix_flags); shorter ones are not worth the extra matmuls.
+MIN_SHARED_PREFIX = 64
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Sequence:
         self.pos = 0  # prompt tokens prefilled so far
         self.match: PrefixMatch | None = None  # pinned radix match during prefill
         self.cached_tokens = 0
+        self.tree_tokens = 0  # leading prompt tokens whose KV is bitwise the radix tree's copy
         self.started = False  # looked up in the radix tree (and pinned) yet?
         self.prefix_kv = None  # the matched prefix's KV until the prefill uses it
         self.finish_reason: str | None = None
@@ -96,6 +101,10 @@ class Scheduler:
         self._choices: dict[str, list[Choice | None]] = {}
         self._lm_head = _lm_head(model)
         self._cpu_kernels = config.cpu_kernels and cpu_kernels.install(model, model_info.context_window)
+        # Decode rows continuing one cached prefix hold it once (cascade attention): needs the radix
+        # tree (where the prefix's one copy comes from) and the engine's attention hook.
+        self._share_prefix = bool(self._cpu_kernels and self.radix is not None
+                                  and cpu_kernels.handles_shared_prefix(model))
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
         self._pending: tuple | None = None
 
@@ -134,6 +143,7 @@ class Scheduler:
             self._drop_rows(rows)
         self.stats.on_abort(req)
         self.stats.running = len(self.running)
+        self.stats.kv_bytes = self.batch_kv_bytes()  # an idle engine runs no step to update it
         self._end_request(req, RequestCancelledError(f"request {req.id} was cancelled"))
 
     def fail_all(self, error: BaseException) -> None:
@@ -307,11 +317,15 @@ class Scheduler:
         shared = P and all(p == P for p in prefix_lens) and all(s.prefix_kv is not None for s in group)
         for layer in range(self.n_layers):
             if shared and all(s.prefix_kv[layer][0] is group[0].prefix_kv[layer][0] for s in group[1:]):
-                # Every row continues the same cached prefix (the agent fan-out): broadcast it rather
-                # than stacking one copy per row; the attention's concatenation makes the only copy.
+                # Every row continues the same cached prefix (the agent fan-out). With the engine's
+                # attention hook it is read once for all rows (cascade attention); otherwise it is
+                # broadcast, and the attention's concatenation makes the only copy.
                 k, v = group[0].prefix_kv[layer]
-                caches.append(PrefillBatchKV(mx.broadcast_to(k, (len(group), *k.shape[1:])),
-                                             mx.broadcast_to(v, (len(group), *v.shape[1:])), offset, mask))
+                if self._share_prefix:
+                    caches.append(PrefillBatchKV(k, v, offset, mask, shared=True))
+                else:
+                    caches.append(PrefillBatchKV(mx.broadcast_to(k, (len(group), *k.shape[1:])),
+                                                 mx.broadcast_to(v, (len(group), *v.shape[1:])), offset, mask))
             elif P:
                 pk, pv = [], []
                 for s, p in zip(group, prefix_lens):
@@ -345,6 +359,11 @@ class Scheduler:
         """Prompt fully prefilled: store it in the tree, hand the sequence to the decode batch."""
         if self.radix is not None:
             cache = seq.cache
+            # The tree keeps the copy that got there first: the sequence's KV is bitwise the tree's for
+            # what it read from the tree and what it inserts now, unless someone else inserted tokens
+            # it also computed (then only the part it read).
+            held = self.radix.match(seq.prompt_ids, record=False).length
+            seq.tree_tokens = len(seq.prompt_ids) if held <= seq.cached_tokens else seq.cached_tokens
             self.radix.insert(seq.prompt_ids, lambda a, b: [c.segment(a, b) for c in cache])
         self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
         if seq.finish_reason is None:
@@ -360,7 +379,36 @@ class Scheduler:
         seq.prefix_kv = None
 
     def _join(self, seqs: list[Sequence]) -> None:
-        self.batch.join(seqs)
+        self.batch.join(seqs, self._shared_prefix_flags(seqs) if self._share_prefix else None)
+
+    def _shared_prefix_flags(self, seqs: list[Sequence]) -> list[bool] | None:
+        """Which joining sequences continue the decode batch's shared prefix, choosing one first if
+        the batch has none: the longest cached prefix that two or more of them continue.
+
+        Only tokens whose KV is bitwise the radix tree's copy count (``tree_tokens``), so replacing a
+        row's own copy with the shared one changes no number; the tree node stays pinned while the
+        batch holds it, so it cannot be evicted and recomputed differently for rows that join later."""
+        if self.batch.shared is None:
+            cands = [s for s in seqs if s.tree_tokens >= MIN_SHARED_PREFIX]
+            if len(cands) < 2:
+                return None
+            first = cands[0].prompt_ids
+            head = first[:MIN_SHARED_PREFIX]
+            group = [s for s in cands[1:] if s.prompt_ids[:MIN_SHARED_PREFIX] == head]
+            if not group:
+                return None
+            length = min(s.tree_tokens for s in [cands[0], *group])
+            for s in group:
+                length = _common_prefix_len(first, s.prompt_ids, length)
+            match = self.radix.match(first[:length], record=False)
+            if length < MIN_SHARED_PREFIX or match.length != length:
+                return None
+            self.radix.pin(match.node)
+            node = match.node
+            self.batch.set_shared(SharedPrefix(first[:length], self.radix.gather(match),
+                                               release=lambda: self.radix.unpin(node)))
+        shared = self.batch.shared
+        return [s.tree_tokens >= shared.length and shared.continues(s.prompt_ids) for s in seqs]
 
     def _decode(self) -> None:
         """One decode step for every running sequence.
@@ -586,6 +634,14 @@ def _split_balanced(items: list, weights: list[int], n: int) -> list[list]:
         owner[i] = g
     shares = [[x for x, o in zip(items, owner) if o == g] for g in range(n)]
     return [share for share in shares if share]
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _next_inputs(running: list[Sequence], prev_seqs: list[Sequence], prev_toks: mx.array) -> mx.array:

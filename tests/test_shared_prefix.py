@@ -1,0 +1,139 @@
+"""A prefix that several decode rows continue is held once (kv_cache.SharedPrefix, read by
+cpu_kernels.cascade_attention): the tokens do not change, the batch holds fewer bytes, and the prefix
+is released (its radix node unpinned) when the last row that uses it leaves, however it leaves."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from parallm_engine import Engine
+from parallm_engine.scheduler import MIN_SHARED_PREFIX
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    """The same tiny model twice: holding shared prefixes once, and with one copy per row."""
+    shared = Engine(str(tiny_model_dir), decode_lanes=2)
+    copies = Engine(str(tiny_model_dir), decode_lanes=2)
+    copies._scheduler._share_prefix = False
+    assert shared._scheduler._share_prefix, "the tiny llama runs through the engine's attention hook"
+    yield shared, copies
+    shared.shutdown()
+    copies.shutdown()
+
+
+def _prefix(engine, repeat: int = 5) -> list[int]:
+    ids = engine.encode("You are an agent. Tools: search(query), fetch(url), sum(a, b). Rules: be brief. " * repeat)
+    assert len(ids) >= MIN_SHARED_PREFIX + 8
+    return ids
+
+
+def _joins(engine) -> list[tuple[list[bool] | None, int]]:
+    """Record every join's shared-prefix flags and the prefix length the batch holds then."""
+    sched = engine._scheduler
+    seen = []
+    original = sched.batch.join
+
+    def join(seqs, shared=None):
+        original(seqs, shared)
+        seen.append((list(shared) if shared else None, sched.batch.shared.length if sched.batch.shared else 0))
+
+    sched.batch.join = join
+    return seen
+
+
+def _wait_idle(engine, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while engine.running_count and time.monotonic() < end:
+        time.sleep(0.01)
+    engine.run_on_engine_thread(lambda: None)
+
+
+def _released(engine) -> bool:
+    sched = engine._scheduler
+    return engine.run_on_engine_thread(
+        lambda: sched.batch.shared is None and all(n.ref == 0 for n in sched.radix._iter_nodes()))
+
+
+def _tokens(engine, prompts, lengths):
+    handles = [engine.submit(p, max_tokens=n, temperature=0, ignore_eos=True) for p, n in zip(prompts, lengths)]
+    return [engine._collect(h).token_ids for h in handles]
+
+
+def test_fanout_holds_the_prefix_once_and_gives_the_same_tokens(engines):
+    shared, copies = engines
+    prefix = _prefix(shared)
+    prompts = [prefix + shared.encode(f" Task {i}: " + "step " * i, add_special_tokens=False) for i in range(6)]
+    lengths = [5 + 4 * i for i in range(6)]  # rows leave at different steps
+    joins = _joins(shared)
+    got = _tokens(shared, prompts, lengths)
+    assert got == _tokens(copies, prompts, lengths)
+    assert got == [_tokens(copies, [p], [n])[0] for p, n in zip(prompts, lengths)]
+    # Every request ended up continuing the one prefix, the first one (which computed it) included.
+    flags = [f for fl, _ in joins if fl for f in fl]
+    assert flags.count(True) == len(prompts)
+    assert max(length for _, length in joins) >= len(prefix) - 1
+    _wait_idle(shared)
+    assert _released(shared)
+
+
+def test_shared_batch_holds_fewer_bytes(engines):
+    shared, copies = engines
+    prefix = _prefix(shared, 15)  # longer than one 256-column step of row storage
+    assert 256 < len(prefix) < 400
+    prompts = [prefix + shared.encode(f" Item {i}.", add_special_tokens=False) for i in range(6)]
+    peaks = []
+    for engine in (shared, copies):
+        engine.generate([prompts[0]], max_tokens=1, temperature=0)  # the prefix is in the tree
+        handles = [engine.submit(p, max_tokens=40, temperature=0, ignore_eos=True) for p in prompts]
+        stream = iter(handles[0])  # (one iterator: closing one aborts its request)
+        for _ in range(5):
+            next(stream)
+        peaks.append(engine.stats()["kv_bytes"])
+        for h in handles:
+            engine._collect(h)
+    assert 0 < peaks[0] < peaks[1]
+
+
+def test_later_requests_join_the_held_prefix_or_not(engines):
+    """While the batch holds a prefix, a request continuing it joins as a sharing row and one that does
+    not joins with its whole KV; everybody's tokens equal their runs alone."""
+    shared, copies = engines
+    prefix = _prefix(shared)
+    first = [prefix + shared.encode(f" Question {i}?", add_special_tokens=False) for i in range(3)]
+    # The batch holds the longest prefix the first group shares (through " Question"): a later request
+    # continuing all of it shares it too.
+    later_same = prefix + shared.encode(" Question 99, a late one?", add_special_tokens=False)
+    later_other = shared.encode("Something unrelated entirely, with no shared system prompt at all.")
+    joins = _joins(shared)
+    handles = [shared.submit(p, max_tokens=60, temperature=0, ignore_eos=True) for p in first]
+    stream = iter(handles[0])
+    for _ in range(3):
+        next(stream)
+    late = [shared.submit(p, max_tokens=12, temperature=0, ignore_eos=True) for p in (later_same, later_other)]
+    late_tokens = [shared._collect(h).token_ids for h in late]
+    first_tokens = [shared._collect(h).token_ids for h in handles]
+    late_flags = [f for fl, length in joins[1:] if length for f in (fl or [])]
+    assert sorted(late_flags) == [False, True]
+    assert late_tokens == [_tokens(copies, [p], [12])[0] for p in (later_same, later_other)]
+    assert first_tokens == [_tokens(copies, [p], [60])[0] for p in first]
+    _wait_idle(shared)
+    assert _released(shared)
+
+
+def test_cancelled_sharing_rows_release_the_prefix(engines):
+    shared, _ = engines
+    prefix = _prefix(shared)
+    prompts = [prefix + shared.encode(f" Job {i}.", add_special_tokens=False) for i in range(4)]
+    handles = [shared.submit(p, max_tokens=200, temperature=0, ignore_eos=True) for p in prompts]
+    stream = iter(handles[0])
+    for _ in range(3):
+        next(stream)
+    assert shared.run_on_engine_thread(lambda: shared._scheduler.batch.shared is not None)
+    for h in handles:
+        h.abort()
+    _wait_idle(shared)
+    assert shared.stats()["kv_bytes"] == 0
+    assert _released(shared)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from parallm_engine import Engine
-from parallm_engine.scheduler import MIN_SHARED_PREFIX
+from parallm_engine.prefix_sharing import MIN_SHARED_PREFIX
 
 
 @pytest.fixture(scope="module")

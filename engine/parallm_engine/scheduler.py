@@ -3,9 +3,10 @@
 One ``step()``: admit waiting sequences under the batch and KV budgets; prefill new ones in chunks
 (prompt prefixes come from the radix cache; sequences are prefilled one after another, so requests
 that arrive together with the same uncached prefix compute it once: the first inserts it, the next
-ones hit it); move prefilled sequences into the decode batch; run one decode step for every running
-sequence; sample, detokenise, check stops, deliver deltas; retire finished sequences, keeping their
-KV in the radix tree for the next turn.
+ones hit it); move prefilled sequences into the decode batch (rows continuing one cached prefix hold
+it once: ``prefix_sharing``); run one decode step for every running sequence; sample, detokenise,
+check stops, deliver deltas; retire finished sequences, keeping their KV in the radix tree for the
+next turn.
 """
 
 from __future__ import annotations
@@ -24,17 +25,14 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import RequestCancelledError
 from . import cpu_kernels
 from .decode_batch import DecodeBatch
-from .kv_cache import PrefillBatchKV, SequenceKV, SharedPrefix, prefill_layout
+from .kv_cache import PrefillBatchKV, SequenceKV, prefill_layout
+from .prefix_sharing import shared_prefix_flags
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
 from .sampling import SeqSampler, sample_batch, top_logprobs_for
 from .stats import EngineStats
 
 logger = logging.getLogger("parallm_engine")
-
-# A cached prefix at least this long, continued by at least two joining sequences, is held once for
-# the decode batch (see Scheduler._shared_prefix_flags); shorter ones are not worth the extra matmuls.
-MIN_SHARED_PREFIX = 64
 
 
 @dataclass
@@ -379,36 +377,7 @@ class Scheduler:
         seq.prefix_kv = None
 
     def _join(self, seqs: list[Sequence]) -> None:
-        self.batch.join(seqs, self._shared_prefix_flags(seqs) if self._share_prefix else None)
-
-    def _shared_prefix_flags(self, seqs: list[Sequence]) -> list[bool] | None:
-        """Which joining sequences continue the decode batch's shared prefix, choosing one first if
-        the batch has none: the longest cached prefix that two or more of them continue.
-
-        Only tokens whose KV is bitwise the radix tree's copy count (``tree_tokens``), so replacing a
-        row's own copy with the shared one changes no number; the tree node stays pinned while the
-        batch holds it, so it cannot be evicted and recomputed differently for rows that join later."""
-        if self.batch.shared is None:
-            cands = [s for s in seqs if s.tree_tokens >= MIN_SHARED_PREFIX]
-            if len(cands) < 2:
-                return None
-            first = cands[0].prompt_ids
-            head = first[:MIN_SHARED_PREFIX]
-            group = [s for s in cands[1:] if s.prompt_ids[:MIN_SHARED_PREFIX] == head]
-            if not group:
-                return None
-            length = min(s.tree_tokens for s in [cands[0], *group])
-            for s in group:
-                length = _common_prefix_len(first, s.prompt_ids, length)
-            match = self.radix.match(first[:length], record=False)
-            if length < MIN_SHARED_PREFIX or match.length != length:
-                return None
-            self.radix.pin(match.node)
-            node = match.node
-            self.batch.set_shared(SharedPrefix(first[:length], self.radix.gather(match),
-                                               release=lambda: self.radix.unpin(node)))
-        shared = self.batch.shared
-        return [s.tree_tokens >= shared.length and shared.continues(s.prompt_ids) for s in seqs]
+        self.batch.join(seqs, shared_prefix_flags(self.batch, self.radix, seqs) if self._share_prefix else None)
 
     def _decode(self) -> None:
         """One decode step for every running sequence.
@@ -634,14 +603,6 @@ def _split_balanced(items: list, weights: list[int], n: int) -> list[list]:
         owner[i] = g
     shares = [[x for x, o in zip(items, owner) if o == g] for g in range(n)]
     return [share for share in shares if share]
-
-
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _next_inputs(running: list[Sequence], prev_seqs: list[Sequence], prev_toks: mx.array) -> mx.array:

@@ -1,0 +1,53 @@
+"""Which decode rows hold a shared prefix once (see ``kv_cache.SharedPrefix``).
+
+When agents fan out over one system prompt and tool schema, every row of the decode batch would hold
+its own copy of that prefix's KV and attention would read it once per row per step. The batch holds
+one prefix instead, chosen here when sequences join: the longest prefix that two or more of the joining
+sequences continue, at least ``MIN_SHARED_PREFIX`` tokens. Later sequences continuing all of it share
+it too; the others join with their whole KV.
+
+Only tokens whose KV is bitwise the radix tree's copy count (``Sequence.tree_tokens``), so a row that
+reads the shared copy instead of its own computes exactly the same numbers; the prefix's radix node
+stays pinned while the batch holds it, so it cannot be evicted and recomputed differently for rows
+that join later.
+"""
+
+from __future__ import annotations
+
+from .kv_cache import SharedPrefix
+
+# Shorter prefixes are not worth the extra matmuls of the two-part (cascade) attention.
+MIN_SHARED_PREFIX = 64
+
+
+def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
+    """For each joining sequence, whether it continues ``batch``'s shared prefix, choosing and setting
+    one first if the batch holds none (None: no sequence shares one)."""
+    if batch.shared is None:
+        cands = [s for s in seqs if s.tree_tokens >= MIN_SHARED_PREFIX]
+        if len(cands) < 2:
+            return None
+        first = cands[0].prompt_ids
+        head = first[:MIN_SHARED_PREFIX]
+        group = [s for s in cands[1:] if s.prompt_ids[:MIN_SHARED_PREFIX] == head]
+        if not group:
+            return None
+        length = min(s.tree_tokens for s in [cands[0], *group])
+        for s in group:
+            length = _common_prefix_len(first, s.prompt_ids, length)
+        match = radix.match(first[:length], record=False)
+        if length < MIN_SHARED_PREFIX or match.length != length:
+            return None
+        node = match.node
+        radix.pin(node)
+        batch.set_shared(SharedPrefix(first[:length], radix.gather(match), release=lambda: radix.unpin(node)))
+    shared = batch.shared
+    return [s.tree_tokens >= shared.length and shared.continues(s.prompt_ids) for s in seqs]
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

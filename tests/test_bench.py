@@ -27,6 +27,9 @@ def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
     assert work["throughput"]["parallm"]["tokens"] == q.n * q.new_tokens
     assert work["throughput"]["mlx_lm_batch"]["tokens"] == q.n * q.new_tokens
     assert work["fanout"]["parallm"]["tokens"] == q.n * q.fan_new
+    # Each workload starts with an empty prefix cache: the throughput prompts are all computed.
+    assert work["throughput"]["parallm"]["prefill_tokens"] == sum(q.prompt_len - (i % 7) for i in range(q.n))
+    assert len(work["single"]["parallm"]["runs_tok_s"]) == q.single_reps
     # The shared prefix is computed once with the radix cache, once per request without it.
     fan = work["fanout"]
     assert fan["parallm"]["prefill_tokens"] < fan["parallm_no_prefix_cache"]["prefill_tokens"]
@@ -39,3 +42,11 @@ def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
     table = bench.format_table(result)
     assert "throughput ratios: vs_mlx_lm_batch=" in table and "roofline:" in table
     json.dumps(result)  # what --json writes
+
+
+def test_clear_prefix_cache_frees_what_no_request_uses(tiny_engine):
+    tiny_engine.generate([tiny_engine.encode("A prompt to keep in the prefix cache for a while.")], max_tokens=3,
+                         temperature=0)
+    assert tiny_engine.stats()["prefix_cache"]["bytes"] > 0
+    assert tiny_engine.clear_prefix_cache() > 0
+    assert tiny_engine.stats()["prefix_cache"]["bytes"] == 0

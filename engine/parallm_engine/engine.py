@@ -326,6 +326,11 @@ class Engine:
     def reset_peaks(self) -> None:
         self._stats.reset_peaks()
 
+    def clear_prefix_cache(self) -> int:
+        """Drop every prefix the radix tree holds that no running request uses; returns bytes freed."""
+        radix = self._scheduler.radix
+        return self.run_on_engine_thread(radix.clear_unpinned) if radix is not None else 0
+
     # -- the engine thread ----------------------------------------------------------------------
     def _drain_commands(self) -> None:
         while True:

@@ -195,6 +195,12 @@ class RadixCache:
         """Drop every unpinned node."""
         self.evict(self.total_bytes + 1)
 
+    def clear_unpinned(self) -> int:
+        """:meth:`clear`, returning the bytes freed."""
+        before = self.total_bytes
+        self.clear()
+        return before - self.total_bytes
+
     # -- introspection --------------------------------------------------------------------------
     def _iter_nodes(self):
         stack = list(self.root.children.values())

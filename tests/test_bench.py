@@ -50,3 +50,24 @@ def test_clear_prefix_cache_frees_what_no_request_uses(tiny_engine):
     assert tiny_engine.stats()["prefix_cache"]["bytes"] > 0
     assert tiny_engine.clear_prefix_cache() > 0
     assert tiny_engine.stats()["prefix_cache"]["bytes"] == 0
+
+
+def test_peer_is_skipped_with_a_reason_without_torch(tiny_engine, monkeypatch):
+    monkeypatch.setattr(bench, "_torch_available", lambda: False)
+    result = bench.run_bench(tiny_engine, ["peer"], quick=True)
+    assert "torch" in result["workloads"]["peer"]["skipped"]
+    assert "peer: skipped" in bench.format_table(result)
+
+
+def test_peer_runs_transformers_in_its_own_process(tiny_engine):
+    """Only where the optional `peer` extra (torch) is installed."""
+    if not bench._torch_available():
+        import pytest
+
+        pytest.skip("torch is not installed (the optional peer extra)")
+    result = bench.run_bench(tiny_engine, ["peer"], quick=True)
+    peer = result["workloads"]["peer"]
+    q = bench.QUICK
+    for dt in ("fp32", "bf16"):
+        assert peer[f"transformers_{dt}"]["tokens"] == q.n * q.new_tokens
+        assert peer["ratios"][f"vs_transformers_{dt}"] > 0

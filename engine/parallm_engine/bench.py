@@ -214,26 +214,37 @@ def _prefix_cache(model, prefix: list[int]):
 
 # -- peer: transformers + torch --------------------------------------------------------------------
 
+def _torch_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict | None:
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError:
+    """transformers' static batched ``generate`` on ``model_dir`` (``peer_worker``, in its own process
+    so that torch runs as a user would run it, not beside MLX's threads and BLAS). None without torch."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if not _torch_available():
         return None
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=tdtype)
-    hf.eval()
-    ids = torch.tensor(prompts)
-    attn = torch.ones_like(ids)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        hf.generate(ids[:2, :8], attention_mask=attn[:2, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
-        t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=attn, **kw)
-        wall = time.perf_counter() - t0
-    tokens = int((out.shape[1] - ids.shape[1]) * ids.shape[0])
-    return _summary(tokens, wall, [], [], int(ids.numel()), len(prompts), 0)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_worker.py")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(prompts, fh)
+    try:
+        done = subprocess.run([sys.executable, worker, str(model_dir), fh.name, str(new_tokens), dtype],
+                              capture_output=True, text=True, timeout=1800)
+    finally:
+        os.unlink(fh.name)
+    if done.returncode != 0:
+        raise RuntimeError(f"transformers peer ({dtype}) failed: {done.stderr.strip()[-2000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    n = len(prompts)
+    summary = _summary(out["tokens"], out["wall_s"], [], [], sum(map(len, prompts)), n, 0)
+    summary["torch_threads"] = out["threads"]
+    return summary
 
 
 def _hf_dir_with_fp32(engine, tmpdir) -> str:
@@ -430,9 +441,7 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None) 
     if "peer" in workloads:
         prompts = result.pop("_throughput_prompts", None) or _prompts(rng, sz.n, sz.prompt_len, vocab)
         prompts = [p[: min(len(q) for q in prompts)] for p in prompts]  # static batching: equal lengths
-        try:
-            import torch  # noqa: F401
-        except ImportError:
+        if not _torch_available():
             result["workloads"]["peer"] = {"skipped": "torch is not installed (pip install torch==2.13.0)"}
         else:
             import tempfile

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import platform
 import random
 import time
@@ -486,9 +487,13 @@ def _on_engine(engine, fn):
 def _env(engine, quick: bool) -> dict:
     from .backend import backend_info
 
+    from .backend import cpu_features
+
     info = backend_info()
+    vendor, flags = cpu_features()
     return {
         "backend": info.as_dict(),
+        "cpu": {"vendor": vendor, "model": _cpu_model(), "avx512": "avx512f" in flags, "cores": os.cpu_count()},
         "model": engine.model_name,
         "model_dtype": engine.model_info.dtype,
         "platform": platform.platform(),
@@ -498,6 +503,17 @@ def _env(engine, quick: bool) -> dict:
         "cpu_kernels": bool(engine._scheduler._cpu_kernels),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def format_table(result: dict) -> str:

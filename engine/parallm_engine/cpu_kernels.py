@@ -225,11 +225,13 @@ def install(model, max_positions: int | None = None) -> bool:
     if orig_sdpa is base.scaled_dot_product_attention:
 
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            shared = getattr(cache, "shared_keys", None)
+            if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
+                if sinks is not None:
+                    raise NotImplementedError("attention sinks with a shared prefix")
+                return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,
+                                         cache.shared_mask)
             if sinks is None and is_enabled() and not hasattr(cache, "bits"):
-                shared = getattr(cache, "shared_keys", None)
-                if shared is not None:  # a decode batch holding a prefix once (kv_cache.SharedPrefix)
-                    return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,
-                                             cache.shared_mask)
                 return attention(queries, keys, values, scale, mask)
             return orig_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

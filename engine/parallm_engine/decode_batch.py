@@ -136,10 +136,6 @@ class DecodeBatch:
             prefix, self.shared = self.shared, None
             prefix.release()
 
-    def shared_rows(self) -> int:
-        """Rows continuing the shared prefix."""
-        return sum(sum(lane.kv[0].shared_rows) for lane in self.lanes) if self.n_layers else 0
-
     # -- compute --------------------------------------------------------------------------------
     def forward(self, trunk, lm_head, tokens: mx.array) -> mx.array:
         """Lazy float32 logits, one row per running sequence, for ``tokens`` (one per row)."""

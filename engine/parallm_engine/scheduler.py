@@ -100,9 +100,11 @@ class Scheduler:
         self._lm_head = _lm_head(model)
         self._cpu_kernels = config.cpu_kernels and cpu_kernels.install(model, model_info.context_window)
         # Decode rows continuing one cached prefix hold it once (cascade attention): needs the radix
-        # tree (where the prefix's one copy comes from) and the engine's attention hook.
+        # tree (where the prefix's one copy comes from), the engine's attention hook, and full
+        # attention in every layer (a sliding window would have to cut into the shared prefix).
         self._share_prefix = bool(self._cpu_kernels and self.radix is not None
-                                  and cpu_kernels.handles_shared_prefix(model))
+                                  and cpu_kernels.handles_shared_prefix(model)
+                                  and not _sliding_window(getattr(model_info, "config", None) or {}))
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
         self._pending: tuple | None = None
 
@@ -377,7 +379,8 @@ class Scheduler:
         seq.prefix_kv = None
 
     def _join(self, seqs: list[Sequence]) -> None:
-        self.batch.join(seqs, shared_prefix_flags(self.batch, self.radix, seqs) if self._share_prefix else None)
+        flags = shared_prefix_flags(self.batch, self.radix, seqs) if self._share_prefix else None
+        self.batch.join(seqs, flags)
 
     def _decode(self) -> None:
         """One decode step for every running sequence.
@@ -603,6 +606,13 @@ def _split_balanced(items: list, weights: list[int], n: int) -> list[list]:
         owner[i] = g
     shares = [[x for x, o in zip(items, owner) if o == g] for g in range(n)]
     return [share for share in shares if share]
+
+
+def _sliding_window(config: dict) -> bool:
+    """Whether a model config asks for sliding-window attention in any layer."""
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        return True
+    return any("sliding" in str(t) for t in config.get("layer_types") or [])
 
 
 def _next_inputs(running: list[Sequence], prev_seqs: list[Sequence], prev_toks: mx.array) -> mx.array:

@@ -25,10 +25,12 @@ JSON (``--json PATH``)::
 Each system's entry has ``tok_s`` (aggregate generated tokens / wall), ``wall_s``, ``ttft_p50_s``,
 ``ttft_p95_s``, ``itl_p50_s``, ``itl_p95_s``, ``peak_mem_mb``, ``prefill_tokens``, ``requests``,
 ``tokens``. Every ParaLLM run starts with an empty prefix cache (no hits on an earlier workload's
-prompts); the ``fanout`` shared prefix is computed inside the timed run by every system. The sequential baseline runs a subset of the requests one after another (all of them would
-take minutes) and reports its per-stream rate; ``ratios.vs_sequential`` compares aggregate tok/s.
-``peer`` has ``transformers_fp32`` / ``transformers_bf16`` entries and ``ratios.vs_transformers_fp32`` /
-``vs_transformers_bf16``. ``roofline`` has ``decode_b64_gflops``, ``gemm_gflops``, ``flops_fraction``,
+prompts); the ``fanout`` shared prefix is computed inside the timed run by every system. The
+sequential baseline runs a subset of the requests one after another (all of them would take minutes)
+and reports its per-stream rate; ``ratios.vs_sequential`` compares aggregate tok/s.
+``peer`` has ``transformers_fp32`` / ``transformers_bf16`` entries and
+``ratios.vs_transformers_fp32`` / ``vs_transformers_bf16`` (transformers runs in a process of its
+own: ``peer_worker``). ``roofline`` has ``decode_b64_gflops``, ``gemm_gflops``, ``flops_fraction``,
 ``decode_b1_weight_gbps``, ``memory_gbps``, ``bandwidth_fraction``.
 """
 
@@ -224,7 +226,6 @@ def _torch_available() -> bool:
 def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict | None:
     """transformers' static batched ``generate`` on ``model_dir`` (``peer_worker``, in its own process
     so that torch runs as a user would run it, not beside MLX's threads and BLAS). None without torch."""
-    import os
     import subprocess
     import sys
     import tempfile

@@ -19,24 +19,17 @@ from pathlib import Path
 
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ToolCallBlock
-from llama_index.core.llms.llm import ToolSelection
 from pydantic import BaseModel
 
 from parallm_integrations.llama_index import ParaLLMLlamaIndex
 from parallm_integrations.llama_index.base import message_to_dict
 
+from .llama_index_common import (  # noqa: F401 (tools: a fixture)
+    add, answer_tool_call, check_streamed_tool_calls, check_tool_call, check_usage, multiply, tools,
+)
+
 DATA = Path(__file__).resolve().parent.parent / "cookbook" / "data"
 USER_Q = [ChatMessage(role=MessageRole.USER, content="What is the capital of France?")]
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers and return the product."""
-    return a * b
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers and return the sum."""
-    return a + b
 
 
 @pytest.fixture(scope="module")
@@ -51,27 +44,11 @@ def texts():
     return [f.read_text().strip() for f in files]
 
 
-@pytest.fixture(scope="module")
-def tools():
-    from llama_index.core.tools import FunctionTool
-
-    return [FunctionTool.from_defaults(multiply), FunctionTool.from_defaults(add)]
-
-
 async def _wait_idle(engine, timeout: float = 10.0) -> None:
     t0 = time.monotonic()
     while engine.running_count and time.monotonic() - t0 < timeout:
         await asyncio.sleep(0.02)
     assert engine.running_count == 0
-
-
-def _check_usage(resp) -> None:
-    usage = resp.raw["usage"]
-    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
-    assert "cached_tokens" in usage["prompt_tokens_details"]
-    for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens"):
-        assert isinstance(resp.additional_kwargs[key], int)
-    assert resp.additional_kwargs["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,12 +135,12 @@ def test_completion_prompt_modes(engine):
 def test_sync_endpoints(llm):
     r = llm.chat(USER_Q)
     assert r.message.role == MessageRole.ASSISTANT and "Paris" in r.message.content
-    _check_usage(r)
+    check_usage(r)
     assert r.raw["finish_reason"] in ("stop", "length")
 
     c = llm.complete("What is the capital of France?")
     assert "Paris" in c.text
-    _check_usage(c)
+    check_usage(c)
     assert c.additional_kwargs["cached_tokens"] > 0  # same prompt as the chat: served from the prefix cache
 
     chunks = list(llm.stream_chat(USER_Q))
@@ -171,13 +148,13 @@ def test_sync_endpoints(llm):
     assert "".join(ch.delta for ch in chunks) == chunks[-1].message.content == r.message.content
     for prev, cur in itertools.pairwise(chunks):  # cumulative message
         assert cur.message.content.startswith(prev.message.content)
-    _check_usage(chunks[-1])
+    check_usage(chunks[-1])
 
     chunks = list(llm.stream_complete("Count: 1, 2, 3,", formatted=True))
     assert len(chunks) > 1
     assert "".join(ch.delta for ch in chunks) == chunks[-1].text
     assert chunks[-1].text.strip().startswith("4")
-    _check_usage(chunks[-1])
+    check_usage(chunks[-1])
 
 
 async def test_async_endpoints(llm, engine):
@@ -194,12 +171,12 @@ async def test_async_endpoints(llm, engine):
                                         stream_chat(), stream_complete())
     assert engine.stats()["peak_in_flight"] >= 3  # all four were batched together, not run one by one
     assert "Paris" in r.message.content and "Paris" in c.text
-    _check_usage(r)
-    _check_usage(c)
+    check_usage(r)
+    check_usage(c)
     assert "".join(ch.delta for ch in sc) == sc[-1].message.content == r.message.content
-    _check_usage(sc[-1])
+    check_usage(sc[-1])
     assert "".join(ch.delta for ch in sx) == sx[-1].text and sx[-1].text.strip().startswith("4")
-    _check_usage(sx[-1])
+    check_usage(sx[-1])
     # predict / apredict go through chat (is_chat_model)
     from llama_index.core.prompts import PromptTemplate
 
@@ -223,47 +200,15 @@ def test_sampling_fields_and_kwargs(llm):
 
 
 def test_tool_call_round_trip(llm, tools):
-    r = llm.chat_with_tools(tools, user_msg="Use multiply to compute 6 times 7.", tool_required=True, max_tokens=40)
-    calls = llm.get_tool_calls_from_response(r)
-    assert len(calls) == 1 and isinstance(calls[0], ToolSelection)
-    call = calls[0]
-    assert call.tool_name in ("multiply", "add") and call.tool_id.startswith("call_")
-    assert set(call.tool_kwargs) == {"a", "b"}
-    assert r.raw["finish_reason"] == "tool_calls"
-    assert r.message.additional_kwargs["tool_calls"][0]["function"]["name"] == call.tool_name
-    _check_usage(r)
-
-    # Feed the call and its result back: the history with tool turns renders and the model answers.
-    fn = {"multiply": multiply, "add": add}[call.tool_name]
-    history = [
-        ChatMessage(role=MessageRole.USER, content="Use multiply to compute 6 times 7."),
-        r.message,
-        ChatMessage(role=MessageRole.TOOL, content=str(fn(**call.tool_kwargs)),
-                    additional_kwargs={"tool_call_id": call.tool_id}),
-    ]
-    final = llm.chat_with_tools(tools, chat_history=history, tool_choice="none")
-    assert final.message.content and not llm.get_tool_calls_from_response(final, error_on_no_tool_call=False)
+    ask = "Use multiply to compute 6 times 7."
+    r = llm.chat_with_tools(tools, user_msg=ask, tool_required=True, max_tokens=40)
+    final = answer_tool_call(llm, tools, ask, r, check_tool_call(llm, r))
     with pytest.raises(ValueError, match="tool call"):
         llm.get_tool_calls_from_response(final)
 
 
 async def test_streamed_tool_calls_are_cumulative(llm, tools):
-    gen = await llm.astream_chat_with_tools(tools, user_msg="Use add to compute 2 plus 3.", tool_choice="add",
-                                            max_tokens=40)
-    chunks = [ch async for ch in gen]
-    seen = [llm.get_tool_calls_from_response(ch, error_on_no_tool_call=False) for ch in chunks]
-    first = next(i for i, s in enumerate(seen) if s)
-    for sel in seen[first:]:  # once a call appears, every later chunk carries it (FunctionAgent reads each)
-        assert len(sel) == 1 and sel[0].tool_name == "add" and sel[0].tool_id == seen[first][0].tool_id
-    final = chunks[-1]
-    block = next(b for b in final.message.blocks if isinstance(b, ToolCallBlock))
-    assert isinstance(block.tool_kwargs, dict) and set(block.tool_kwargs) == {"a", "b"}  # parsed at the end
-    assert final.raw["finish_reason"] == "tool_calls"
-    _check_usage(final)
-    # The sync stream gives the same final call.
-    sync_chunks = list(llm.stream_chat_with_tools(tools, user_msg="Use add to compute 2 plus 3.",
-                                                  tool_choice="add", max_tokens=40))
-    assert llm.get_tool_calls_from_response(sync_chunks[-1])[0].tool_kwargs == block.tool_kwargs
+    await check_streamed_tool_calls(llm, tools)
 
 
 async def test_function_agent_with_two_tools(engine):

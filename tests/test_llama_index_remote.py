@@ -12,29 +12,22 @@ import time
 
 import openai
 import pytest
-from llama_index.core.base.llms.types import ChatMessage, MessageRole, ToolCallBlock
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
-from llama_index.core.llms.llm import ToolSelection
 from pydantic import BaseModel
 
 from parallm_engine import ContextLengthExceededError, InvalidRequestError
 from parallm_engine.server import ServerThread
 from parallm_integrations.llama_index import ParaLLMLlamaIndex
 
+from .llama_index_common import (  # noqa: F401 (tools: a fixture)
+    answer_tool_call, check_streamed_tool_calls, check_tool_call, check_usage, tools,
+)
+
 KEY = "li-remote-key"
 QUESTION = "What is the capital of France?"
 USER_Q = [ChatMessage(role=MessageRole.USER, content=QUESTION)]
 COUNT = "Count: 1, 2, 3,"
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers and return the product."""
-    return a * b
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers and return the sum."""
-    return a + b
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +44,6 @@ def local(engine):
 @pytest.fixture(scope="module")
 def remote(server):
     return ParaLLMLlamaIndex(base_url=server.base_url, api_key=KEY, temperature=0, max_tokens=12, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tools():
-    from llama_index.core.tools import FunctionTool
-
-    return [FunctionTool.from_defaults(multiply), FunctionTool.from_defaults(add)]
-
-
-def _check_usage(resp) -> None:
-    usage = resp.raw["usage"]
-    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
-    assert "cached_tokens" in usage["prompt_tokens_details"]
-    for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens"):
-        assert isinstance(resp.additional_kwargs[key], int)
-    assert resp.additional_kwargs["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 def _same_usage(a, b) -> None:
@@ -132,7 +109,7 @@ def test_sync_endpoints_match_in_process(local, remote, engine):
     assert r.message.content == ref.message.content and r.message.content
     assert r.raw["finish_reason"] == ref.raw["finish_reason"]
     assert r.raw["model"] == engine.model_name
-    _check_usage(r)
+    check_usage(r)
     _same_usage(r, ref)
 
     chunks = list(remote.stream_chat(USER_Q))
@@ -141,13 +118,13 @@ def test_sync_endpoints_match_in_process(local, remote, engine):
     for prev, cur in itertools.pairwise(chunks):  # cumulative message
         assert cur.message.content.startswith(prev.message.content)
     assert chunks[-1].raw["finish_reason"] == ref.raw["finish_reason"]
-    _check_usage(chunks[-1])
+    check_usage(chunks[-1])
 
     # complete() with the chat template: through /v1/chat/completions, the same as the in-process template.
     ref_c = local.complete(QUESTION)
     c = remote.complete(QUESTION)
     assert c.text == ref_c.text and c.text
-    _check_usage(c)
+    check_usage(c)
     _same_usage(c, ref_c)
     # Raw text: through /v1/completions.
     ref_raw = local.complete(COUNT, formatted=True)
@@ -158,7 +135,7 @@ def test_sync_endpoints_match_in_process(local, remote, engine):
     pieces = list(remote.stream_complete(COUNT, formatted=True))
     assert len(pieces) > 1
     assert "".join(p.delta for p in pieces) == pieces[-1].text == ref_raw.text
-    _check_usage(pieces[-1])
+    check_usage(pieces[-1])
     pieces = list(remote.stream_complete(QUESTION))
     assert pieces[-1].text == ref_c.text
 
@@ -180,13 +157,13 @@ async def test_async_endpoints_match_in_process(local, remote, engine):
                                         stream_chat(), stream_complete())
     assert engine.stats()["peak_in_flight"] >= 2  # concurrent calls are batched by the server's engine
     assert r.message.content == ref.message.content
-    _check_usage(r)
+    check_usage(r)
     assert c.text == ref_raw.text
-    _check_usage(c)
+    check_usage(c)
     assert "".join(ch.delta for ch in sc) == sc[-1].message.content == ref.message.content
-    _check_usage(sc[-1])
+    check_usage(sc[-1])
     assert "".join(ch.delta for ch in sx) == sx[-1].text == ref_raw.text
-    _check_usage(sx[-1])
+    check_usage(sx[-1])
     assert (await remote.acomplete(QUESTION)).text == (await local.acomplete(QUESTION)).text
 
 
@@ -202,45 +179,15 @@ def test_token_ids_from_the_server(remote, engine):
 def test_tool_call_round_trip(local, remote, tools):
     ask = "Use multiply to compute 6 times 7."
     r = remote.chat_with_tools(tools, user_msg=ask, tool_required=True, max_tokens=40)
-    calls = remote.get_tool_calls_from_response(r)
-    assert len(calls) == 1 and isinstance(calls[0], ToolSelection)
-    call = calls[0]
-    assert call.tool_name in ("multiply", "add") and call.tool_id.startswith("call_")
-    assert set(call.tool_kwargs) == {"a", "b"}
-    assert r.raw["finish_reason"] == "tool_calls"
-    assert r.message.additional_kwargs["tool_calls"][0]["function"]["name"] == call.tool_name
-    _check_usage(r)
+    call = check_tool_call(remote, r)
     ref = local.get_tool_calls_from_response(local.chat_with_tools(tools, user_msg=ask, tool_required=True,
                                                                    max_tokens=40))
     assert [(c.tool_name, c.tool_kwargs) for c in ref] == [(call.tool_name, call.tool_kwargs)]
-
-    fn = {"multiply": multiply, "add": add}[call.tool_name]
-    history = [
-        ChatMessage(role=MessageRole.USER, content=ask),
-        r.message,
-        ChatMessage(role=MessageRole.TOOL, content=str(fn(**call.tool_kwargs)),
-                    additional_kwargs={"tool_call_id": call.tool_id}),
-    ]
-    final = remote.chat_with_tools(tools, chat_history=history, tool_choice="none")
-    assert final.message.content and not remote.get_tool_calls_from_response(final, error_on_no_tool_call=False)
+    answer_tool_call(remote, tools, ask, r, call)
 
 
 async def test_streamed_tool_calls_are_cumulative(remote, tools):
-    gen = await remote.astream_chat_with_tools(tools, user_msg="Use add to compute 2 plus 3.", tool_choice="add",
-                                               max_tokens=40)
-    chunks = [ch async for ch in gen]
-    seen = [remote.get_tool_calls_from_response(ch, error_on_no_tool_call=False) for ch in chunks]
-    first = next(i for i, s in enumerate(seen) if s)
-    for sel in seen[first:]:  # once a call appears, every later chunk carries it
-        assert len(sel) == 1 and sel[0].tool_name == "add" and sel[0].tool_id == seen[first][0].tool_id
-    final = chunks[-1]
-    block = next(b for b in final.message.blocks if isinstance(b, ToolCallBlock))
-    assert isinstance(block.tool_kwargs, dict) and set(block.tool_kwargs) == {"a", "b"}  # parsed at the end
-    assert final.raw["finish_reason"] == "tool_calls"
-    _check_usage(final)
-    sync_chunks = list(remote.stream_chat_with_tools(tools, user_msg="Use add to compute 2 plus 3.",
-                                                     tool_choice="add", max_tokens=40))
-    assert remote.get_tool_calls_from_response(sync_chunks[-1])[0].tool_kwargs == block.tool_kwargs
+    await check_streamed_tool_calls(remote, tools)
 
 
 def test_structured_predict(remote):

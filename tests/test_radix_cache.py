@@ -115,6 +115,15 @@ def test_budget_is_respected_by_unpinned_entries():
     assert tree.evictions > 0
 
 
+def test_insert_reports_what_the_tree_already_held():
+    tree = RadixCache(max_bytes=1 << 20)
+    assert tree.insert([1, 2, 3, 4], kv_for_tokens([1, 2, 3, 4])).held == 0
+    again = tree.insert([1, 2, 3, 4, 5, 6], kv_for_tokens([1, 2, 3, 4, 5, 6]))
+    assert (again.held, again.length) == (4, 6)
+    assert tree.insert([1, 2, 9], kv_for_tokens([1, 2, 9])).held == 2
+    assert tree.insert([1, 2, 9], kv_for_tokens([1, 2, 9])).held == 3
+
+
 # -- engine level ------------------------------------------------------------------------------------
 
 def test_cache_hit_gives_same_tokens_as_cold_run(engine, tiny_model_dir):

@@ -12,6 +12,7 @@ run in float32; on Metal and CUDA the checkpoint's native dtype is right.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import logging
 import os
@@ -78,8 +79,9 @@ def _mkl_candidates() -> list[str]:
     return found
 
 
-def cpu_features() -> tuple[str, set[str]]:
-    """(vendor id, feature flags) of this CPU from /proc/cpuinfo; ("", set()) where unreadable."""
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> tuple[str, frozenset[str]]:
+    """(vendor id, feature flags) of this CPU from /proc/cpuinfo, read once; ("", {}) where unreadable."""
     vendor, flags = "", set()
     try:
         with open("/proc/cpuinfo") as fh:
@@ -94,7 +96,7 @@ def cpu_features() -> tuple[str, set[str]]:
                     break
     except OSError:
         pass
-    return vendor, flags
+    return vendor, frozenset(flags)
 
 
 def _prefers_openblas() -> bool:

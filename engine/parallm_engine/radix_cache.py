@@ -54,6 +54,7 @@ class RadixNode:
 class PrefixMatch:
     node: RadixNode  # deepest matched node (the root when nothing matched)
     length: int  # tokens matched
+    held: int = 0  # after an insert: tokens the tree already held before it
 
     def nodes(self) -> list[RadixNode]:
         """Matched nodes from the root down (the root excluded)."""
@@ -139,15 +140,17 @@ class RadixCache:
     # -- insert ---------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], kv_for: Callable[[int, int], Segment]) -> PrefixMatch:
         """Store ``tokens``. ``kv_for(start, end)`` returns private KV copies for tokens[start:end]
-        and is called only for the part not already in the tree. Returns the match of the full run."""
+        and is called only for the part not already in the tree. Returns the match of the full run, with
+        ``held``: how many tokens the tree already had."""
         m = self.match(tokens, record=False)
+        m.held = m.length
         if m.length < len(tokens):
             seg = kv_for(m.length, len(tokens))
             mx.eval(seg)
             leaf = RadixNode(tuple(tokens[m.length :]), seg, m.node)
             m.node.children[leaf.tokens[0]] = leaf
             self.total_bytes += leaf.nbytes
-            m = PrefixMatch(leaf, len(tokens))
+            m = PrefixMatch(leaf, len(tokens), held=m.length)
         self.evict_to_budget()
         return m
 

@@ -362,9 +362,8 @@ class Scheduler:
             # The tree keeps the copy that got there first: the sequence's KV is bitwise the tree's for
             # what it read from the tree and what it inserts now, unless someone else inserted tokens
             # it also computed (then only the part it read).
-            held = self.radix.match(seq.prompt_ids, record=False).length
+            held = self.radix.insert(seq.prompt_ids, lambda a, b: [c.segment(a, b) for c in cache]).held
             seq.tree_tokens = len(seq.prompt_ids) if held <= seq.cached_tokens else seq.cached_tokens
-            self.radix.insert(seq.prompt_ids, lambda a, b: [c.segment(a, b) for c in cache])
         self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
         if seq.finish_reason is None:
             done.append(seq)

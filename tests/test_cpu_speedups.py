@@ -58,7 +58,7 @@ def test_kernels_apply_only_inside_enabled(tiny_engine):
     orig = cpu_kernels.attention
     try:
         cpu_kernels.attention = lambda *a, **k: calls.append(1) or orig(*a, **k)
-        q = mx.random.normal((1, 4, 1, 16))
+        q = mx.random.normal((1, 4, 2, 16))  # two query positions: the pure-MLX kernel (decode may go native)
         kv = mx.random.normal((1, 2, 3, 16))
         llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=None)
         assert calls == []

@@ -63,6 +63,10 @@ def cmd_info(args) -> int:
 
     info = backend_info()
     out = {"backend": info.as_dict(), "decode_lanes": _default_decode_lanes(), "cpu_kernels": _default_cpu_kernels()}
+    if out["cpu_kernels"]:
+        from . import native
+
+        out["native_kernels"] = native.status()
     try:
         out["default_model"] = {"name": DEFAULT_MODEL_NAME, "gguf": str(default_model_path())}
     except Exception as exc:
@@ -84,6 +88,10 @@ def cmd_info(args) -> int:
     print(f"dtype   : {b.dtype}  (weights run in this dtype on this backend)")
     print(f"blas    : {b.blas}")
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
+    if "native_kernels" in out:
+        nk = out["native_kernels"]
+        detail = f"{nk['path']} ({nk['threads']} threads)" if nk["available"] else f"unavailable: {nk['reason']}"
+        print(f"native  : {detail}")
     if b.device == "cpu" and b.blas == "reference":
         print(f"          {_backend.BLAS_FIX_HINT}")
     dm = out["default_model"]

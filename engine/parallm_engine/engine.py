@@ -111,10 +111,10 @@ class Engine:
             cpu_kernels=_default_cpu_kernels(),
         )
         self.max_queue = max_queue
-        logger.info("decode lanes %d, engine CPU kernels %s", self.config.decode_lanes,
-                    "on" if self.config.cpu_kernels else "off")
         self._stats = EngineStats()
         self._scheduler = Scheduler(self.model, self.tokenizer, self.model_info, self.config, self._stats)
+        logger.info("decode lanes %d, engine CPU kernels %s", self.config.decode_lanes,
+                    ("on, native" if self._scheduler.native_kernels else "on") if self.config.cpu_kernels else "off")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False

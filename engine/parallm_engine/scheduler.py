@@ -99,6 +99,8 @@ class Scheduler:
         self._choices: dict[str, list[Choice | None]] = {}
         self._lm_head = _lm_head(model)
         self._cpu_kernels = config.cpu_kernels and cpu_kernels.install(model, model_info.context_window)
+        # Build/load the native kernels now, not in the middle of the first decode step.
+        self.native_kernels = bool(self._cpu_kernels and cpu_kernels.native_available())
         # Decode rows continuing one cached prefix hold it once (cascade attention): needs the radix
         # tree (where the prefix's one copy comes from), the engine's attention hook, and full
         # attention in every layer (a sliding window would have to cut into the shared prefix).
@@ -232,8 +234,11 @@ class Scheduler:
 
     def _prefill(self) -> list[Sequence]:
         """Spend up to ``prefill_budget`` prompt tokens this step. A prompt longer than one chunk is
-        prefilled alone, chunk by chunk, across steps; shorter ones are prefilled together in one
-        forward pass (a group), except those whose uncached prefix a group member is computing."""
+        prefilled alone, chunk by chunk, across steps; shorter ones are prefilled together in forward
+        passes (groups) of at most one chunk of tokens, except those whose uncached prefix a group
+        member is computing. Each group's first tokens are delivered before the next group runs: a
+        burst of requests (the agent fan-out) gets its first tokens group by group instead of all at
+        the end, at the same cost (a chunk already fills the GEMMs)."""
         budget = self.config.prefill_budget
         chunk = self.config.prefill_chunk
         done: list[Sequence] = []
@@ -252,7 +257,7 @@ class Scheduler:
                     continue
                 cached = seq.pos if seq.started else self._cached_len(seq)
                 remaining = len(seq.prompt_ids) - cached
-                if remaining > chunk or used + remaining > budget:
+                if used + remaining > min(chunk, budget):
                     continue
                 if not seq.started and self._uncached_overlap(seq, group, cached):
                     continue

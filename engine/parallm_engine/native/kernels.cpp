@@ -271,6 +271,7 @@ static inline float hsum(v16 x) {
 // Softmax of n scores (log2 units) in place, returning 1 / their sum.
 static inline float softmax2(float* s, int n) {
   float m = s[0];
+#pragma omp simd reduction(max : m)
   for (int i = 1; i < n; ++i) m = s[i] > m ? s[i] : m;
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -348,6 +349,29 @@ static void attend(const AttnArgs& a, int b, int kh) {
   thread_local std::vector<float> inv;
   inv.resize(rep);
   for (int r = 0; r < rep; ++r) inv[r] = softmax2(&scores[r * n], n);
+  if constexpr (NC > 0) {
+    if (Dv == 16 * NC) {  // the weighted values summed in registers, each value row loaded once
+      constexpr int RV = NC <= 4 ? 4 : 2;
+      for (int r0 = 0; r0 < rep; r0 += RV) {
+        const int nr = std::min(RV, rep - r0);
+        v16 o[RV][NC] = {};
+        for (int i = 0; i < n; ++i) {
+          v16 vv[NC];
+          std::memcpy(vv, vrows[i], sizeof(vv));
+          for (int r = 0; r < nr; ++r) {
+            const float p = scores[(r0 + r) * n + i];
+            for (int c = 0; c < NC; ++c) o[r][c] += p * vv[c];
+          }
+        }
+        for (int r = 0; r < nr; ++r)
+          for (int c = 0; c < NC; ++c) {
+            v16 y = o[r][c] * inv[r0 + r];
+            std::memcpy(out + (r0 + r) * Dv + c * 16, &y, sizeof(y));
+          }
+      }
+      return;
+    }
+  }
   for (int i = 0; i < n; ++i) {
     const float* vr = vrows[i];
     for (int r = 0; r < rep; ++r) axpy(scores[r * n + i], vr, &acc[r * Dv], Dv);

@@ -486,9 +486,7 @@ def _on_engine(engine, fn):
 
 
 def _env(engine, quick: bool) -> dict:
-    from .backend import backend_info
-
-    from .backend import cpu_features
+    from .backend import backend_info, cpu_features
 
     info = backend_info()
     vendor, flags = cpu_features()
@@ -502,6 +500,7 @@ def _env(engine, quick: bool) -> dict:
         "quick": quick,
         "decode_lanes": engine.config.decode_lanes,
         "cpu_kernels": bool(engine._scheduler._cpu_kernels),
+        "native_kernels": engine._scheduler.native_kernels,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

@@ -10,9 +10,10 @@ They are built with ``g++ -O3 -march=native`` against the installed MLX's header
 ABI must match the one MLX's Python module was built with, nanobind 3.x; the types are shared
 through nanobind's ``mlx`` domain), into a cache directory keyed by everything the binary depends on
 (source, MLX, nanobind, Python, compiler, CPU flags). ``scripts/setup`` builds it once
-(``python -m parallm_engine.native``); otherwise the first engine start does (~15 s). Where it
-cannot be built (no compiler, no nanobind, not Linux/x86) :func:`load` returns None and
-``cpu_kernels`` keeps its pure-MLX versions. ``PARALLM_NATIVE=0`` turns it off.
+(``python -m parallm_engine.native``); otherwise the first engine start does (~10 s). Where it
+cannot be built (no compiler, no nanobind, not Linux) :func:`load` returns None and ``cpu_kernels``
+keeps its pure-MLX versions. ``PARALLM_NATIVE=0`` turns it off; ``PARALLM_NATIVE_THREADS`` sets the
+kernels' threads (default: the cores, up to 8); ``PARALLM_NATIVE_DIR`` the cache directory.
 """
 
 from __future__ import annotations

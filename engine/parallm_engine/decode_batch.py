@@ -133,8 +133,7 @@ class DecodeBatch:
             lane.seqs = []
             lane.kv = [BatchKV() for _ in range(self.n_layers)]
         if self.shared is not None:
-            prefix, self.shared = self.shared, None
-            prefix.release()
+            self._release_shared()
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, trunk, lm_head, tokens: mx.array) -> mx.array:

@@ -291,7 +291,7 @@ static void attend(const AttnArgs& a, int b, int kh) {
   const bool use_prefix = a.sk && (!a.shared_mask || a.shared_mask[b]);
   const int cap = (use_prefix ? a.P : 0) + a.T;
   thread_local std::vector<const float*> krows, vrows;
-  thread_local std::vector<float> qbuf, scores, acc;
+  thread_local std::vector<float> qbuf, scores;
   krows.resize(cap);
   vrows.resize(cap);
   int n = 0;
@@ -321,7 +321,6 @@ static void attend(const AttnArgs& a, int b, int kh) {
   }
   qbuf.resize(static_cast<size_t>(rep) * D);
   scores.resize(static_cast<size_t>(rep) * n);
-  acc.assign(static_cast<size_t>(rep) * Dv, 0.0f);
   const float* qrow = a.q + (static_cast<int64_t>(b) * a.H + kh * rep) * D;
   for (int i = 0; i < rep * D; ++i) qbuf[i] = qrow[i] * a.qscale;
 
@@ -372,6 +371,8 @@ static void attend(const AttnArgs& a, int b, int kh) {
       return;
     }
   }
+  thread_local std::vector<float> acc;  // any Dv: the weighted values summed in memory
+  acc.assign(static_cast<size_t>(rep) * Dv, 0.0f);
   for (int i = 0; i < n; ++i) {
     const float* vr = vrows[i];
     for (int r = 0; r < rep; ++r) axpy(scores[r * n + i], vr, &acc[r * Dv], Dv);

@@ -37,6 +37,7 @@ import sys
 import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 
 logger = logging.getLogger("parallm_engine")
 
@@ -231,9 +232,61 @@ class _SwitchedRoPE:
         return self.original(x, offset=offset)
 
 
-def _install_rope(model, max_positions: int) -> bool:
-    import mlx.nn as nn
+def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:
+    """``x @ weight.T (+ bias)`` through the native kernel when it applies (float32, native kernels
+    built), else None."""
+    if x.dtype != mx.float32 or weight.dtype != mx.float32 or (bias is not None and bias.dtype != mx.float32):
+        return None
+    nat = _native()
+    return None if nat is None else nat.linear(x, weight, bias)
 
+
+class _SwitchedLinear(nn.Linear):
+    """A model's ``nn.Linear`` with its class swapped (same object, same parameters): the native
+    kernel for rows of at most ``NATIVE_LINEAR_ROWS`` while :func:`enabled` is on, ``nn.Linear``
+    otherwise. OpenBLAS packs the weights on every call, which a decode step's few rows do not pay
+    back; a large prefill chunk is where its packed GEMM is faster."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if is_enabled() and x.size <= NATIVE_LINEAR_ROWS * x.shape[-1]:
+            y = linear_native(x, self.weight, self.get("bias"))
+            if y is not None:
+                return y
+        return super().__call__(x)
+
+
+NATIVE_LINEAR_ROWS = 64
+
+
+class _SwitchedRMSNorm(nn.RMSNorm):
+    """A model's ``nn.RMSNorm`` with its class swapped: the native kernel (one graph node; MLX's CPU
+    ``mx.fast.rms_norm`` is eight) for float32 while :func:`enabled` is on, ``nn.RMSNorm`` otherwise."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if is_enabled() and x.dtype == mx.float32 and self.weight.dtype == mx.float32:
+            nat = _native()
+            if nat is not None:
+                return nat.rms_norm(x, self.weight, self.eps)
+        return super().__call__(x)
+
+
+def _install_native_modules(model) -> bool:
+    """Swap the class of every plain float32 ``nn.Linear`` and ``nn.RMSNorm`` in ``model`` for
+    :class:`_SwitchedLinear` / :class:`_SwitchedRMSNorm` (only where the native kernels are built:
+    the pure-MLX path keeps MLX's own)."""
+    if not isinstance(model, nn.Module) or _native() is None:
+        return False
+    swaps = {nn.Linear: _SwitchedLinear, nn.RMSNorm: _SwitchedRMSNorm}
+    done = False
+    for _, module in model.named_modules():
+        switched = swaps.get(type(module))
+        if switched is not None and module.weight.dtype == mx.float32:
+            module.__class__ = switched
+            done = True
+    return done
+
+
+def _install_rope(model, max_positions: int) -> bool:
     layers = getattr(getattr(model, "model", None), "layers", None) or getattr(model, "layers", None) or []
     tables: dict[tuple, RoPETable] = {}
     done = False
@@ -267,6 +320,7 @@ def install(model, max_positions: int | None = None) -> bool:
     from mlx_lm.models import activations, base
 
     done = bool(max_positions) and _install_rope(model, int(max_positions))
+    done = _install_native_modules(model) or done
     # Only mlx-lm's own functions are replaced: a module that defines its own variant keeps it.
     orig_sdpa = getattr(module, "scaled_dot_product_attention", None)
     if orig_sdpa is base.scaled_dot_product_attention:

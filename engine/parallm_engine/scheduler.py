@@ -643,5 +643,14 @@ def _lm_head(model):
     """
     head = getattr(model, "lm_head", None)
     if head is not None:
-        return head
-    return model.model.embed_tokens.as_linear
+        return head  # an nn.Linear: cpu_kernels.install switches it like the trunk's
+    embed = model.model.embed_tokens
+
+    def tied(h: mx.array) -> mx.array:
+        if cpu_kernels.is_enabled() and h.size <= cpu_kernels.NATIVE_LINEAR_ROWS * h.shape[-1]:
+            y = cpu_kernels.linear_native(h, embed.weight)  # None for a quantized embedding
+            if y is not None:
+                return y
+        return embed.as_linear(h)
+
+    return tied

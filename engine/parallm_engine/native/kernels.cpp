@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -81,6 +82,19 @@ static inline void axpy(float a, const float* x, float* y, int n) {
 // A small persistent thread pool: run(n, f) calls f(i) for i in [0, n) on the calling thread and
 // the workers, and returns when all are done. One job at a time (MLX evaluates a stream's ops in
 // order on one thread; a lock serialises streams that reach here together).
+//
+// A decode step hands it ~270 jobs of 20-500 us each with short gaps between them, so a worker
+// that went to sleep on a condition variable after each job would spend much of every job waking
+// up (tens of microseconds on a VM). Workers instead spin (yielding the core to any other runnable
+// thread) for a while after a job, and only then sleep.
+
+static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 class Pool {
  public:
@@ -98,22 +112,23 @@ class Pool {
       return;
     }
     std::lock_guard<std::mutex> job_lock(job_mutex_);
-    {
+    job_ = &f;
+    n_ = n;
+    next_.store(0, std::memory_order_relaxed);
+    active_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_seq_cst);  // publishes the job
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lk(m_);
-      job_ = &f;
-      n_ = n;
-      next_.store(0);
-      active_ = static_cast<int>(workers_.size());
-      ++generation_;
+      cv_.notify_all();
     }
-    cv_.notify_all();
     work();
-    std::unique_lock<std::mutex> lk(m_);
-    done_cv_.wait(lk, [&] { return active_ == 0; });
+    while (active_.load(std::memory_order_acquire) != 0) cpu_relax();
     job_ = nullptr;
   }
 
  private:
+  static constexpr auto kSpin = std::chrono::microseconds(2000);
+
   Pool() {
     int n = 1;
     if (const char* env = std::getenv("PARALLM_NATIVE_THREADS")) {
@@ -126,8 +141,8 @@ class Pool {
   ~Pool() {
     {
       std::lock_guard<std::mutex> lk(m_);
-      stop_ = true;
-      ++generation_;
+      stop_.store(true);
+      generation_.fetch_add(1);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -140,27 +155,41 @@ class Pool {
   void loop() {
     uint64_t seen = 0;
     while (true) {
-      {
-        std::unique_lock<std::mutex> lk(m_);
-        cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+      uint64_t g = generation_.load(std::memory_order_acquire);
+      if (g == seen) {  // spin a while, then sleep until the next job
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        for (int i = 1; (g = generation_.load(std::memory_order_acquire)) == seen; ++i) {
+          cpu_relax();
+          if (i % 256 == 0) {
+            if (std::chrono::steady_clock::now() > until) break;
+            std::this_thread::yield();
+          }
+        }
+        if (g == seen) {
+          std::unique_lock<std::mutex> lk(m_);
+          sleeping_.fetch_add(1, std::memory_order_seq_cst);
+          cv_.wait(lk, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
+          sleeping_.fetch_sub(1, std::memory_order_relaxed);
+          g = generation_.load(std::memory_order_acquire);
+        }
       }
+      if (stop_.load()) return;
+      seen = g;
       work();
-      std::lock_guard<std::mutex> lk(m_);
-      if (--active_ == 0) done_cv_.notify_one();
+      active_.fetch_sub(1, std::memory_order_release);
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex job_mutex_, m_;
-  std::condition_variable cv_, done_cv_;
+  std::condition_variable cv_;
   const std::function<void(int)>* job_ = nullptr;
   int n_ = 0;
   std::atomic<int> next_{0};
-  int active_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> active_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -170,8 +199,46 @@ static void require_f32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
 
-// Inputs come as lazy views; their strides are known only here, at evaluation. Every kernel reads
-// rows whose last axis is contiguous; anything else is copied once into a contiguous buffer.
+// Inputs come as lazy views; their strides are known only here, at evaluation (the wrappers add no
+// contiguous-copy nodes to the graph: a decode step would otherwise carry ~750 of them, each a
+// dispatch of several microseconds). The usual case reads the input's own buffer; anything else
+// (a transposed or broadcast view) is gathered once into a row-major copy.
+
+template <typename T>
+static void gather(const mx::array& a, T* dst) {
+  const T* src = a.data<T>();
+  const int nd = a.ndim();
+  if (nd == 0) {
+    dst[0] = src[0];
+    return;
+  }
+  const int64_t inner = a.shape(nd - 1), step = a.strides()[nd - 1];
+  const size_t rows = inner ? a.size() / inner : 0;
+  std::vector<int64_t> idx(nd, 0);
+  for (size_t r = 0; r < rows; ++r) {
+    int64_t off = 0;
+    for (int d = 0; d < nd - 1; ++d) off += idx[d] * a.strides()[d];
+    for (int64_t i = 0; i < inner; ++i) dst[r * inner + i] = src[off + i * step];
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// The elements of `a` in row-major order: its own buffer when it is row-contiguous, else a copy in
+// `buf` (of a type the size of T: std::vector<bool> has no buffer).
+template <typename T, typename Buf>
+static const T* dense(const mx::array& a, std::vector<Buf>& buf) {
+  static_assert(sizeof(Buf) == sizeof(T));
+  if (a.flags().row_contiguous) return a.data<T>();
+  buf.resize(a.size());
+  gather(a, reinterpret_cast<T*>(buf.data()));
+  return reinterpret_cast<const T*>(buf.data());
+}
+
+// Rows whose last axis is contiguous, with the array's strides (the KV cache's strided views read
+// in place); anything else gathered into a row-major copy.
 struct Rows {
   const float* data;
   std::vector<int64_t> strides;  // in elements
@@ -185,20 +252,8 @@ static Rows rows_of(const mx::array& a) {
     r.data = a.data<float>();
     return r;
   }
-  // Rare (a transposed view): gather element by element.
-  size_t n = a.size();
-  r.owned.resize(n);
-  const float* src = a.data<float>();
-  std::vector<int64_t> idx(a.ndim(), 0);
-  for (size_t i = 0; i < n; ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < a.ndim(); ++d) off += idx[d] * a.strides()[d];
-    r.owned[i] = src[off];
-    for (int d = a.ndim() - 1; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) break;
-      idx[d] = 0;
-    }
-  }
+  r.owned.resize(a.size());
+  gather(a, r.owned.data());
   int64_t s = 1;
   for (int d = a.ndim() - 1; d >= 0; --d) {
     r.strides[d] = s;
@@ -208,8 +263,8 @@ static Rows rows_of(const mx::array& a) {
   return r;
 }
 
-static mx::array contiguous_f32(const mx::array& a, mx::StreamOrDevice s) {
-  return mx::contiguous(mx::astype(a, mx::float32, s), false, s);
+static mx::array as_f32(const mx::array& a, mx::StreamOrDevice s) {
+  return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -285,6 +340,8 @@ static inline float softmax2(float* s, int n) {
 // One (row b, KV head kh): its `rep` query heads against the prefix (when the row continues it) and
 // its unmasked own columns, in column order. NC = D / 16 when D is a multiple of 16 (vector path),
 // 0 for any D (scalar path). The rep heads share every key and value load.
+constexpr int kAhead = 32;  // rows of keys prefetched ahead
+
 template <int NC>
 static void attend(const AttnArgs& a, int b, int kh) {
   const int rep = a.H / a.KH, D = a.D, Dv = a.Dv;
@@ -332,6 +389,13 @@ static void attend(const AttnArgs& a, int b, int kh) {
       for (int r = 0; r < nr; ++r)
         for (int c = 0; c < NC; ++c) std::memcpy(&q[r][c], &qbuf[(r0 + r) * D + c * 16], sizeof(v16));
       for (int i = 0; i < n; ++i) {
+        // The cache streams from memory: fetch keys a few rows ahead, and this row's values for
+        // the weighted sum below.
+        if (r0 == 0) {
+          if (i + kAhead < n)
+            for (int c = 0; c < NC; ++c) __builtin_prefetch(krows[i + kAhead] + c * 16);
+          for (int c = 0; c < NC; ++c) __builtin_prefetch(vrows[i] + c * 16);
+        }
         v16 k[NC];
         std::memcpy(k, krows[i], sizeof(k));
         for (int r = 0; r < nr; ++r) {
@@ -389,20 +453,22 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   enc.set_output_array(out);
   enc.dispatch([inputs, out, scale = scale_, has_mask = has_mask_, has_shared = has_shared_,
                 has_shared_mask = has_shared_mask_]() mutable {
-    const mx::array& q = inputs[0];  // (B, H, 1, D), contiguous
+    const mx::array& q = inputs[0];  // (B, H, 1, D)
     const mx::array& k = inputs[1];  // (B, KH, T, D)
     const mx::array& v = inputs[2];  // (B, KH, T, Dv)
     size_t next = 3;
-    const mx::array* mask = has_mask ? &inputs[next++] : nullptr;  // bool, (B, 1, 1, T) view
+    const mx::array* mask = has_mask ? &inputs[next++] : nullptr;  // bool, broadcastable to (B, 1, 1, T)
     const mx::array* sk = has_shared ? &inputs[next++] : nullptr;  // (1, KH, P, D)
     const mx::array* sv = has_shared ? &inputs[next++] : nullptr;  // (1, KH, P, Dv)
-    const mx::array* smask = has_shared_mask ? &inputs[next++] : nullptr;  // bool (B,), contiguous
+    const mx::array* smask = has_shared_mask ? &inputs[next++] : nullptr;  // bool, B elements
 
     AttnArgs a;
     a.H = q.shape(1), a.D = q.shape(3), a.KH = k.shape(1), a.T = k.shape(2), a.Dv = v.shape(3);
     const int B = q.shape(0);
     Rows kr = rows_of(k), vr = rows_of(v), skr, svr;
-    a.q = q.data<float>();
+    std::vector<float> qbuf;
+    std::vector<uint8_t> smbuf;
+    a.q = dense<float>(q, qbuf);
     a.k = kr.data, a.ks0 = kr.strides[0], a.ks1 = kr.strides[1], a.ks2 = kr.strides[2];
     a.v = vr.data, a.vs0 = vr.strides[0], a.vs1 = vr.strides[1], a.vs2 = vr.strides[2];
     if (sk) {
@@ -412,11 +478,13 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       a.sv = svr.data, a.svs1 = svr.strides[1], a.svs2 = svr.strides[2];
       a.P = sk->shape(2);
     }
-    if (mask) {
+    if (mask) {  // read through its strides: a size-1 batch axis broadcasts (stride 0)
+      const int nd = mask->ndim();
       a.mask = mask->data<bool>();
-      a.ms0 = mask->strides()[0], a.ms3 = mask->strides()[3];
+      a.ms0 = nd == 4 && mask->shape(0) > 1 ? mask->strides()[0] : 0;
+      a.ms3 = mask->shape(nd - 1) > 1 ? mask->strides()[nd - 1] : 0;
     }
-    a.shared_mask = smask ? smask->data<bool>() : nullptr;
+    a.shared_mask = smask ? dense<bool>(*smask, smbuf) : nullptr;
     a.out = out.data<float>();
     a.qscale = scale * 1.4426950408889634f;  // scores in log2 units: exp -> exp2
     // Tasks KV-head-major: consecutive tasks on a thread read the same shared prefix head (in cache).
@@ -443,12 +511,15 @@ mx::array decode_attention(const mx::array& queries, const mx::array& keys, cons
     throw std::invalid_argument("decode_attention: inconsistent shapes");
   for (auto* a : {&queries, &keys, &values}) require_f32(*a, "decode_attention inputs");
   auto stream = mx::default_stream(mx::default_device());
-  std::vector<mx::array> inputs = {mx::contiguous(queries, false, stream), keys, values};
+  std::vector<mx::array> inputs = {queries, keys, values};
   if (mask) {
     if (mask->dtype() != mx::bool_) throw std::invalid_argument("decode_attention: mask must be boolean");
-    if (mask->ndim() > 4 || (mask->ndim() == 4 && mask->shape(1) != 1))
+    const int nd = mask->ndim();
+    if (nd < 1 || nd > 4 || (mask->shape(nd - 1) != T && mask->shape(nd - 1) != 1) ||
+        (nd >= 2 && mask->shape(nd - 2) != 1) || (nd >= 3 && mask->shape(nd - 3) != 1) ||
+        (nd == 4 && mask->shape(0) != B && mask->shape(0) != 1))
       throw std::invalid_argument("decode_attention: the mask must be the same for every head, (B, 1, 1, T)");
-    inputs.push_back(mx::broadcast_to(*mask, {B, 1, 1, T}, stream));
+    inputs.push_back(*mask);
   }
   bool has_shared = shared_keys.has_value();
   if (has_shared) {
@@ -468,11 +539,222 @@ mx::array decode_attention(const mx::array& queries, const mx::array& keys, cons
   if (has_smask) {
     if (shared_mask->dtype() != mx::bool_ || shared_mask->size() != static_cast<size_t>(B))
       throw std::invalid_argument("decode_attention: shared_mask must be (B,) boolean");
-    inputs.push_back(mx::contiguous(mx::reshape(*shared_mask, {B}, stream), false, stream));
+    inputs.push_back(*shared_mask);
   }
   return mx::array({B, H, 1, Dv}, mx::float32,
                    std::make_shared<DecodeAttention>(stream, scale, mask.has_value(), has_shared, has_smask),
                    std::move(inputs));
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear: y = x @ w.T (+ bias), x (..., K), w (N, K) as nn.Linear stores it.
+//
+// OpenBLAS packs both operands on every call; with a decode step's few rows (M = the batch) that
+// packing of the weights costs about as much as the multiply, and the weights stream from memory
+// once per step anyway (batch-32 decode GEMMs ran at ~180 GFLOP/s of the ~240 a large GEMM reaches
+// here; batch 1 read the weights at ~22 GB/s). This kernel reads the weights in place: the output
+// columns are split over the pool's threads; each thread takes 6 weight rows at a time (in L1)
+// against 4 rows of x at a time (24 vector accumulators of dot products along K, summed across
+// lanes at the end by one shuffle network per 16), and prefetches the next 6 weight rows spread
+// over the passes of this block. Measured on the 2-core CI machine, the decode step's 211 GEMMs at
+// batch 32 went from 48 ms to ~30 ms, at batch 1 from 25 ms to ~15 ms.
+//
+// Numbers: every output element is the same sum in the same order (16 lanes over K in order, then
+// the same lane tree), whatever M is, wherever the row sits in the batch and whichever tile computes
+// it: a row's result does not depend on what else is in the batch.
+
+static inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// One level of the lane-sum network: in each block of 2H lanes, the low H lanes of a and of b
+// (first half) plus their high H lanes.
+template <int H>
+static inline v16 fold(v16 a, v16 b) {
+  if constexpr (H == 8)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  else if constexpr (H == 4)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+        __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  else if constexpr (H == 2)
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+        __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  else
+    return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+        __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// The 16 lane sums of a[0..15]: lane i holds the sum of a[kBitRev[i]].
+static constexpr int kBitRev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+static inline v16 lane_sums(const v16* a) {
+  v16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) l1[i] = fold<8>(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) l2[i] = fold<4>(l1[2 * i], l1[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) l3[i] = fold<2>(l2[2 * i], l2[2 * i + 1]);
+  return fold<1>(l3[0], l3[1]);
+}
+
+constexpr int kLinearMT = 4, kLinearNT = 6;
+
+// y[i][j] = x[i] . w[j] (+ bias[j]) for MT rows of x and NT rows of w, issuing `npf` prefetches of
+// the cache lines at `pf` along the way. x stays in registers per K chunk and each w row is loaded
+// once per chunk (the asm barriers keep GCC from folding loads into every FMA); the fully unrolled
+// loops let the accumulators live in registers.
+template <int MT, int NT>
+static inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias,
+                               float* y, int64_t ldy, int K, const char* pf, int npf) {
+  v16 acc[MT][NT] = {};
+  const int KC = K / 16;
+  int p = 0;
+  for (int kc = 0; kc < KC; ++kc) {
+    if (p < npf) __builtin_prefetch(pf + 64 * p++);
+    v16 xv[MT];
+    _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) {
+      xv[i] = load16(x + i * ldx + kc * 16);
+      asm("" : "+v"(xv[i]));
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) {
+      v16 wv = load16(w + j * ldw + kc * 16);
+      asm("" : "+v"(wv));
+      _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) acc[i][j] += xv[i] * wv;
+    }
+  }
+  for (; p < npf; ++p) __builtin_prefetch(pf + 64 * p);
+  if (const int r = K % 16) {  // the last partial chunk, zero-padded
+    v16 xv[MT] = {};
+    for (int i = 0; i < MT; ++i) std::memcpy(&xv[i], x + i * ldx + KC * 16, r * sizeof(float));
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) {
+      v16 wv = {};
+      std::memcpy(&wv, w + j * ldw + KC * 16, r * sizeof(float));
+      _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) acc[i][j] += xv[i] * wv;
+    }
+  }
+  constexpr int T = MT * NT;
+  _Pragma("GCC unroll 4") for (int g = 0; g < (T + 15) / 16; ++g) {
+    v16 all[16] = {};
+    _Pragma("GCC unroll 16") for (int u = 0; u < 16; ++u) {
+      const int t = g * 16 + u;
+      if (t < T) all[kBitRev[u]] = acc[t / NT][t % NT];
+    }
+    const v16 s = lane_sums(all);
+    _Pragma("GCC unroll 16") for (int u = 0; u < 16; ++u) {
+      const int t = g * 16 + u;
+      if (t < T) y[(t / NT) * ldy + t % NT] = bias ? s[u] + bias[t % NT] : s[u];
+    }
+  }
+}
+
+// All M rows against NT rows of w; the prefetch of `pf_bytes` at `pf` is shared out over the row tiles.
+template <int NT>
+static void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias, float* y,
+                        int64_t ldy, int K, int M, const char* pf, int64_t pf_bytes) {
+  const int tiles = (M + kLinearMT - 1) / kLinearMT;
+  const int lines = static_cast<int>(pf_bytes / 64), per = (lines + tiles - 1) / tiles;
+  auto share = [&](int t, int& n) {
+    const int a = std::min(lines, t * per);
+    n = std::min(lines, a + per) - a;
+    return pf + 64 * static_cast<int64_t>(a);
+  };
+  int m = 0, t = 0, n = 0;
+  for (; m + kLinearMT <= M; m += kLinearMT, ++t) {
+    const char* p = share(t, n);
+    linear_tile<kLinearMT, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, p, n);
+  }
+  const char* p = share(t, n);
+  switch (M - m) {
+    case 3: linear_tile<3, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, p, n); break;
+    case 2: linear_tile<2, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, p, n); break;
+    case 1: linear_tile<1, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, p, n); break;
+    default: break;
+  }
+}
+
+// Output columns [n0, n1) for rows [m0, m1).
+static void linear_block(const float* x, const float* w, const float* bias, float* y, int K, int N, int m0,
+                         int m1, int n0, int n1) {
+  const int M = m1 - m0;
+  const float* xb = x + static_cast<int64_t>(m0) * K;
+  float* yb = y + static_cast<int64_t>(m0) * N;
+  constexpr int NT = kLinearNT;
+  for (int n = n0; n < n1; n += NT) {
+    const float* wn = w + static_cast<int64_t>(n) * K;
+    const float* bn = bias ? bias + n : nullptr;
+    // The weights stream from memory once per step: the next NT rows are fetched while these work.
+    const int ahead = n + NT;
+    const char* pf = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead) * K);
+    const int64_t pf_bytes = ahead < n1 ? static_cast<int64_t>(std::min(NT, n1 - ahead)) * K * sizeof(float) : 0;
+    switch (std::min(NT, n1 - n)) {
+      case 6: linear_rows<6>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 5: linear_rows<5>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 4: linear_rows<4>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 3: linear_rows<3>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 2: linear_rows<2>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      default: linear_rows<1>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+    }
+  }
+}
+
+class Linear : public mx::UnaryPrimitive {
+ public:
+  Linear(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
+    const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
+    enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
+                  y = out.data<float>(), M, K, N]() {
+      if (M == 0 || N == 0) return;
+      std::vector<float> xbuf, wbuf, bbuf;
+      const float* x = dense<float>(xa, xbuf);
+      const float* w = dense<float>(wa, wbuf);
+      const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
+      // Rows in blocks of 64 (x's block stays in L2 while the weights stream past it), columns in
+      // multiples of the tile's 6 rows of w, about 8 column blocks per thread for balance.
+      constexpr int MB = 64;
+      const int mblocks = (M + MB - 1) / MB;
+      const int want = std::max(1, Pool::get().size() * 8 / mblocks);
+      const int nb = std::max(kLinearNT, ((N + want - 1) / want + kLinearNT - 1) / kLinearNT * kLinearNT);
+      const int nblocks = (N + nb - 1) / nb;
+      Pool::get().run(mblocks * nblocks, [&](int t) {
+        const int mi = t / nblocks, ni = t % nblocks;
+        linear_block(x, w, b, y, K, N, mi * MB, std::min(M, (mi + 1) * MB), ni * nb, std::min(N, (ni + 1) * nb));
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("parallm linear is a CPU kernel");
+  }
+  const char* name() const override { return "ParallmLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const Linear&>(other).has_bias_;
+  }
+
+ private:
+  bool has_bias_;
+};
+
+mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
+  if (x.ndim() < 1 || weight.ndim() != 2) throw std::invalid_argument("linear: x (..., K) and weight (N, K)");
+  const int K = weight.shape(1), N = weight.shape(0);
+  if (x.shape(-1) != K) throw std::invalid_argument("linear: x's last axis must equal weight's second");
+  require_f32(x, "linear x");
+  require_f32(weight, "linear weight");
+  auto stream = mx::default_stream(mx::default_device());
+  std::vector<mx::array> inputs = {x, weight};
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != N) throw std::invalid_argument("linear: bias must be (N,)");
+    require_f32(*bias, "linear bias");
+    inputs.push_back(*bias);
+  }
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::array(shape, mx::float32, std::make_shared<Linear>(stream, bias.has_value()), std::move(inputs));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -492,8 +774,10 @@ class SwiGLU : public mx::UnaryPrimitive {
     enc.set_input_array(inputs[0]);
     enc.set_input_array(inputs[1]);
     enc.set_output_array(out);
-    enc.dispatch([g = inputs[0].data<float>(), x = inputs[1].data<float>(), o = out.data<float>(),
-                  n = static_cast<int64_t>(out.size())]() {
+    enc.dispatch([ga = inputs[0], xa = inputs[1], o = out.data<float>(), n = static_cast<int64_t>(out.size())]() {
+      std::vector<float> gbuf, xbuf;
+      const float* g = dense<float>(ga, gbuf);
+      const float* x = dense<float>(xa, xbuf);
       const int64_t chunk = 1 << 14;
       const int tasks = static_cast<int>((n + chunk - 1) / chunk);
       Pool::get().run(tasks, [&](int t) {
@@ -515,7 +799,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
   require_f32(x, "swiglu x");
   auto stream = mx::default_stream(mx::default_device());
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream),
-                   {mx::contiguous(gate, false, stream), mx::contiguous(x, false, stream)});
+                   {gate, x});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -532,10 +816,15 @@ class RoPERows : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([x = inputs[0].data<float>(), pos = inputs[1].data<int32_t>(),
-                  cs = inputs[2].data<float>(), sn = inputs[3].data<float>(), o = out.data<float>(),
+    enc.dispatch([xa = inputs[0], pa = inputs[1], ca = inputs[2], sa = inputs[3], o = out.data<float>(),
                   B = out.shape(0), H = out.shape(1), D = out.shape(3), maxp = inputs[2].shape(0),
                   dims = dims_, traditional = traditional_, base = base_, scale = scale_]() {
+      std::vector<float> xbuf, cbuf_all, sbuf_all;
+      std::vector<int32_t> pbuf;
+      const float* x = dense<float>(xa, xbuf);
+      const int32_t* pos = dense<int32_t>(pa, pbuf);
+      const float* cs = dense<float>(ca, cbuf_all);
+      const float* sn = dense<float>(sa, sbuf_all);
       const int half = dims / 2;
       std::vector<float> cbuf(half), sbuf(half);
       for (int b = 0; b < B; ++b) {
@@ -597,12 +886,93 @@ mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::ar
   require_f32(x, "rope_rows x");
   auto stream = mx::default_stream(mx::default_device());
   const int B = x.shape(0);
-  auto pos = mx::contiguous(mx::astype(mx::broadcast_to(mx::reshape(positions, {-1}, stream), {B}, stream),
-                                       mx::int32, stream),
-                            false, stream);
+  // Positions: (B,) int32 as the batch cache keeps them goes in as it is (no extra graph nodes).
+  mx::array pos = positions;
+  if (pos.dtype() != mx::int32) pos = mx::astype(pos, mx::int32, stream);
+  if (pos.ndim() != 1 || pos.shape(0) != B) {
+    if (pos.size() != 1 && pos.size() != static_cast<size_t>(B))
+      throw std::invalid_argument("rope_rows: positions must be one per row (or one for all)");
+    pos = mx::broadcast_to(mx::reshape(pos, {-1}, stream), {B}, stream);
+  }
   return mx::array(x.shape(), mx::float32, std::make_shared<RoPERows>(stream, dims, traditional, base, scale),
-                   {mx::contiguous(x, false, stream), pos, contiguous_f32(cos_table, stream),
-                    contiguous_f32(sin_table, stream)});
+                   {x, pos, as_f32(cos_table, stream), as_f32(sin_table, stream)});
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm: y = x / sqrt(mean(x**2) + eps) * weight over the last axis (nn.RMSNorm): one graph node
+// where MLX's CPU fallback for mx.fast.rms_norm builds eight.
+
+static void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t rows,
+                          int D, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* yr = y + r * D;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < D; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    if (w) {
+#pragma omp simd
+      for (int i = 0; i < D; ++i) yr[i] = xr[i] * inv * w[i];
+    } else {
+#pragma omp simd
+      for (int i = 0; i < D; ++i) yr[i] = xr[i] * inv;
+    }
+  }
+}
+
+class RMSNorm : public mx::UnaryPrimitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps, bool has_weight)
+      : mx::UnaryPrimitive(stream), eps_(eps), has_weight_(has_weight) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([xa = inputs[0], wa = has_weight_ ? inputs[1] : inputs[0], has_weight = has_weight_,
+                  y = out.data<float>(), eps = eps_]() {
+      const int D = xa.shape(-1);
+      if (D == 0 || xa.size() == 0) return;
+      const int64_t rows = static_cast<int64_t>(xa.size()) / D;
+      std::vector<float> xbuf, wbuf;
+      const float* x = dense<float>(xa, xbuf);
+      const float* w = has_weight ? dense<float>(wa, wbuf) : nullptr;
+      const int64_t chunk = std::max<int64_t>(1, (1 << 16) / D);  // rows per task: small batches stay on one thread
+      const int tasks = static_cast<int>((rows + chunk - 1) / chunk);
+      Pool::get().run(tasks, [&](int t) {
+        const int64_t r0 = t * chunk;
+        rms_norm_rows(x + r0 * D, w, y + r0 * D, std::min(chunk, rows - r0), D, eps);
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("parallm rms_norm is a CPU kernel");
+  }
+  const char* name() const override { return "ParallmRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RMSNorm&>(other);
+    return eps_ == o.eps_ && has_weight_ == o.has_weight_;
+  }
+
+ private:
+  float eps_;
+  bool has_weight_;
+};
+
+mx::array rms_norm(const mx::array& x, std::optional<mx::array> weight, float eps) {
+  if (x.ndim() < 1) throw std::invalid_argument("rms_norm: x must have at least one axis");
+  require_f32(x, "rms_norm x");
+  std::vector<mx::array> inputs = {x};
+  if (weight) {
+    if (weight->ndim() != 1 || weight->shape(0) != x.shape(-1))
+      throw std::invalid_argument("rms_norm: weight must be (D,) for x (..., D)");
+    require_f32(*weight, "rms_norm weight");
+    inputs.push_back(*weight);
+  }
+  auto stream = mx::default_stream(mx::default_device());
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps, weight.has_value()),
+                   std::move(inputs));
 }
 
 }  // namespace parallm
@@ -612,6 +982,8 @@ NB_MODULE(_parallm_native, m) {
   m.def("decode_attention", &parallm::decode_attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"),
         nb::arg("scale"), nb::arg("mask") = nb::none(), nb::arg("shared_keys") = nb::none(),
         nb::arg("shared_values") = nb::none(), nb::arg("shared_mask") = nb::none());
+  m.def("linear", &parallm::linear, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
+  m.def("rms_norm", &parallm::rms_norm, nb::arg("x"), nb::arg("weight") = nb::none(), nb::arg("eps"));
   m.def("swiglu", &parallm::swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("rope_rows", &parallm::rope_rows, nb::arg("x"), nb::arg("positions"), nb::arg("cos_table"),
         nb::arg("sin_table"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"), nb::arg("scale"));

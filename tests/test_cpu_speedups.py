@@ -58,12 +58,13 @@ def test_kernels_apply_only_inside_enabled(tiny_engine):
     orig = cpu_kernels.attention
     try:
         cpu_kernels.attention = lambda *a, **k: calls.append(1) or orig(*a, **k)
-        q = mx.random.normal((1, 4, 2, 16))  # two query positions: the pure-MLX kernel (decode may go native)
+        q = mx.random.normal((1, 4, 2, 16))
         kv = mx.random.normal((1, 2, 3, 16))
-        llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=None)
+        additive = mx.zeros((1, 1, 2, 3))  # an additive mask: the pure-MLX kernel (the native one takes bool)
+        llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=additive)
         assert calls == []
         with cpu_kernels.enabled():
-            llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=None)
+            llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=additive)
         assert calls == [1]
     finally:
         cpu_kernels.attention = orig

@@ -46,9 +46,9 @@ def test_decode_attention_matches_mlx(nat, H, KH, D):
     k = (mx.random.normal((B, KH, cap, D)) * 2)[..., :T, :]
     v = mx.random.normal((B, KH, cap, D))[..., :T, :]
     scale = D**-0.5
-    _close(nat.decode_attention(q, k, v, scale), SDPA(q, k, v, scale=scale))
+    _close(nat.attention(q, k, v, scale), SDPA(q, k, v, scale=scale))
     mask = _left_pad_mask([0, 3, 10, 36, 1], T)
-    _close(nat.decode_attention(q, k, v, scale, mask), SDPA(q, k, v, scale=scale, mask=mask))
+    _close(nat.attention(q, k, v, scale, mask), SDPA(q, k, v, scale=scale, mask=mask))
 
 
 def test_decode_attention_shared_prefix_matches_concatenation(nat):
@@ -61,11 +61,11 @@ def test_decode_attention_shared_prefix_matches_concatenation(nat):
     full_k = mx.concatenate([mx.broadcast_to(sk, (B, KH, P, D)), k], axis=2)
     full_v = mx.concatenate([mx.broadcast_to(sv, (B, KH, P, D)), v], axis=2)
     full_mask = mx.concatenate([mx.ones((B, 1, 1, P), mx.bool_), mask], axis=-1)
-    got = nat.decode_attention(q, k, v, D**-0.5, mask, sk, sv)
+    got = nat.attention(q, k, v, D**-0.5, mask, shared_keys=sk, shared_values=sv)
     _close(got, SDPA(q, full_k, full_v, scale=D**-0.5, mask=full_mask))
     # Rows 1 and 3 do not continue the prefix: they attend to their own columns only.
     uses = mx.array([True, False, True, False])
-    got = nat.decode_attention(q, k, v, D**-0.5, mask, sk, sv, uses)
+    got = nat.attention(q, k, v, D**-0.5, mask, shared_keys=sk, shared_values=sv, shared_mask=uses)
     no_prefix = SDPA(q, k, v, scale=D**-0.5, mask=mask)
     with_prefix = SDPA(q, full_k, full_v, scale=D**-0.5, mask=full_mask)
     _close(got, mx.where(uses.reshape(B, 1, 1, 1), with_prefix, no_prefix))
@@ -81,7 +81,7 @@ def test_row_result_is_bitwise_independent_of_padding_batch_and_prefix_placement
     sk, sv = mx.random.normal((1, KH, P, D)), mx.random.normal((1, KH, P, D))
     row_k = mx.concatenate([sk, own_k], axis=2)
     row_v = mx.concatenate([sv, own_v], axis=2)
-    alone = nat.decode_attention(q, row_k, row_v, 0.125)
+    alone = nat.attention(q, row_k, row_v, 0.125)
 
     # In a batch of 3, padded on the left by 9 columns, next to unrelated rows.
     pad = 9
@@ -91,11 +91,11 @@ def test_row_result_is_bitwise_independent_of_padding_batch_and_prefix_placement
     batch_k = mx.concatenate([others_k[:1], mx.concatenate([zeros, row_k], axis=2), others_k[2:]])
     batch_v = mx.concatenate([others_v[:1], mx.concatenate([zeros, row_v], axis=2), others_v[2:]])
     qs = mx.concatenate([mx.random.normal((1, H, 1, D)), q, mx.random.normal((1, H, 1, D))])
-    batched = nat.decode_attention(qs, batch_k, batch_v, 0.125, _left_pad_mask([0, pad, 4], T))[1:2]
+    batched = nat.attention(qs, batch_k, batch_v, 0.125, _left_pad_mask([0, pad, 4], T))[1:2]
     assert np.array_equal(np.array(alone), np.array(batched))
 
     # With the prefix held once: the row stores only its own columns.
-    shared = nat.decode_attention(q, own_k, own_v, 0.125, None, sk, sv)
+    shared = nat.attention(q, own_k, own_v, 0.125, shared_keys=sk, shared_values=sv)
     assert np.array_equal(np.array(alone), np.array(shared))
 
 
@@ -109,33 +109,202 @@ def test_decode_attention_property(nat, B, T, rep, seed, data):
     q = mx.random.normal((B, KH * rep, 1, D))
     k, v = mx.random.normal((B, KH, T, D)) * 3, mx.random.normal((B, KH, T, D))
     mask = _left_pad_mask(pads, T)
-    _close(nat.decode_attention(q, k, v, 0.2, mask), SDPA(q, k, v, scale=0.2, mask=mask), tol=5e-5)
+    _close(nat.attention(q, k, v, 0.2, mask), SDPA(q, k, v, scale=0.2, mask=mask), tol=5e-5)
+
+
+@pytest.mark.parametrize("L,cached", [(1, 0), (5, 0), (17, 0), (9, 30)])
+@pytest.mark.parametrize("D", [64, 40])
+def test_prefill_attention_causal_matches_mlx(nat, L, cached, D):
+    """Several query positions per row (prefill), causal over the chunk and everything cached before
+    it (MLX's "causal" is aligned to the last key)."""
+    mx.random.seed(L * 100 + cached + D)
+    B, H, KH, T = 2, 9, 3, cached + L
+    q = mx.random.normal((B, H, L, D))
+    k, v = mx.random.normal((B, KH, T, D)) * 2, mx.random.normal((B, KH, T, D))
+    _close(nat.attention(q, k, v, D**-0.5, None, L > 1), SDPA(q, k, v, scale=D**-0.5, mask="causal"))
+    via_hook = cpu_kernels._native_attention(q, k, v, D**-0.5, "causal")
+    _close(via_hook, SDPA(q, k, v, scale=D**-0.5, mask="causal"))
+
+
+def test_prefill_group_attention_matches_mlx_with_and_without_a_shared_prefix(nat):
+    """The scheduler's grouped prefill: rows with different cached prefixes and chunk lengths, padded
+    (kv_cache.prefill_layout's mask); and rows continuing one prefix held once (its mask covers the
+    chunk only)."""
+    from parallm_engine.kv_cache import prefill_layout
+
+    mx.random.seed(11)
+    H, KH, D = 9, 3, 64
+    _, mask, P, L = prefill_layout([12, 0, 7], [5, 9, 1])
+    B, T = 3, P + L
+    q = mx.random.normal((B, H, L, D))
+    k, v = mx.random.normal((B, KH, T, D)), mx.random.normal((B, KH, T, D))
+    _close(nat.attention(q, k, v, 0.125, mask), SDPA(q, k, v, scale=0.125, mask=mask))
+
+    _, mask, P, L = prefill_layout([20, 20, 20], [4, 11, 7])
+    sk, sv = mx.random.normal((1, KH, P, D)), mx.random.normal((1, KH, P, D))
+    q = mx.random.normal((B, H, L, D))
+    ck, cv = mx.random.normal((B, KH, L, D)), mx.random.normal((B, KH, L, D))
+    chunk_mask = mask[..., P:]
+    got = nat.attention(q, ck, cv, 0.125, chunk_mask, shared_keys=sk, shared_values=sv)
+    want = cpu_kernels.cascade_attention(q, ck, cv, sk, sv, 0.125, chunk_mask)
+    _close(got, want)
+    full_k = mx.concatenate([mx.broadcast_to(sk, (B, KH, P, D)), ck], axis=2)
+    full_v = mx.concatenate([mx.broadcast_to(sv, (B, KH, P, D)), cv], axis=2)
+    want = SDPA(q, full_k, full_v, scale=0.125, mask=mask)
+    for i, n in enumerate([4, 11, 7]):  # real queries (a padding query sees the prefix here, itself there)
+        _close(got[i, :, L - n :], want[i, :, L - n :])
+
+
+@settings(max_examples=25, deadline=None)
+@given(L=st.integers(1, 12), extra=st.integers(0, 20), rep=st.sampled_from([1, 2, 3, 4, 8]),
+       seed=st.integers(0, 10_000), data=st.data())
+def test_prefill_attention_property(nat, L, extra, rep, seed, data):
+    """Any boolean (B or 1, 1, L or 1, T) mask that leaves each query at least one key."""
+    T = L + extra
+    B = data.draw(st.integers(1, 3))
+    mb = data.draw(st.sampled_from([1, B]))
+    ml = data.draw(st.sampled_from([1, L]))
+    bits = np.array(data.draw(st.lists(st.booleans(), min_size=mb * ml * T, max_size=mb * ml * T)))
+    bits = bits.reshape(mb, 1, ml, T)
+    bits[..., -1] = True  # every query sees at least the last key
+    mask = mx.array(bits)
+    mx.random.seed(seed)
+    KH, D = 2, 32
+    q = mx.random.normal((B, KH * rep, L, D))
+    k, v = mx.random.normal((B, KH, T, D)) * 3, mx.random.normal((B, KH, T, D))
+    _close(nat.attention(q, k, v, 0.2, mask), SDPA(q, k, v, scale=0.2, mask=mask), tol=5e-5)
 
 
 def test_fully_masked_row_gives_zeros_not_nan(nat):
     q = mx.random.normal((2, 2, 1, 16))
     k = v = mx.random.normal((2, 2, 5, 16))
     mask = mx.array([[True] * 5, [False] * 5]).reshape(2, 1, 1, 5)
-    out = np.array(nat.decode_attention(q, k, v, 0.25, mask))
+    out = np.array(nat.attention(q, k, v, 0.25, mask))
     assert not np.isnan(out).any()
     assert (out[1] == 0).all()
 
 
-def test_decode_attention_rejects_what_it_does_not_handle(nat):
+def test_attention_rejects_what_it_does_not_handle(nat):
     q = mx.zeros((1, 4, 2, 16))
     kv = mx.zeros((1, 2, 3, 16))
-    with pytest.raises(ValueError, match="one query position"):
-        nat.decode_attention(q, kv, kv, 0.25)
     with pytest.raises(ValueError, match="float32"):
-        nat.decode_attention(q[:, :, :1].astype(mx.float16), kv, kv, 0.25)
+        nat.attention(q.astype(mx.float16), kv, kv, 0.25)
     with pytest.raises(ValueError, match="every head"):
-        nat.decode_attention(q[:, :, :1], kv, kv, 0.25, mx.ones((1, 4, 1, 3), mx.bool_))
+        nat.attention(q, kv, kv, 0.25, mx.ones((1, 4, 2, 3), mx.bool_))
     with pytest.raises(ValueError, match="inconsistent"):
-        nat.decode_attention(mx.zeros((1, 3, 1, 16)), kv, kv, 0.25)
+        nat.attention(mx.zeros((1, 3, 1, 16)), kv, kv, 0.25)
+    with pytest.raises(ValueError, match="causal"):
+        nat.attention(q, kv, kv, 0.25, mx.ones((1, 1, 2, 3), mx.bool_), True)
+    with pytest.raises(ValueError, match="boolean"):
+        nat.attention(q, kv, kv, 0.25, mx.zeros((1, 1, 2, 3)))
     # The engine's hook sends those cases to the pure-MLX kernel instead.
-    per_head = mx.ones((1, 4, 1, 3), mx.bool_)
-    assert cpu_kernels._native_decode_attention(q[:, :, :1], kv, kv, 0.25, per_head) is None
-    assert cpu_kernels._native_decode_attention(q, kv, kv, 0.25, None) is None
+    per_head = mx.ones((1, 4, 2, 3), mx.bool_)
+    assert cpu_kernels._native_attention(q, kv, kv, 0.25, per_head) is None
+    assert cpu_kernels._native_attention(q, kv, kv, 0.25, mx.zeros((1, 1, 2, 3))) is None  # additive
+    assert cpu_kernels._native_attention(q.astype(mx.float16), kv, kv, 0.25, None) is None
+    assert cpu_kernels._native_attention(mx.zeros((1, 4, 5, 16)), kv, kv, 0.25, "causal") is None  # L > T
+
+
+def _ref_linear(x, w, b=None):
+    y = np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+    return y if b is None else y + np.asarray(b, dtype=np.float64)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 576, 576), (3, 576, 192), (4, 20, 13), (5, 16, 6), (32, 576, 1536),
+                                   (37, 1536, 7), (64, 64, 100), (130, 33, 61)])
+def test_linear_matches_matmul(nat, M, K, N):
+    rng = np.random.default_rng(M * 1000 + N)
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32))
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32))
+    b = mx.array(rng.standard_normal((N,)).astype(np.float32))
+    tol = 1e-5 * np.sqrt(K)
+    np.testing.assert_allclose(np.array(nat.linear(x, w)), _ref_linear(x, w), atol=tol, rtol=1e-5)
+    np.testing.assert_allclose(np.array(nat.linear(x, w, b)), _ref_linear(x, w, b), atol=tol, rtol=1e-5)
+    # Leading axes are kept: (2, M, K) -> (2, M, N).
+    x3 = mx.stack([x, x * 2])
+    np.testing.assert_allclose(np.array(nat.linear(x3, w)), np.stack([_ref_linear(x, w), _ref_linear(x * 2, w)]),
+                               atol=2 * tol, rtol=1e-5)
+
+
+def test_linear_reads_views_in_place_or_gathered(nat):
+    """Inputs are views whose strides are known only at evaluation: a transposed x, a strided weight."""
+    rng = np.random.default_rng(5)
+    xt = mx.array(rng.standard_normal((48, 7)).astype(np.float32)).T  # (7, 48), not row-contiguous
+    big = mx.array(rng.standard_normal((20, 96)).astype(np.float32))
+    w = big[::2, ::2]  # (10, 48) strided view
+    np.testing.assert_allclose(np.array(nat.linear(xt, w)), _ref_linear(xt, w), atol=1e-4, rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(M=st.integers(1, 70), row=st.data(), K=st.sampled_from([16, 40, 576]), N=st.integers(1, 40),
+       seed=st.integers(0, 1000))
+def test_linear_row_is_bitwise_independent_of_the_batch(nat, M, row, K, N, seed):
+    """A row's output has the same bits computed alone or at any position in a batch of any size
+    (what keeps batched greedy decoding equal to sequential once the projections are native)."""
+    i = row.draw(st.integers(0, M - 1))
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32))
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32))
+    b = mx.array(rng.standard_normal((N,)).astype(np.float32))
+    batched = np.array(nat.linear(x, w, b))[i]
+    alone = np.array(nat.linear(x[i : i + 1], w, b))[0]
+    assert np.array_equal(batched, alone)
+
+
+def test_linear_rejects_bad_input(nat):
+    x, w = mx.zeros((2, 8)), mx.zeros((3, 8))
+    with pytest.raises(ValueError, match="last axis"):
+        nat.linear(x, mx.zeros((3, 9)))
+    with pytest.raises(ValueError, match="float32"):
+        nat.linear(x.astype(mx.float16), w)
+    with pytest.raises(ValueError, match="bias"):
+        nat.linear(x, w, mx.zeros((4,)))
+    with pytest.raises(ValueError, match="weight"):
+        nat.linear(x, mx.zeros((8,)))
+    assert cpu_kernels.linear_native(x.astype(mx.bfloat16), w) is None  # the hook keeps MLX's matmul
+
+
+def test_rms_norm_matches_mlx(nat):
+    x = mx.random.normal((3, 5, 576)) * 4
+    w = mx.random.normal((576,))
+    _close(nat.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5), tol=1e-5)
+    _close(nat.rms_norm(x, None, 1e-6), mx.fast.rms_norm(x, None, 1e-6), tol=1e-5)
+    xt = mx.random.normal((64, 10)).T  # a transposed view
+    _close(nat.rms_norm(xt, None, 1e-5), mx.fast.rms_norm(xt, None, 1e-5), tol=1e-5)
+    zeros = np.array(nat.rms_norm(mx.zeros((2, 8)), mx.ones((8,)), 1e-5))
+    assert (zeros == 0).all()
+    with pytest.raises(ValueError, match="weight"):
+        nat.rms_norm(x, mx.ones((5,)), 1e-5)
+
+
+def test_switched_modules_keep_the_parameters_and_apply_only_inside_enabled(nat):
+    """install() swaps the class of plain float32 Linear / RMSNorm modules: same objects, same parameter
+    tree; MLX's own ops outside ``enabled``, the native kernels (close to them) inside."""
+    from mlx.utils import tree_flatten
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.RMSNorm(32)
+            self.proj = nn.Linear(32, 48)
+            self.out = nn.Linear(48, 16, bias=False)
+            self.q = nn.QuantizedLinear(64, 64, bias=False)  # not float32 weights: left alone
+
+    block = Block()
+    before = [k for k, _ in tree_flatten(block.parameters())]
+    assert cpu_kernels._install_native_modules(block)
+    assert type(block.proj) is cpu_kernels._SwitchedLinear and isinstance(block.proj, nn.Linear)
+    assert type(block.norm) is cpu_kernels._SwitchedRMSNorm
+    assert type(block.q) is nn.QuantizedLinear
+    assert [k for k, _ in tree_flatten(block.parameters())] == before
+    x = mx.random.normal((3, 32))
+    plain = block.out(block.proj(block.norm(x)))
+    with cpu_kernels.enabled():
+        fast = block.out(block.proj(block.norm(x)))
+    _close(fast, plain, tol=1e-4)
+    big = mx.random.normal((cpu_kernels.NATIVE_LINEAR_ROWS + 1, 32))  # a prefill chunk keeps MLX's GEMM
+    with cpu_kernels.enabled():
+        _close(block.proj(big), big @ block.proj.weight.T + block.proj.bias, tol=1e-5)
 
 
 def test_swiglu_matches_silu(nat):

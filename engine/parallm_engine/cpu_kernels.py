@@ -16,15 +16,17 @@ and the MLP's SiLU are the two places a llama decode step spends most of its non
   (``kv_cache.SharedPrefix``).
 
 Where ParaLLM's native kernels are built (``native``: MLX primitives compiled with ``-march=native``),
-the decode step (one query position per row, float32) uses them instead: fused, vectorised attention
-(the shared-prefix cascade included) split over the cores, SwiGLU, and RoPE from the same table as
-prefill. Measured on the 2-core CI machine at batch 32: attention 5x faster than :func:`attention`
-(160 keys) and :func:`cascade_attention` (512 shared + 60 own keys), SwiGLU ~2.5x, RoPE ~2x faster
-than ``mx.fast.rope``.
+float32 forwards use them instead: fused, vectorised attention for decode and prefill (causal or a
+boolean mask, the shared-prefix cascade included) split over the cores, SwiGLU, RoPE from the same
+table for decode, RMSNorm, and a linear that reads the weights in place for a decode step's few
+rows (up to ``NATIVE_LINEAR_ROWS``; a prefill chunk keeps the BLAS's packed GEMM). Measured on the
+2-core CI machine: a batch-32 decode step 72 ms -> ~50 ms (its 211 GEMMs 48 -> ~33 ms), batch 1
+33 -> ~18 ms, a 512-token prefill 640 -> ~400 ms (its attention ~400 -> ~75 ms).
 
 :func:`install` swaps them into an mlx-lm model's module (its names ``scaled_dot_product_attention``
-and ``swiglu``, and each layer's plain ``nn.RoPE``) behind a thread-local switch, so they run only
-while :func:`enabled` is active on the building thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's
+and ``swiglu``, each layer's plain ``nn.RoPE``, and the class of each plain float32 ``nn.Linear`` and
+``nn.RMSNorm``) behind a thread-local switch, so they run only while :func:`enabled` is active on the
+building thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's
 own generate in ``parallm bench``, a user's code) gets mlx-lm's functions unchanged. On Metal and CUDA
 nothing is installed: their fused kernels are the fast path there.
 """
@@ -62,19 +64,22 @@ def native_available() -> bool:
     return _native() is not None
 
 
-def _native_decode_attention(queries, keys, values, scale, mask, shared_keys=None, shared_values=None,
-                             shared_mask=None):
-    """The native decode attention when it applies (one query per row, float32, no mask or a boolean
-    one that is the same for every head), else None."""
-    if queries.shape[2] != 1 or queries.dtype != mx.float32 or keys.dtype != mx.float32:
+def _native_attention(queries, keys, values, scale, mask, shared_keys=None, shared_values=None, shared_mask=None):
+    """The native attention when it applies (float32; no mask, "causal", or a boolean one that is the
+    same for every head), else None."""
+    if queries.dtype != mx.float32 or keys.dtype != mx.float32:
         return None
-    if isinstance(mask, str) or (mask is not None and (mask.dtype != mx.bool_ or mask.ndim > 4
-                                                       or (mask.ndim == 4 and mask.shape[1] != 1))):
+    causal = False
+    if isinstance(mask, str):
+        if mask != "causal" or queries.shape[2] > keys.shape[2]:
+            return None
+        causal, mask = queries.shape[2] > 1, None
+    elif mask is not None and (mask.dtype != mx.bool_ or mask.ndim > 4 or (mask.ndim >= 3 and mask.shape[-3] != 1)):
         return None
     nat = _native()
     if nat is None:
         return None
-    return nat.decode_attention(queries, keys, values, scale, mask, shared_keys, shared_values, shared_mask)
+    return nat.attention(queries, keys, values, scale, mask, causal, shared_keys, shared_values, shared_mask)
 
 
 @contextlib.contextmanager
@@ -241,6 +246,12 @@ def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -
     return None if nat is None else nat.linear(x, weight, bias)
 
 
+# Up to this many rows the native linear beats OpenBLAS's packed GEMM on the 2-core CI machine (the
+# decode step's projections with weights streaming from memory: 64 rows 62 vs 67 ms; 96 rows 92 vs
+# 86 ms). Rows up to it are also bitwise independent of the batch (see kernels.cpp).
+NATIVE_LINEAR_ROWS = 64
+
+
 class _SwitchedLinear(nn.Linear):
     """A model's ``nn.Linear`` with its class swapped (same object, same parameters): the native
     kernel for rows of at most ``NATIVE_LINEAR_ROWS`` while :func:`enabled` is on, ``nn.Linear``
@@ -253,9 +264,6 @@ class _SwitchedLinear(nn.Linear):
             if y is not None:
                 return y
         return super().__call__(x)
-
-
-NATIVE_LINEAR_ROWS = 64
 
 
 class _SwitchedRMSNorm(nn.RMSNorm):
@@ -311,8 +319,8 @@ def handles_shared_prefix(model) -> bool:
 
 
 def install(model, max_positions: int | None = None) -> bool:
-    """Route ``model``'s attention, SwiGLU and (plain) RoPE through this module while :func:`enabled`
-    is on. ``max_positions`` sizes the RoPE table (the context window; positions past it use the
+    """Route ``model``'s attention, SwiGLU, (plain) RoPE and, with the native kernels, its float32
+    Linear and RMSNorm modules through this module while :func:`enabled` is on. ``max_positions`` sizes the RoPE table (the context window; positions past it use the
     original). Returns whether any of them is in place for this model."""
     module = sys.modules.get(type(model).__module__)
     if module is None:
@@ -330,14 +338,14 @@ def install(model, max_positions: int | None = None) -> bool:
             if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
                 if sinks is not None:
                     raise NotImplementedError("attention sinks with a shared prefix")
-                out = _native_decode_attention(queries, keys, values, scale, mask, shared, cache.shared_values,
-                                               cache.shared_mask)
+                out = _native_attention(queries, keys, values, scale, mask, shared, cache.shared_values,
+                                        cache.shared_mask)
                 if out is not None:
                     return out
                 return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,
                                          cache.shared_mask)
             if sinks is None and is_enabled() and not hasattr(cache, "bits"):
-                out = _native_decode_attention(queries, keys, values, scale, mask)
+                out = _native_attention(queries, keys, values, scale, mask)
                 return attention(queries, keys, values, scale, mask) if out is None else out
             return orig_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

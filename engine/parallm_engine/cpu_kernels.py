@@ -282,9 +282,12 @@ def _install_native_modules(model) -> bool:
     """Swap the class of every plain float32 ``nn.Linear`` and ``nn.RMSNorm`` in ``model`` for
     :class:`_SwitchedLinear` / :class:`_SwitchedRMSNorm` (only where the native kernels are built:
     the pure-MLX path keeps MLX's own)."""
-    if not isinstance(model, nn.Module) or _native() is None:
+    nat = _native()
+    if not isinstance(model, nn.Module) or nat is None:
         return False
-    swaps = {nn.Linear: _SwitchedLinear, nn.RMSNorm: _SwitchedRMSNorm}
+    swaps = {nn.RMSNorm: _SwitchedRMSNorm}
+    if nat.wide_vectors():  # the native linear is tuned (and measured) for AVX-512's registers only
+        swaps[nn.Linear] = _SwitchedLinear
     done = False
     for _, module in model.named_modules():
         switched = swaps.get(type(module))

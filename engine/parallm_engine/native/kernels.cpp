@@ -272,6 +272,21 @@ static mx::array as_f32(const mx::array& a, mx::StreamOrDevice s) {
 
 // ---------------------------------------------------------------------------------------------
 // Vector dot-product tiles, shared by the attention's scores and linear.
+//
+// Tile sizes follow the register file: with AVX-512's 32 zmm registers a 4 x 6 tile keeps its 24
+// accumulators, 4 rows of x and a row of w in registers. A v16 is two registers on AVX2 and four on
+// NEON (16 and 32 registers), so there the tiles are 2 x 2 and the native linear is not used by
+// default (cpu_kernels asks `wide_vectors`): it is measured only on AVX-512.
+#if defined(__AVX512F__)
+constexpr bool kWideVectors = true;
+constexpr int kLinearMT = 4, kLinearNT = 6, kScoreTile = 16;
+// Keep a v16 in a register: GCC would otherwise fold its load into every FMA that reads it.
+#define PARALLM_IN_REGISTER(x) asm("" : "+v"(x))
+#else
+constexpr bool kWideVectors = false;
+constexpr int kLinearMT = 2, kLinearNT = 2, kScoreTile = 4;
+#define PARALLM_IN_REGISTER(x) ((void)0)  // a v16 spans several registers here
+#endif
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, unaligned loads allowed
 
@@ -319,9 +334,9 @@ static inline v16 lane_sums(const v16* a) {
 
 // y[i][j] = x[i] . w(j) (+ bias[j]) for MT rows of x and NT rows of w (`w(j)` points at row j),
 // issuing `npf` prefetches of the cache lines at `pf` along the way. x stays in registers per K
-// chunk and each w row is loaded once per chunk (the asm barriers keep GCC from folding loads into
-// every FMA); the fully unrolled loops let the accumulators live in registers. Every element is the
-// same computation: 16 lanes of FMAs over K in order (a zero-padded last chunk), then the lane tree.
+// chunk and each w row is loaded once per chunk (PARALLM_IN_REGISTER); the fully unrolled loops let
+// the accumulators live in registers. Every element is the same computation: 16 lanes of FMAs over
+// K in order (a zero-padded last chunk), then the lane tree.
 template <int MT, int NT, typename WRow>
 static inline void dot_tile(const float* x, int64_t ldx, WRow w, const float* bias, float* y, int64_t ldy, int K,
                             const char* pf, int npf) {
@@ -333,11 +348,11 @@ static inline void dot_tile(const float* x, int64_t ldx, WRow w, const float* bi
     v16 xv[MT];
     _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) {
       xv[i] = load16(x + i * ldx + kc * 16);
-      asm("" : "+v"(xv[i]));
+      PARALLM_IN_REGISTER(xv[i]);
     }
     _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) {
       v16 wv = load16(w(j) + kc * 16);
-      asm("" : "+v"(wv));
+      PARALLM_IN_REGISTER(wv);
       _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) acc[i][j] += xv[i] * wv;
     }
   }
@@ -504,10 +519,10 @@ static void attend(const AttnArgs& a, int b, int kh, int l) {
     float* s = &scores[r0 * stride];
     const bool pf = r0 == 0;
     switch (std::min(4, rep - r0)) {
-      case 1: score_heads<1, 16>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
-      case 2: score_heads<2, 8>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
-      case 3: score_heads<3, 5>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
-      default: score_heads<4, 4>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
+      case 1: score_heads<1, kScoreTile>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
+      case 2: score_heads<2, std::max(1, kScoreTile / 2)>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
+      case 3: score_heads<3, std::max(1, kScoreTile / 3)>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
+      default: score_heads<4, std::max(1, kScoreTile / 4)>(q, D, krows.data(), vrows.data(), n, pf, s, stride); break;
     }
   }
   thread_local std::vector<float> inv;
@@ -670,8 +685,6 @@ mx::array attention(const mx::array& queries, const mx::array& keys, const mx::a
 // the same lane tree), whatever M is, wherever the row sits in the batch and whichever tile computes
 // it: a row's result does not depend on what else is in the batch.
 
-constexpr int kLinearMT = 4, kLinearNT = 6;
-
 // All M rows against NT rows of w; the prefetch of `pf_bytes` at `pf` is shared out over the row tiles.
 template <int NT>
 static void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias, float* y,
@@ -691,8 +704,8 @@ static void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw
   }
   const char* p = share(t, n);
   switch (M - m) {
-    case 3: dot_tile<3, NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
-    case 2: dot_tile<2, NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
+    case 3: dot_tile<std::min(3, kLinearMT), NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
+    case 2: dot_tile<std::min(2, kLinearMT), NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
     case 1: dot_tile<1, NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
     default: break;
   }
@@ -713,10 +726,10 @@ static void linear_block(const float* x, const float* w, const float* bias, floa
     const char* pf = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead) * K);
     const int64_t pf_bytes = ahead < n1 ? static_cast<int64_t>(std::min(NT, n1 - ahead)) * K * sizeof(float) : 0;
     switch (std::min(NT, n1 - n)) {
-      case 6: linear_rows<6>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
-      case 5: linear_rows<5>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
-      case 4: linear_rows<4>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
-      case 3: linear_rows<3>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 6: linear_rows<std::min(6, NT)>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 5: linear_rows<std::min(5, NT)>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 4: linear_rows<std::min(4, NT)>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
+      case 3: linear_rows<std::min(3, NT)>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
       case 2: linear_rows<2>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
       default: linear_rows<1>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
     }
@@ -1013,5 +1026,6 @@ NB_MODULE(_parallm_native, m) {
   m.def("swiglu", &parallm::swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("rope_rows", &parallm::rope_rows, nb::arg("x"), nb::arg("positions"), nb::arg("cos_table"),
         nb::arg("sin_table"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"), nb::arg("scale"));
+  m.def("wide_vectors", [] { return parallm::kWideVectors; });
   m.def("threads", [] { return parallm::Pool::get().size(); });
 }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -79,6 +81,8 @@ def test_preload_restores_the_environment_after_loading(cpu, monkeypatch, tmp_pa
     monkeypatch.setattr(backend.ctypes, "CDLL", fake_cdll)
     monkeypatch.setattr(backend, "_preload_done", False)
     monkeypatch.setattr(backend, "_preloaded", None)
+    monkeypatch.setattr(backend, "_preload_too_late", False)
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)  # as at the package's first import
     monkeypatch.setenv("PARALLM_BLAS", str(fake))
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
     monkeypatch.delenv("PARALLM_OPENBLAS_CORETYPE", raising=False)
@@ -105,3 +109,20 @@ def test_forced_lanes_share_the_openblas_threads(cpu, monkeypatch):
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     backend._configure_openblas()
     assert os.environ["OPENBLAS_NUM_THREADS"] == "2"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload is Linux-only")
+def test_importing_mlx_first_is_reported_not_hidden():
+    """mlx.core imported before parallm_engine binds MLX's reference BLAS: the backend says so and
+    the engine's warning says how to fix the import order (a preload then would do nothing)."""
+    code = (
+        "import logging, mlx.core, parallm_engine\n"
+        "from parallm_engine import backend\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "info = backend.backend_info()\n"
+        "print('BLAS=' + info.blas)\n"
+        "backend.warn_if_slow_blas(info)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "BLAS=reference (mlx imported first)" in out.stdout, out.stderr
+    assert "Import parallm_engine (or parallm_integrations) before mlx" in out.stderr

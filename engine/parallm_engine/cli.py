@@ -92,8 +92,8 @@ def cmd_info(args) -> int:
         nk = out["native_kernels"]
         detail = f"{nk['path']} ({nk['threads']} threads)" if nk["available"] else f"unavailable: {nk['reason']}"
         print(f"native  : {detail}")
-    if b.device == "cpu" and b.blas == "reference":
-        print(f"          {_backend.BLAS_FIX_HINT}")
+    if b.device == "cpu" and b.blas.startswith("reference"):
+        print(f"          {_backend.LATE_IMPORT_HINT if _backend._preload_too_late else _backend.BLAS_FIX_HINT}")
     dm = out["default_model"]
     print(f"default : {dm.get('name', '')} {dm.get('gguf', dm.get('error', ''))}")
     if "model" in out:

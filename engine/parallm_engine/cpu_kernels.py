@@ -239,11 +239,11 @@ class _SwitchedRoPE:
 
 def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:
     """``x @ weight.T (+ bias)`` through the native kernel when it applies (float32, native kernels
-    built), else None."""
+    built with the AVX-512 tiles it is tuned for), else None."""
     if x.dtype != mx.float32 or weight.dtype != mx.float32 or (bias is not None and bias.dtype != mx.float32):
         return None
     nat = _native()
-    return None if nat is None else nat.linear(x, weight, bias)
+    return nat.linear(x, weight, bias) if nat is not None and nat.wide_vectors() else None
 
 
 # Up to this many rows the native linear beats OpenBLAS's packed GEMM on the 2-core CI machine (the
@@ -323,8 +323,9 @@ def handles_shared_prefix(model) -> bool:
 
 def install(model, max_positions: int | None = None) -> bool:
     """Route ``model``'s attention, SwiGLU, (plain) RoPE and, with the native kernels, its float32
-    Linear and RMSNorm modules through this module while :func:`enabled` is on. ``max_positions`` sizes the RoPE table (the context window; positions past it use the
-    original). Returns whether any of them is in place for this model."""
+    Linear and RMSNorm modules through this module while :func:`enabled` is on. ``max_positions``
+    sizes the RoPE table (the context window; positions past it use the original). Returns whether
+    any of them is in place for this model."""
     module = sys.modules.get(type(model).__module__)
     if module is None:
         return False

@@ -69,13 +69,6 @@ static inline float exp2_fast(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
-static inline float dot(const float* a, const float* b, int n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
 static inline void axpy(float a, const float* x, float* y, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
@@ -290,14 +283,6 @@ constexpr int kLinearMT = 2, kLinearNT = 2, kScoreTile = 4;
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, unaligned loads allowed
 
-static inline float hsum(v16 x) {
-  typedef float v8 __attribute__((vector_size(32), aligned(4)));
-  typedef float v4 __attribute__((vector_size(16), aligned(4)));
-  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
 static inline v16 load16(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof(v));
@@ -410,7 +395,7 @@ class Attention : public mx::Primitive {
   bool causal_, has_mask_, has_shared_, has_shared_mask_;
 };
 
-// What one (row, KV head) task reads. Strides in elements; keys/values rows are contiguous in D.
+// What one (row, KV head, position) task reads. Strides in elements; key/value rows are contiguous in D.
 struct AttnArgs {
   const float* q;  // (B, H, L, D) contiguous
   const float* k;

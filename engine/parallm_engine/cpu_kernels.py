@@ -237,19 +237,22 @@ class _SwitchedRoPE:
         return self.original(x, offset=offset)
 
 
-def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:
-    """``x @ weight.T (+ bias)`` through the native kernel when it applies (float32, native kernels
-    built with the AVX-512 tiles it is tuned for), else None."""
-    if x.dtype != mx.float32 or weight.dtype != mx.float32 or (bias is not None and bias.dtype != mx.float32):
-        return None
-    nat = _native()
-    return nat.linear(x, weight, bias) if nat is not None and nat.wide_vectors() else None
-
-
 # Up to this many rows the native linear beats OpenBLAS's packed GEMM on the 2-core CI machine (the
 # decode step's projections with weights streaming from memory: 64 rows 62 vs 67 ms; 96 rows 92 vs
 # 86 ms). Rows up to it are also bitwise independent of the batch (see kernels.cpp).
 NATIVE_LINEAR_ROWS = 64
+
+
+def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:
+    """``x @ weight.T (+ bias)`` through the native kernel where it is the faster one: while
+    :func:`enabled` is on, for at most ``NATIVE_LINEAR_ROWS`` float32 rows, with the kernels built
+    with the AVX-512 tiles it is tuned for. None otherwise (the caller keeps MLX's matmul)."""
+    if not is_enabled() or x.size > NATIVE_LINEAR_ROWS * x.shape[-1]:
+        return None
+    if x.dtype != mx.float32 or weight.dtype != mx.float32 or (bias is not None and bias.dtype != mx.float32):
+        return None
+    nat = _native()
+    return nat.linear(x, weight, bias) if nat is not None and nat.wide_vectors() else None
 
 
 class _SwitchedLinear(nn.Linear):
@@ -259,11 +262,8 @@ class _SwitchedLinear(nn.Linear):
     back; a large prefill chunk is where its packed GEMM is faster."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if is_enabled() and x.size <= NATIVE_LINEAR_ROWS * x.shape[-1]:
-            y = linear_native(x, self.weight, self.get("bias"))
-            if y is not None:
-                return y
-        return super().__call__(x)
+        y = linear_native(x, self.weight, self.get("bias"))
+        return super().__call__(x) if y is None else y
 
 
 class _SwitchedRMSNorm(nn.RMSNorm):

@@ -647,10 +647,7 @@ def _lm_head(model):
     embed = model.model.embed_tokens
 
     def tied(h: mx.array) -> mx.array:
-        if cpu_kernels.is_enabled() and h.size <= cpu_kernels.NATIVE_LINEAR_ROWS * h.shape[-1]:
-            y = cpu_kernels.linear_native(h, embed.weight)  # None for a quantized embedding
-            if y is not None:
-                return y
-        return embed.as_linear(h)
+        y = cpu_kernels.linear_native(h, embed.weight)  # None for a quantized embedding, a prefill chunk...
+        return embed.as_linear(h) if y is None else y
 
     return tied

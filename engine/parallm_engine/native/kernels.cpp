@@ -664,7 +664,7 @@ mx::array attention(const mx::array& queries, const mx::array& keys, const mx::a
 // against 4 rows of x at a time (24 vector accumulators of dot products along K, summed across
 // lanes at the end by one shuffle network per 16), and prefetches the next 6 weight rows spread
 // over the passes of this block. Measured on the 2-core CI machine, the decode step's 211 GEMMs at
-// batch 32 went from 48 ms to ~30 ms, at batch 1 from 25 ms to ~15 ms.
+// batch 32 went from 48 ms to ~33 ms, at batch 1 from 25 ms to ~14 ms.
 //
 // Numbers: every output element is the same sum in the same order (16 lanes over K in order, then
 // the same lane tree), whatever M is, wherever the row sits in the batch and whichever tile computes

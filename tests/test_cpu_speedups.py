@@ -47,12 +47,25 @@ def test_swiglu_matches_silu_including_extremes():
     assert not np.isnan(np.array(cpu_kernels.swiglu(gate, x))).any()
 
 
-def test_kernels_apply_only_inside_enabled(tiny_engine):
-    """install() patches the model's module, but mlx-lm's own callers (the bench's baselines, user code)
-    still get mlx-lm's functions: the switch is per thread and off by default."""
-    from mlx_lm.models import llama
+def test_kernels_apply_only_inside_enabled(tiny_engine, tiny_model_dir):
+    """The engine binds its attention to its own model's module instances only: mlx-lm's module keeps
+    its functions, a second plain mlx-lm model in the process gives mlx-lm's exact logits, and even the
+    engine's model runs mlx-lm's functions outside ``enabled`` (the bench's baselines use it)."""
+    from mlx_lm.models import base, llama
+    from mlx_lm.utils import load as mlx_load
 
-    assert getattr(llama.scaled_dot_product_attention, "_parallm", False)
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention  # nothing patched
+    attn = tiny_engine.model.model.layers[0].self_attn
+    assert getattr(type(attn), "_parallm_hooked", False) and isinstance(attn, llama.Attention)
+    plain, _ = mlx_load(str(tiny_model_dir))
+    assert type(plain.model.layers[0].self_attn) is llama.Attention
+    assert not cpu_kernels.handles_shared_prefix(plain)
+    # The engine's model is float32 on the CPU; compare the plain one in the same dtype.
+    plain.set_dtype(mx.float32)
+    x = mx.array([[1, 2, 3, 4, 5, 6]])
+    reference = llama.Model(plain.args)
+    reference.update(plain.parameters())
+    assert mx.array_equal(plain(x), reference(x)).item()  # a plain model is mlx-lm's, bit for bit
     assert not cpu_kernels.is_enabled()
     calls = []
     orig = cpu_kernels.attention
@@ -61,10 +74,12 @@ def test_kernels_apply_only_inside_enabled(tiny_engine):
         q = mx.random.normal((1, 4, 2, 16))
         kv = mx.random.normal((1, 2, 3, 16))
         additive = mx.zeros((1, 1, 2, 3))  # an additive mask: the pure-MLX kernel (the native one takes bool)
-        llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=additive)
+        hooked_sdpa = type(attn).__call__.__globals__["scaled_dot_product_attention"]
+        hooked_sdpa(q, kv, kv, cache=None, scale=0.25, mask=additive)
         assert calls == []
         with cpu_kernels.enabled():
-            llama.scaled_dot_product_attention(q, kv, kv, cache=None, scale=0.25, mask=additive)
+            hooked_sdpa(q, kv, kv, cache=None, scale=0.25, mask=additive)
+            plain(x)  # a plain model never reaches the engine's kernels, even inside the switch
         assert calls == [1]
     finally:
         cpu_kernels.attention = orig
@@ -178,21 +193,26 @@ def test_install_is_idempotent_and_keeps_the_parameter_tree(tiny_model_dir):
 
 
 def test_install_leaves_a_module_own_variants_alone():
+    """A model module that defines its own attention / SwiGLU (not mlx-lm's shared ones) keeps them."""
     import sys
     import types
 
-    mod = types.ModuleType("fake_mlx_model")
+    import mlx.nn as nn
+
+    mod = types.ModuleType("mlx_lm.models._parallm_fake")
 
     def own_swiglu(gate, x, alpha=1.702):  # a model's own variant, not mlx-lm's
         return gate * x * alpha
 
     mod.swiglu = own_swiglu
     mod.scaled_dot_product_attention = lambda *a, **k: None
-    exec("class Model:\n    pass", mod.__dict__)
+    mod.nn = nn
+    exec("class Block(nn.Module):\n    def __call__(self, x):\n        return swiglu(x, x)\n", mod.__dict__)
     sys.modules[mod.__name__] = mod
     try:
-        assert not cpu_kernels.install(mod.Model(), None)
-        assert mod.swiglu is own_swiglu
+        block = mod.Block()
+        assert not cpu_kernels.install(block, None)
+        assert type(block) is mod.Block and mod.swiglu is own_swiglu
     finally:
         del sys.modules[mod.__name__]
 

@@ -137,13 +137,3 @@ def test_cancelled_sharing_rows_release_the_prefix(engines):
     _wait_idle(shared)
     assert shared.stats()["kv_bytes"] == 0
     assert _released(shared)
-
-
-def test_sliding_window_models_keep_whole_rows():
-    """A sliding window would have to cut into a shared prefix: such models never share one."""
-    from parallm_engine.scheduler import _sliding_window
-
-    assert not _sliding_window({"model_type": "llama"})
-    assert not _sliding_window({"sliding_window": 4096, "use_sliding_window": False})  # qwen2's default
-    assert _sliding_window({"sliding_window": 4096})
-    assert _sliding_window({"layer_types": ["full_attention", "sliding_attention"]})

@@ -37,6 +37,7 @@ import contextlib
 import logging
 import sys
 import threading
+import types
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -315,58 +316,123 @@ def _install_rope(model, max_positions: int) -> bool:
 
 
 def handles_shared_prefix(model) -> bool:
-    """Whether ``model``'s attention runs through this module's hook, which is what reads a decode
-    batch's shared prefix (without it a batch must hold every row's whole KV)."""
-    module = sys.modules.get(type(model).__module__)
-    return bool(getattr(getattr(module, "scaled_dot_product_attention", None), "_parallm", False))
-
-
-def install(model, max_positions: int | None = None) -> bool:
-    """Route ``model``'s attention, SwiGLU, (plain) RoPE and, with the native kernels, its float32
-    Linear and RMSNorm modules through this module while :func:`enabled` is on. ``max_positions``
-    sizes the RoPE table (the context window; positions past it use the original). Returns whether
-    any of them is in place for this model."""
-    module = sys.modules.get(type(model).__module__)
-    if module is None:
+    """Whether ``model``'s attention runs through this module's hook (:func:`install`), which is what
+    reads a decode batch's shared prefix (without it a batch must hold every row's whole KV)."""
+    if not isinstance(model, nn.Module):
         return False
+    return any(getattr(type(m), "_parallm_hooked", False) for _, m in model.named_modules())
+
+
+def _engine_sdpa(orig_sdpa):
+    """The engine's attention in place of mlx-lm's ``scaled_dot_product_attention`` for one model's
+    modules: the shared-prefix cascade whenever the cache holds a prefix once (every backend: the
+    MLX-op cascade where the native kernel does not apply), the CPU kernels while :func:`enabled` is on,
+    mlx-lm's own function otherwise."""
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        shared = getattr(cache, "shared_keys", None)
+        if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
+            if sinks is not None:
+                raise NotImplementedError("attention sinks with a shared prefix")
+            out = _native_attention(queries, keys, values, scale, mask, shared, cache.shared_values,
+                                    cache.shared_mask) if is_enabled() else None
+            if out is not None:
+                return out
+            return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,
+                                     cache.shared_mask)
+        if sinks is None and is_enabled() and not hasattr(cache, "bits"):
+            out = _native_attention(queries, keys, values, scale, mask)
+            return attention(queries, keys, values, scale, mask) if out is None else out
+        return orig_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    return sdpa
+
+
+def _engine_swiglu(orig_swiglu):
+    def fast_swiglu(gate, x):
+        return swiglu(gate, x) if is_enabled() else orig_swiglu(gate, x)
+
+    return fast_swiglu
+
+
+_hooked_classes: dict[tuple, type] = {}
+
+
+def _hooked_class(cls: type, names: tuple[str, ...]) -> type:
+    """A subclass of ``cls`` whose methods read the engine's versions of the module-level functions
+    ``names`` (the same code, rebound to a private copy of its module's globals). Only instances the
+    engine switches to it see the engine's functions: mlx-lm's module, and every other model built from
+    it in the process, keep mlx-lm's own."""
+    key = (cls, names)
+    if key in _hooked_classes:
+        return _hooked_classes[key]
+    module = sys.modules[cls.__module__]
     from mlx_lm.models import activations, base
 
-    done = bool(max_positions) and _install_rope(model, int(max_positions))
-    done = _install_native_modules(model) or done
-    # Only mlx-lm's own functions are replaced: a module that defines its own variant keeps it.
-    orig_sdpa = getattr(module, "scaled_dot_product_attention", None)
-    if orig_sdpa is base.scaled_dot_product_attention:
+    overrides = {}
+    if "scaled_dot_product_attention" in names:
+        overrides["scaled_dot_product_attention"] = _engine_sdpa(base.scaled_dot_product_attention)
+    if "swiglu" in names:
+        overrides["swiglu"] = _engine_swiglu(activations.swiglu)
+    env = dict(vars(module))
+    env.update(overrides)
+    methods = {}
+    for attr, fn in vars(cls).items():
+        if isinstance(fn, types.FunctionType) and set(fn.__code__.co_names) & set(names):
+            rebound = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+            rebound.__kwdefaults__ = fn.__kwdefaults__
+            rebound.__qualname__ = fn.__qualname__
+            methods[attr] = rebound
+    methods["_parallm_hooked"] = "scaled_dot_product_attention" in names
+    hooked = type(cls.__name__, (cls,), methods)
+    hooked.__module__ = cls.__module__
+    _hooked_classes[key] = hooked
+    return hooked
 
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            shared = getattr(cache, "shared_keys", None)
-            if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
-                if sinks is not None:
-                    raise NotImplementedError("attention sinks with a shared prefix")
-                out = _native_attention(queries, keys, values, scale, mask, shared, cache.shared_values,
-                                        cache.shared_mask)
-                if out is not None:
-                    return out
-                return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,
-                                         cache.shared_mask)
-            if sinks is None and is_enabled() and not hasattr(cache, "bits"):
-                out = _native_attention(queries, keys, values, scale, mask)
-                return attention(queries, keys, values, scale, mask) if out is None else out
-            return orig_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
-        sdpa._parallm = True
-        module.scaled_dot_product_attention = sdpa
-        done = True
-    orig_swiglu = getattr(module, "swiglu", None)
-    if orig_swiglu is activations.swiglu:
+def _hook_names(cls: type) -> tuple[str, ...]:
+    """Which of mlx-lm's shared functions this class's own methods call by their module-level name
+    (only where the module uses mlx-lm's function itself: a module defining its own variant keeps it)."""
+    module = sys.modules.get(cls.__module__)
+    if module is None or not cls.__module__.startswith("mlx_lm.models."):
+        return ()
+    from mlx_lm.models import activations, base
 
-        def fast_swiglu(gate, x):
-            return swiglu(gate, x) if is_enabled() else orig_swiglu(gate, x)
+    wanted = {"scaled_dot_product_attention": base.scaled_dot_product_attention, "swiglu": activations.swiglu}
+    used = set()
+    for fn in vars(cls).values():
+        if isinstance(fn, types.FunctionType):
+            used |= set(fn.__code__.co_names) & set(wanted)
+    return tuple(sorted(n for n in used if getattr(module, n, None) is wanted[n]))
 
-        fast_swiglu._parallm = True
-        module.swiglu = fast_swiglu
-    # Another engine may have patched this module already: what counts is that the hooks are in place.
-    for name in ("scaled_dot_product_attention", "swiglu"):
-        done = done or getattr(getattr(module, name, None), "_parallm", False)
-    if done:
-        logger.debug("CPU kernels installed for %s", module.__name__)
-    return bool(done)
+
+def install(model, max_positions: int | None = None, kernels: bool = True) -> bool:
+    """Route ``model``'s attention through the engine's hook (the shared-prefix cascade, on every
+    backend) and, with ``kernels`` (the CPU backend), its SwiGLU, plain RoPE and, with the native
+    kernels, its float32 Linear and RMSNorm modules through this module while :func:`enabled` is on.
+
+    Nothing is patched process-wide: each of the model's own module instances is switched to a
+    subclass bound to the engine's functions, so another model in the process (a user's mlx-lm code)
+    is untouched. ``max_positions`` sizes the RoPE table. Returns whether the attention hook is in
+    place (the shared prefix needs it)."""
+    if not isinstance(model, nn.Module):
+        return False
+    if kernels:
+        if max_positions:
+            _install_rope(model, int(max_positions))
+        _install_native_modules(model)
+    hooked = False
+    for _, module in model.named_modules():
+        cls = type(module)
+        if getattr(cls, "_parallm_hooked", None) is not None:  # already switched (a second install)
+            hooked = hooked or cls._parallm_hooked
+            continue
+        names = _hook_names(cls)
+        if not kernels:
+            names = tuple(n for n in names if n == "scaled_dot_product_attention")
+        if names:
+            module.__class__ = _hooked_class(cls, names)
+            hooked = hooked or "scaled_dot_product_attention" in names
+    if hooked:
+        logger.debug("engine attention hook installed on %s", type(model).__module__)
+    return hooked

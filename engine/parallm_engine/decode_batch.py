@@ -136,8 +136,9 @@ class DecodeBatch:
             self._release_shared()
 
     # -- compute --------------------------------------------------------------------------------
-    def forward(self, trunk, lm_head, tokens: mx.array) -> mx.array:
-        """Lazy float32 logits, one row per running sequence, for ``tokens`` (one per row)."""
+    def forward(self, model, tokens: mx.array) -> mx.array:
+        """Lazy float32 logits, one row per running sequence, for ``tokens`` (one per row): the
+        model's own forward (final norm, soft-caps and logit scaling included)."""
         parts = []
         start = 0
         for lane in self.lanes:
@@ -146,8 +147,7 @@ class DecodeBatch:
                 continue
             with lane.context():
                 rows = tokens if n == len(tokens) else tokens[start : start + n]
-                h = trunk(rows[:, None], cache=lane.kv)
-                parts.append(lm_head(h[:, -1, :]).astype(mx.float32))
+                parts.append(model(rows[:, None], cache=lane.kv)[:, -1, :].astype(mx.float32))
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
@@ -161,6 +161,12 @@ class DecodeBatch:
                     kv = lane.kv
                     return lambda a, b: [layer.row(i, a, b) for layer in kv]
         raise KeyError("sequence is not in the batch")
+
+    def footprint(self, extra: int, bytes_per_token: int) -> int:
+        """KV bytes the batch holds after ``extra`` more decode steps: left-padded, every row of a
+        lane is as long as the lane's longest (the shared prefix counted once)."""
+        own = sum(len(lane.seqs) * (lane.kv[0].idx + extra) for lane in self.lanes if lane.seqs)
+        return own * bytes_per_token + (self.shared.nbytes() if self.shared is not None else 0)
 
     def nbytes(self) -> int:
         """KV bytes of the batch: every row's own storage, and the shared prefix once."""

@@ -42,3 +42,7 @@ class GrammarError(InvalidRequestError):
 
 class EngineDeadError(ParaLLMError):
     """The engine thread stopped (shut down or crashed); no new requests are accepted."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model loads, but the engine cannot run its family correctly (refused at load, never run wrong)."""

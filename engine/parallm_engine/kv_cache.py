@@ -24,8 +24,18 @@ def _round_up(n: int) -> int:
     return ((n + STEP - 1) // STEP) * STEP
 
 
+def _shape(mask, five_d: bool):
+    """A (B, 1, L, S) mask as (B, 1, 1, L, S) for models whose attention scores are laid out
+    (B, KV heads, repeats, L, S) (gemma2); unchanged otherwise."""
+    if five_d and isinstance(mask, mx.array) and mask.ndim == 4:
+        return mask[:, :, None]
+    return mask
+
+
 class SequenceKV:
     """One sequence's cache for one layer, used during (chunked) prefill. Shape (1, H, T, D)."""
+
+    mask_5d = False
 
     def __init__(self, keys: mx.array | None = None, values: mx.array | None = None):
         self.keys = None
@@ -57,11 +67,13 @@ class SequenceKV:
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if window_size is not None:
+            raise ValueError("a sliding-window layer got a full-attention cache")  # never run it wrong
         if N == 1:
             return None
-        if self.offset == 0 and not return_array:
+        if self.offset == 0 and not return_array and not self.mask_5d:
             return "causal"
-        return create_causal_mask(N, offset=self.offset, window_size=window_size)
+        return _shape(create_causal_mask(N, offset=self.offset), self.mask_5d)
 
     def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         """A private copy of columns [start, end), for the radix tree."""
@@ -70,11 +82,15 @@ class SequenceKV:
             mx.contiguous(self.values[..., start:end, :]),
         )
 
-    def valid(self) -> tuple[mx.array, mx.array]:
+    def valid(self) -> tuple[mx.array | None, mx.array | None]:
+        if self.keys is None:
+            return None, None  # a one-token prompt: nothing prefilled
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    def tail(self, start: int) -> tuple[mx.array, mx.array]:
+    def tail(self, start: int) -> tuple[mx.array | None, mx.array | None]:
         """Tokens [start, offset) (what a row continuing a shared prefix of ``start`` tokens keeps)."""
+        if self.keys is None:
+            return None, None
         return self.keys[..., start : self.offset, :], self.values[..., start : self.offset, :]
 
 
@@ -103,6 +119,8 @@ class SharedPrefix:
 
 class BatchKV:
     """The running batch's cache for one layer. Shape (B, H, capacity, D), left-padded."""
+
+    mask_5d = False
 
     def __init__(self):
         self.keys: mx.array | None = None
@@ -143,7 +161,11 @@ class BatchKV:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         prev = self.idx
         n = keys.shape[2]
-        if prev + n > self.keys.shape[2]:
+        if self.keys is None:  # every row joined with nothing prefilled (one-token prompts)
+            B, H, _, D = keys.shape
+            self.keys = mx.zeros((B, H, _round_up(prev + n), D), keys.dtype)
+            self.values = mx.zeros((B, H, _round_up(prev + n), values.shape[3]), values.dtype)
+        elif prev + n > self.keys.shape[2]:
             grow = _round_up(prev + n) - self.keys.shape[2]
             pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
             self.keys = mx.pad(self.keys, pad)
@@ -155,9 +177,11 @@ class BatchKV:
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        if N == 1 and window_size is None and not any(self.left_pad):
+        if window_size is not None:
+            raise ValueError("a sliding-window layer got a full-attention cache")  # never run it wrong
+        if N == 1 and not any(self.left_pad):
             return None  # every row sees every column: SDPA's unmasked path is faster
-        return create_causal_mask(N, offset=self.idx, left_padding=self._lp, window_size=window_size)
+        return _shape(create_causal_mask(N, offset=self.idx, left_padding=self._lp), self.mask_5d)
 
     def add(self, rows: list[tuple[mx.array, mx.array]], shared: list[bool] | None = None) -> None:
         """Append sequences, each given as its (1, H, L, D) keys and values: the tokens after the
@@ -169,19 +193,27 @@ class BatchKV:
         shared = shared or [False] * len(rows)
         if any(shared) and self.shared_keys is None:
             raise ValueError("rows continue a shared prefix but none is set")
-        lengths = [k.shape[2] for k, _ in rows]
+        lengths = [0 if k is None else k.shape[2] for k, _ in rows]
         new_idx = max([self.idx] + lengths)
         cap = _round_up(new_idx + 1)
-        old = self.batch_size if self.keys is not None else 0
-        _, H, _, Dk = rows[0][0].shape
-        Dv = rows[0][1].shape[3]
-        dtype = rows[0][0].dtype
+        old = self.batch_size
+        ref = next(((k, v) for k, v in rows if k is not None), None)
+        if ref is None and self.keys is None:
+            # Nothing stored yet (one-token prompts): the first update allocates, rows start at idx.
+            self.left_pad += [new_idx] * len(rows)
+            self.shared_rows += list(shared)
+            self.idx = new_idx
+            self._sync()
+            return
+        ref_k, ref_v = ref if ref is not None else (self.keys, self.values)
+        H, Dk, Dv, dtype = ref_k.shape[1], ref_k.shape[3], ref_v.shape[3], ref_k.dtype
         keys = mx.zeros((old + len(rows), H, cap, Dk), dtype)
         values = mx.zeros((old + len(rows), H, cap, Dv), dtype)
         if old:
             shift = new_idx - self.idx
-            keys[:old, :, shift:new_idx, :] = self.keys[..., : self.idx, :]
-            values[:old, :, shift:new_idx, :] = self.values[..., : self.idx, :]
+            if self.keys is not None:
+                keys[:old, :, shift:new_idx, :] = self.keys[..., : self.idx, :]
+                values[:old, :, shift:new_idx, :] = self.values[..., : self.idx, :]
             self.left_pad = [lp + shift for lp in self.left_pad]
         for r, ((k, v), L) in enumerate(zip(rows, lengths)):
             if L:
@@ -203,11 +235,12 @@ class BatchKV:
             self._sync()
             return
         sel = mx.array(indices)
-        self.keys = self.keys[sel]
-        self.values = self.values[sel]
+        if self.keys is not None:
+            self.keys = self.keys[sel]
+            self.values = self.values[sel]
         self.left_pad = [self.left_pad[i] for i in indices]
         self.shared_rows = [self.shared_rows[i] for i in indices]
-        trim = min(self.left_pad)
+        trim = min(self.left_pad) if self.keys is not None else 0
         if trim:
             self.keys = self.keys[..., trim:, :]
             self.values = self.values[..., trim:, :]
@@ -291,6 +324,8 @@ class PrefillBatchKV:
     (``cpu_kernels.cascade_attention``) and the mask covers only the chunk's columns.
     """
 
+    mask_5d = False  # the scheduler shapes this cache's mask itself
+
     def __init__(self, prefix_keys: mx.array | None, prefix_values: mx.array | None, offset: mx.array,
                  mask: mx.array, shared: bool = False):
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
@@ -310,6 +345,8 @@ class PrefillBatchKV:
         return keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if window_size is not None:
+            raise ValueError("a sliding-window layer got a full-attention cache")  # never run it wrong
         return self._mask
 
     def row(self, i: int, p: int, n: int, P: int, L: int) -> FrozenKV:

@@ -89,6 +89,7 @@ class Sequence:
         self.started = False  # looked up in the prefix cache (and pinned) yet?
         self.prefix_kv = None  # the matched prefix's KV until the prefill uses it
         self.split = 0  # mixed layout: stop the first chunk here and snapshot (a shared prefix's end)
+        self.consumed = 0  # context tokens the sequence's caches have taken in (the forwards built)
 
     @property
     def total_len(self) -> int:
@@ -138,8 +139,11 @@ class Scheduler:
             self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self.snapshots = None
             # Decode rows continuing one cached prefix hold it once (cascade attention): needs the
-            # radix tree (where the prefix's one copy comes from) and the engine's attention hook.
-            self._share_prefix = bool(self.radix is not None and hooked)
+            # radix tree (where the prefix's one copy comes from), the engine's attention hook, and
+            # attention over the cached keys themselves (MLA attends over keys decompressed from its
+            # cached latents, with positional scores in the mask: it keeps whole rows).
+            mla = bool((getattr(model_info, "config", None) or {}).get("kv_lora_rank"))
+            self._share_prefix = bool(self.radix is not None and hooked and not mla)
         else:
             self.batch = MixedDecodeBatch()
             self.radix = None
@@ -500,6 +504,7 @@ class Scheduler:
             seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
         elif self.snapshots is not None and ids and seq.cached_tokens < len(ids):
             self.snapshots.insert(ids, cache)
+        seq.consumed = len(ids)
         if not seq.preemptions:
             self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
         self._unpin_match(seq)
@@ -536,6 +541,8 @@ class Scheduler:
         else:
             inputs = mx.array([s.last_token for s in running])
         logits = self.batch.forward(self.model, inputs)
+        for s in running:
+            s.consumed += 1
         self.stats.decode_steps += 1
         if constrained:  # masks need the previous tokens: deliver them while the forward runs
             mx.async_eval(logits)
@@ -582,15 +589,16 @@ class Scheduler:
 
     # -- retiring -------------------------------------------------------------------------------
     def _cache_row(self, seq: Sequence) -> None:
-        """Keep a running sequence's context (all but its last token, which never ran) in the prefix
-        cache for the next turn or its own resumption."""
-        ids = seq.prefill_ids
-        if not ids:
-            return
+        """Keep a running sequence's context in the prefix cache for the next turn or its own
+        resumption: KV for every token but the last (which may not have run); a mixed model's whole
+        state under exactly the tokens it has taken in (a pipelined step may have run one more: the
+        state cannot be rewound, so the snapshot says so)."""
         if self.radix is not None:
-            self.radix.insert(ids, self.batch.row_segments(seq))
-        elif self.snapshots is not None:
-            self.snapshots.insert(ids, self.batch.row_caches(seq))
+            ids = seq.prefill_ids
+            if ids:
+                self.radix.insert(ids, self.batch.row_segments(seq))
+        elif self.snapshots is not None and seq.consumed:
+            self.snapshots.insert((seq.prompt_ids + seq.output_ids)[: seq.consumed], self.batch.row_caches(seq))
 
     def _retire_rows(self, rows: set[int]) -> None:
         """Drop the sequences whose ``id()`` is in ``rows``, caching their KV for the next turn."""

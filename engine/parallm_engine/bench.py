@@ -313,17 +313,16 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
         n_layers = len(model.layers)
         rng = random.Random(batch)
         seq = [SequenceKV() for _ in range(n_layers)]
-        model.model(mx.array([[rng.randrange(200, 40000) for _ in range(context)]]), cache=seq)
+        model(mx.array([[rng.randrange(200, 40000) for _ in range(context)]]), cache=seq)
         mx.eval([c.keys for c in seq])
         rows = DecodeBatch(n_layers, engine.config.decode_lanes)
         rows.join([_Row(list(seq)) for _ in range(batch)])
-        head = engine._scheduler._lm_head
         toks = mx.array([5] * batch)
         best = 1e9
         with cpu_kernels.enabled(bool(engine._scheduler._cpu_kernels)):
             for i in range(steps + 2):
                 t = time.perf_counter()
-                y = mx.argmax(rows.forward(model.model, head, toks), axis=-1)
+                y = mx.argmax(rows.forward(model, toks), axis=-1)
                 mx.eval(y)
                 y.tolist()
                 if i >= 2:

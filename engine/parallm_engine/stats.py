@@ -39,10 +39,14 @@ class EngineStats:
         self.peak_in_flight = 0
         self.kv_bytes = 0
         self.peak_kv_bytes = 0
+        self.preemptions = 0  # running sequences whose KV was freed to make room (they resume later)
         self._occupancy_sum = 0
         self._ttft = deque(maxlen=window)
         self._itl = deque(maxlen=window)
         self._last_token: dict[str, float] = {}
+        #: Gauges only the engine thread may read from the live structures (its queues, the prefix tree):
+        #: it publishes them between steps (:meth:`publish`) and ``Engine.stats()`` reads this snapshot.
+        self.published: dict = {"waiting": 0, "prefilling": 0}
 
     # -- hooks called by the scheduler ---------------------------------------------------------
     def on_submit(self, req) -> None:
@@ -88,6 +92,11 @@ class EngineStats:
         self.kv_bytes = kv_bytes
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
 
+    def publish(self, gauges: dict) -> None:
+        """Engine thread, between steps. The dict is replaced whole and never mutated afterwards, so a
+        reader on any other thread sees one consistent snapshot."""
+        self.published = gauges
+
     def reset_peaks(self) -> None:
         with self._lock:
             self.peak_running = self.running
@@ -119,6 +128,7 @@ class EngineStats:
             "mean_batch_occupancy": self._occupancy_sum / self.steps if self.steps else 0.0,
             "kv_bytes": self.kv_bytes,
             "peak_kv_bytes": self.peak_kv_bytes,
+            "preemptions": self.preemptions,
             "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "ttft_p50_s": _percentile(ttft, 0.5),
             "ttft_p95_s": _percentile(ttft, 0.95),

@@ -1,0 +1,551 @@
+"""Tiny random-weight models of many mlx-lm families, for the engine's correctness tests.
+
+Not a test file: a utility. The engine's greedy tokens must equal mlx-lm's own generation, so this
+module builds small models of each architecture family mlx-lm supports (a few layers, hidden 64,
+real tokenizer of the default model) and gives the mlx-lm reference to compare against::
+
+    from tests.model_zoo import FAMILIES, build, reference_greedy
+    path = build("gemma3_text", tmp_path / "g3", tokenizer_dir, vocab_size)
+    model, tokenizer = mlx_lm.utils.load(str(path))
+    want = reference_greedy(model, prompt_ids, 20)
+
+* ``FAMILIES``: family -> config dict (``vocab_size`` is filled in by :func:`config_for` / :func:`build`).
+  Hybrids are sized so that every layer kind occurs at least once (sliding + full attention, linear
+  attention / SSM / conv + attention), sliding windows and attention chunks are 8 tokens so a
+  40-token prompt already wraps them.
+* ``build(family, out_dir, tokenizer_dir, vocab_size, quantize_bits=None, seed=0)``: writes
+  config.json, model.safetensors and the tokenizer files; checks that ``mlx_lm.utils.load_model``
+  reads every saved tensor back unchanged (the model's ``sanitize`` is a no-op on them).
+* ``reference_greedy(model, prompt_ids, max_tokens)``: mlx-lm's ``generate_step`` with a greedy sampler
+  and the model's own ``make_prompt_cache``.
+* ``mlx_batch_greedy(model, prompts, max_tokens)``: the same through mlx-lm's ``BatchGenerator``.
+* ``SURVEY``: what :func:`survey` found for every family with mlx-lm 0.32.2 (CPU, fp32).
+  Regenerate with ``python -m tests.model_zoo`` (``--quantize 4`` for the 4-bit variant).
+
+Embedding (and untied output-head) weights are drawn N(0, 0.5^2) rather than mlx's default
+N(0, 1/hidden): logits then have a spread of a few units, so the top-1 margin of greedy decoding is
+far above float32 noise (``SURVEY[f]["min_margin"]`` records the smallest margin seen).
+
+Survey (mlx-lm 0.32.2, fp32 CPU, prompts of 40 and 100 tokens, 24 new tokens each; "batch" = mlx-lm's
+BatchGenerator on 3 prompts of 40/23/100 tokens vs reference_greedy per row; "ctx" = changing the
+first prompt token changes the greedy continuation of the 100-token prompt)::
+
+@@SURVEY_TABLE@@
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import random
+import shutil
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+#: Std of the embedding / untied lm_head weights (see module docstring).
+EMBED_STD = 0.5
+#: Factor on every other matrix weight: with mlx's default init the layers' contribution is small next
+#: to the embedding, and a tied model then just repeats its last input token.
+LINEAR_GAIN = 3.0
+#: Factor on the final norm's weight: scales every logit, so argmax (hence the greedy tokens) is
+#: unchanged while the top-1 margins grow.
+LOGIT_GAIN = 4.0
+#: Value of every ``dt_bias`` (Mamba-2, gated delta) and Mamba-1 ``dt_proj.bias``: softplus(-3) ~ 0.05.
+DT_BIAS = -3.0
+
+# Shared tiny dimensions.
+_DIMS = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 2048,
+}
+
+# Yarn rope scaling; original context 64 (x factor 32 = max_position_embeddings 2048) so the 100-token
+# prompt goes past it.
+_YARN = {
+    "type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+    "mscale": 1.0, "mscale_all_dim": 1.0,
+}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {
+        "model_type": "llama", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": True,
+    },
+    "qwen2": {
+        "model_type": "qwen2", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "model_type": "qwen3", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 64, "norm_topk_prob": True,
+    },
+    # mlx-lm maps model_type "mistral" onto its llama implementation (MODEL_REMAPPING).
+    "mistral": {
+        "model_type": "mistral", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "sliding_window": None,
+    },
+    # Ministral 3 (text): yarn rope + llama-4 style position-dependent query scaling; the original
+    # context is set to 64 so the 100-token prompt crosses a scaling step.
+    "ministral3": {
+        "model_type": "ministral3", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 32.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+        },
+    },
+    "gemma2": {
+        "model_type": "gemma2", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    },
+    # Layers 0, 2 sliding (window 8), layers 1, 3 global. No lm_head saved -> tied (like real Gemma 3).
+    "gemma3_text": {
+        "model_type": "gemma3_text", **_DIMS, "num_hidden_layers": 4, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 16,
+        "sliding_window": 8, "sliding_window_pattern": 2,
+    },
+    "phi3": {
+        "model_type": "phi3", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "granite": {
+        "model_type": "granite", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "logits_scaling": 0.5, "attention_multiplier": 0.0625, "embedding_multiplier": 2.0,
+        "residual_multiplier": 1.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+    },
+    # Layers 0, 2 sliding (window 8, rope), layers 1, 3 global (no rope).
+    "cohere2": {
+        "model_type": "cohere2", **_DIMS, "num_hidden_layers": 4, "layer_norm_eps": 1e-5, "rope_theta": 50000.0,
+        "logit_scale": 0.25, "sliding_window": 8, "sliding_window_pattern": 2,
+    },
+    "gpt_oss": {
+        "model_type": "gpt_oss", **_DIMS, "num_hidden_layers": 4, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    },
+    "olmo2": {
+        "model_type": "olmo2", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "olmo3": {
+        "model_type": "olmo3", **_DIMS, "num_hidden_layers": 4, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+        "sliding_window": 8, "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    },
+    # MLA (multi-head latent attention) + MoE from layer 1 on.
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", **_DIMS, "num_hidden_layers": 2, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "moe_intermediate_size": 64, "n_shared_experts": 1,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0, "kv_lora_rank": 32,
+        "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1, "rope_scaling": dict(_YARN),
+    },
+    "deepseek_v2": {
+        "model_type": "deepseek_v2", **_DIMS, "num_hidden_layers": 2, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "moe_intermediate_size": 64, "n_shared_experts": 1,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0, "kv_lora_rank": 32,
+        "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "rope_scaling": dict(_YARN), "topk_method": "greedy", "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    },
+    # Layers 0, 2 gated-delta linear attention, layers 1, 3 full attention; MoE MLPs everywhere.
+    "qwen3_next": {
+        "model_type": "qwen3_next", **_DIMS, "num_hidden_layers": 4, "full_attention_interval": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "partial_rotary_factor": 0.25,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "shared_expert_intermediate_size": 64, "mlp_only_layers": [],
+        "moe_intermediate_size": 64, "norm_topk_prob": True, "tie_word_embeddings": False,
+    },
+    # Short-conv layers 0, 2 and attention layers 1, 3.
+    "lfm2": {
+        "model_type": "lfm2", **_DIMS, "num_hidden_layers": 4, "norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128, "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+    },
+    # Mamba-2 (M), attention (*), MLP (-) blocks.
+    "nemotron_h": {
+        "model_type": "nemotron_h", **_DIMS, "hybrid_override_pattern": ["M", "*", "M", "-"],
+        "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 2,
+        "mamba_proj_bias": False, "attention_bias": False, "mlp_bias": False, "use_bias": False,
+        "use_conv_bias": True, "layer_norm_epsilon": 1e-5,
+    },
+    # Every layer runs attention and Mamba-2 in parallel (CacheList(ArraysCache, KVCache) per layer).
+    "falcon_h1": {
+        "model_type": "falcon_h1", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
+        "mamba_d_conv": 4, "mamba_chunk_size": 16, "mamba_expand": 2, "tie_word_embeddings": False,
+    },
+    "mamba2": {
+        "model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16,
+        "intermediate_size": 128, "state_size": 16, "conv_kernel": 4, "n_groups": 1, "use_bias": False,
+        "use_conv_bias": True, "tie_word_embeddings": True, "time_step_limit": [0.0, math.inf],
+        "time_step_rank": "auto", "layer_norm_epsilon": 1e-5, "max_position_embeddings": 2048,
+    },
+    "mamba": {
+        "model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "state_size": 16, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True, "time_step_rank": 4,
+        "tie_word_embeddings": True,
+    },
+    # mlx-lm 0.32's llama4_text has no chunked attention (it is the dense NoPE/RoPE text model); the
+    # chunked-attention Llama 4 is model_type "llama4" (below), whose make_cache gives ChunkedKVCache.
+    # Untied: with tied embeddings its forward does `h @ embed_tokens.weight.T`, which breaks once the
+    # embedding is quantized.
+    "llama4_text": {
+        "model_type": "llama4_text", **_DIMS, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "intermediate_size_mlp": 128, "no_rope_layers": [1, 1, 1, 0],
+        "use_qk_norm": True, "tie_word_embeddings": False,
+    },
+    # Layers 0-2 chunked attention (chunk 8, ChunkedKVCache), layer 3 global NoPE; MoE every 2nd layer.
+    "llama4": {
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text", **_DIMS, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "rope_scaling": None, "attention_bias": False, "attention_chunk_size": 8,
+            "interleave_moe_layer_step": 2, "intermediate_size_mlp": 128, "num_experts_per_tok": 1,
+            "num_local_experts": 4, "use_qk_norm": True,
+        },
+    },
+    "minicpm": {
+        "model_type": "minicpm", **_DIMS, "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "dim_model_base": 32, "scale_depth": 1.4, "scale_emb": 4.0, "tie_word_embeddings": False,
+    },
+    "cohere": {
+        "model_type": "cohere", **_DIMS, "num_hidden_layers": 2, "layer_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "logit_scale": 0.25, "use_qk_norm": False,
+    },
+}
+
+# Per-family overrides of EMBED_STD / LINEAR_GAIN.
+# Gemma multiplies the embeddings by sqrt(hidden_size), so they need a smaller std to not swamp the layers.
+_INIT: dict[str, dict[str, float]] = {
+    "gemma2": {"embed_std": 0.125, "gain": 5.0},
+    "gemma3_text": {"embed_std": 0.125, "gain": 5.0},
+    "granite": {"embed_std": 0.25},
+    "llama4": {"gain": 5.0},  # with 3.0 the one global (NoPE) layer barely moves the logits
+}
+# Families whose RMSNorm multiplies by (1 + weight).
+_ONE_PLUS_NORM = {"gemma2", "gemma3_text"}
+
+# Modules whose weights are left out of model.safetensors, as real checkpoints do (the model's sanitize
+# then ties the output head to the embeddings).
+_DROP_MODULES = {"gemma3_text": ("lm_head",)}
+
+
+def config_for(family: str, vocab_size: int) -> dict[str, Any]:
+    """A copy of ``FAMILIES[family]`` with ``vocab_size`` filled in (in ``text_config`` too)."""
+    config = copy.deepcopy(FAMILIES[family])
+    config["vocab_size"] = vocab_size
+    if "text_config" in config:
+        config["text_config"]["vocab_size"] = vocab_size
+    return config
+
+
+def _init_weights(model, vocab_size: int, embed_std: float, gain: float) -> None:
+    """Redraw embedding tables and vocab-sized output heads as N(0, embed_std^2); multiply every other
+    matrix weight (projections, experts, routers; not convolutions) by ``gain``."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    for name, module in model.named_modules():
+        # State-space / gated-delta layers: small time steps so the recurrent state remembers long enough
+        # for the whole prompt to matter (mlx's init forgets within a couple of tokens).
+        # Also slow decay rates A = exp(A_log) in [0.05, 0.2], and no D skip (it would otherwise dominate
+        # the state's contribution).
+        if isinstance(module.get("dt_bias"), mx.array):
+            module.dt_bias = mx.full(module.dt_bias.shape, DT_BIAS)
+        if name.endswith("dt_proj") and isinstance(module.get("bias"), mx.array):
+            module.bias = mx.full(module.bias.shape, DT_BIAS)
+        if isinstance(module.get("A_log"), mx.array):
+            module.A_log = mx.log(mx.random.uniform(0.05, 0.2, module.A_log.shape))
+        if isinstance(module.get("A_log"), mx.array) and isinstance(module.get("D"), mx.array):
+            module.D = mx.zeros(module.D.shape)
+        weight = module.get("weight") if isinstance(module.get("weight"), mx.array) else None
+        if weight is None or weight.ndim < 2:
+            continue
+        if isinstance(module, nn.Embedding) or weight.shape[0] == vocab_size:
+            module.weight = mx.random.normal(weight.shape) * embed_std
+        elif gain != 1.0 and not isinstance(module, nn.Conv1d) and "conv" not in name.rsplit(".", 1)[-1]:
+            module.weight = weight * gain
+
+
+def _scale_final_norm(model, factor: float, one_plus: bool = False) -> None:
+    """Multiply the final norm's effective weight by ``factor`` (the one norm outside the layer stack)."""
+    import mlx.core as mx
+
+    norms = [
+        (name, m) for name, m in model.named_modules()
+        if name and ".layers." not in name and "Norm" in type(m).__name__
+        and isinstance(m.get("weight"), mx.array) and m.weight.ndim == 1
+    ]
+    if len(norms) != 1:
+        raise AssertionError(f"expected one final norm, found {[n for n, _ in norms]}")
+    m = norms[0][1]
+    m.weight = factor * (1.0 + m.weight) - 1.0 if one_plus else m.weight * factor
+
+
+def build(
+    family: str,
+    out_dir,
+    tokenizer_dir,
+    vocab_size: int,
+    quantize_bits: int | None = None,
+    seed: int = 0,
+    *,
+    group_size: int = 64,
+    verify: bool = True,
+    overrides: dict | None = None,
+) -> Path:
+    """Write a tiny random-weight ``family`` model to ``out_dir`` and return the directory.
+
+    ``quantize_bits`` (e.g. 4): quantize as ``mlx_lm convert -q`` does (``mlx_lm.utils.quantize_model``,
+    which honours the model's ``quant_predicate`` and skips layers whose input size is not a multiple of
+    ``group_size``), recording ``quantization`` / ``quantization_config`` in config.json.
+    ``verify``: load the weights back with ``mlx_lm.utils.load_model`` and assert every saved tensor
+    arrives unchanged and nothing else is loaded.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, quantize_model, save_config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(tokenizer_dir)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+
+    config = config_for(family, vocab_size)
+    config.update(overrides or {})  # e.g. a longer sliding window for one test
+    src_config = src / "config.json"
+    if src_config.exists():  # special token ids of the tokenizer's own model, as a real checkpoint has
+        src_cfg = json.loads(src_config.read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if src_cfg.get(key) is not None:
+                config.setdefault(key, src_cfg[key])
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    init = {"embed_std": EMBED_STD, "gain": LINEAR_GAIN, "logit_gain": LOGIT_GAIN, **_INIT.get(family, {})}
+    _init_weights(model, vocab_size, init["embed_std"], init["gain"])
+    _scale_final_norm(model, init["logit_gain"], one_plus=family in _ONE_PLUS_NORM)
+    mx.eval(model.parameters())
+
+    if quantize_bits is not None:
+        with redirect_stdout(io.StringIO()):  # quantize_model prints bits-per-weight
+            model, config = quantize_model(model, config, group_size, quantize_bits)
+
+    weights = dict(tree_flatten(model.parameters()))
+    for prefix in _DROP_MODULES.get(family, ()):
+        weights = {k: v for k, v in weights.items() if not k.startswith(prefix + ".")}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    save_config(config, out / "config.json")
+
+    if verify:
+        _verify_roundtrip(out, weights)
+    return out
+
+
+def _verify_roundtrip(path: Path, saved: dict) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    loaded = dict(tree_flatten(model.parameters()))
+    if set(loaded) != set(saved):
+        raise AssertionError(
+            f"{path}: loaded parameters differ from saved: missing {sorted(set(saved) - set(loaded))[:5]}, "
+            f"extra {sorted(set(loaded) - set(saved))[:5]}"
+        )
+    changed = [k for k, v in saved.items() if loaded[k].dtype != v.dtype or not mx.array_equal(loaded[k], v).item()]
+    if changed:
+        raise AssertionError(f"{path}: sanitize/load changed {len(changed)} tensors, e.g. {changed[:5]}")
+
+
+def greedy_sampler(logprobs):
+    import mlx.core as mx
+
+    return mx.argmax(logprobs, axis=-1)
+
+
+def reference_greedy(model, prompt_ids, max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation: ``generate_step`` with an argmax sampler and a fresh
+    ``make_prompt_cache(model)`` (i.e. the model's own ``make_cache`` when it has one)."""
+    return reference_greedy_with_margins(model, prompt_ids, max_tokens)[0]
+
+
+def reference_greedy_with_margins(model, prompt_ids, max_tokens: int) -> tuple[list[int], list[float]]:
+    """As :func:`reference_greedy`, also returning the top-1 minus top-2 logprob at every step."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    tokens, margins = [], []
+    for token, logprobs in generate_step(
+        mx.array(list(prompt_ids), dtype=mx.uint32), model, max_tokens=max_tokens, sampler=greedy_sampler,
+        prompt_cache=cache,
+    ):
+        top2 = mx.topk(logprobs.astype(mx.float32), 2)
+        margins.append(float(mx.max(top2) - mx.min(top2)))
+        tokens.append(int(token))
+    return tokens, margins
+
+
+def mlx_batch_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy generation of several prompts at once through mlx-lm's ``BatchGenerator`` (no stop tokens)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, sampler=greedy_sampler)
+    try:
+        uids = gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts))
+        results: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":
+                    results[r.uid].append(int(r.token))
+    finally:
+        gen.close()
+    return [results[uid] for uid in uids]
+
+
+def cache_types(model) -> list:
+    """``type(c).__name__`` per entry of the model's cache (a tuple of inner names for a CacheList)."""
+    from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+    out = []
+    for c in make_prompt_cache(model):
+        if isinstance(c, CacheList):
+            out.append(tuple(type(x).__name__ for x in c.caches))
+        else:
+            out.append(type(c).__name__)
+    return out
+
+
+def prompt_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """``n`` deterministic pseudo-random token ids, avoiding the low (special-token) ids."""
+    rng = random.Random(seed * 1000003 + n)
+    return [rng.randrange(256, vocab_size) for _ in range(n)]
+
+
+def default_tokenizer() -> tuple[Path, int]:
+    """(directory with the default model's tokenizer files, its vocab size)."""
+    import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
+    from parallm_engine.loader import resolve_model
+
+    path, _ = resolve_model(None)
+    config = json.loads((path / "config.json").read_text())
+    return path, int(config["vocab_size"])
+
+
+def survey_family(family: str, root: Path, tokenizer_dir, vocab_size: int, quantize_bits=None,
+                  max_tokens: int = 24) -> dict[str, Any]:
+    """Build, load, and run one family; see the module docstring for the recorded fields."""
+    import traceback
+
+    from mlx_lm.utils import load
+
+    rec: dict[str, Any] = {"family": family}
+    try:
+        path = build(family, root / family, tokenizer_dir, vocab_size, quantize_bits=quantize_bits)
+        model, _tok = load(str(path))
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"build/load: {type(e).__name__}: {e}"
+        rec["traceback"] = traceback.format_exc(limit=4)
+        return rec
+    rec["model_type"] = getattr(getattr(model, "args", None), "model_type", None)
+    rec["has_model_attr"] = hasattr(model, "model")
+    rec["has_make_cache"] = hasattr(model, "make_cache")
+    rec["caches"] = cache_types(model)
+    if quantize_bits is not None:
+        rec["quantized_modules"] = sum(1 for _, m in model.named_modules() if hasattr(m, "bits"))
+    try:
+        p40, p100 = prompt_ids(40, vocab_size), prompt_ids(100, vocab_size)
+        t40, m40 = reference_greedy_with_margins(model, p40, max_tokens)
+        t100, m100 = reference_greedy_with_margins(model, p100, max_tokens)
+        again = reference_greedy(model, p100, max_tokens)
+        rec["deterministic"] = again == t100
+        rec["min_margin"] = round(min(m40 + m100), 4)
+        rec["distinct_tokens"] = f"{len(set(t40))}/{len(set(t100))}"
+        alt = reference_greedy(model, [p100[0] + 1] + p100[1:], max_tokens)
+        rec["ctx"] = alt != t100
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"generate: {type(e).__name__}: {e}"
+        rec["traceback"] = traceback.format_exc(limit=4)
+        return rec
+    try:
+        prompts = [p40, prompt_ids(23, vocab_size, seed=1), p100]
+        want = [t40[:max_tokens], reference_greedy(model, prompts[1], max_tokens), t100]
+        got = mlx_batch_greedy(model, prompts, max_tokens)
+        rows = ["equal" if g == w else f"diff@{next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))}"
+                for g, w in zip(got, want)]
+        rec["batch"] = "equal" if all(r == "equal" for r in rows) else "different (" + ", ".join(rows) + ")"
+    except Exception as e:  # noqa: BLE001
+        rec["batch"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+    return rec
+
+
+def survey(families=None, quantize_bits=None, max_tokens: int = 24) -> dict[str, dict[str, Any]]:
+    import tempfile
+
+    tokenizer_dir, vocab_size = default_tokenizer()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="model-zoo-") as tmp:
+        for family in families or FAMILIES:
+            results[family] = survey_family(family, Path(tmp), tokenizer_dir, vocab_size, quantize_bits, max_tokens)
+            shutil.rmtree(Path(tmp) / family, ignore_errors=True)
+    return results
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    def caches(rec):
+        cs = rec.get("caches")
+        if cs is None:
+            return "-"
+        names = [("CacheList(" + ", ".join(c) + ")") if isinstance(c, tuple) else c for c in cs]
+        return ", ".join(names) + ("" if rec.get("has_make_cache") else " (default)")
+
+    lines = ["| family | model_type | model.model | caches (per layer) | margin | distinct | ctx | batch | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for fam, rec in results.items():
+        lines.append(
+            f"| {fam} | {rec.get('model_type', '-')} | {rec.get('has_model_attr', '-')} | {caches(rec)} | "
+            f"{rec.get('min_margin', '-')} | {rec.get('distinct_tokens', '-')} | {rec.get('ctx', '-')} | "
+            f"{rec.get('batch', '-')} | {rec.get('error', '')} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+    import pprint
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("families", nargs="*")
+    ap.add_argument("--quantize", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ns = ap.parse_args()
+    res = survey(ns.families or None, ns.quantize, ns.max_tokens)
+    for r in res.values():
+        if "traceback" in r:
+            print(r["traceback"])
+    print(format_table(res))
+    pprint.pprint({k: {kk: vv for kk, vv in v.items() if kk != "traceback"} for k, v in res.items()}, width=140)

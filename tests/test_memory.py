@@ -1,0 +1,162 @@
+"""Memory: admission by what is held (not by max_tokens), preemption instead of failure, bounded
+sliding-window KV, and prefix reuse for hybrid (recurrent) models."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
+
+from .model_zoo import build, default_tokenizer, prompt_ids, reference_greedy
+
+
+def _wait(pred, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_preemption_completes_everything_with_the_tokens_of_a_solo_run(tiny_engine, tiny_model_dir):
+    """A budget far too small for 64 concurrent requests: all complete, greedy and seeded outputs equal
+    each request run alone, and the scheduler preempted (freed and later resumed) running sequences."""
+    from parallm_engine import Engine
+
+    vocab = tiny_engine.model_info.vocab_size
+    prompts = [prompt_ids(8 + (i % 13), vocab, seed=i) for i in range(64)]
+    kwargs = [dict(temperature=0) if i % 4 else dict(temperature=0.8, seed=100 + i) for i in range(64)]
+    alone = [tiny_engine.generate([p], max_tokens=24, ignore_eos=True, **kw)[0].token_ids
+             for p, kw in zip(prompts, kwargs)]
+    per_token = tiny_engine.model_info.kv_bytes_per_token()
+    small = Engine(str(tiny_model_dir), kv_budget_bytes=per_token * 400, decode_lanes=1)
+    try:
+        handles = [small.submit(p, max_tokens=24, ignore_eos=True, **kw) for p, kw in zip(prompts, kwargs)]
+        results = [small._collect(h) for h in handles]
+        assert [r.token_ids for r in results] == alone
+        stats = small.stats()
+        assert stats["preemptions"] > 0
+        assert stats["requests_finished"] == 64 and stats["requests_aborted"] == 0
+        assert _wait(lambda: small.stats()["kv_bytes"] == 0)
+    finally:
+        small.shutdown()
+
+
+@pytest.fixture(scope="module")
+def eight_b_shaped(tmp_path_factory):
+    """Llama-3.1-8B's attention shape (8 KV heads x 128, 131072 positions), cut to 2 layers and a small
+    hidden size: 16 KiB of KV per token, as an 8B model has per 2 layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    tok_dir, vocab = default_tokenizer()
+    out = tmp_path_factory.mktemp("llama-8b-shape")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tok_dir / name).exists():
+            (out / name).write_bytes((tok_dir / name).read_bytes())
+    config = {
+        "model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 2, "intermediate_size": 512,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+        "vocab_size": vocab, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_large_max_tokens_do_not_serialise_an_8b_shaped_model(eight_b_shaped):
+    """32 streams with max_tokens=32768 decode together (admission counts what is held, not the
+    budget), and one request asking for a billion tokens does not hold back a 2-token request."""
+    from parallm_engine import Engine
+
+    eng = Engine(str(eight_b_shaped), kv_budget_bytes=4 << 30, decode_lanes=1)
+    try:
+        assert eng.model_info.kv_bytes_per_token() == 2 * 2 * 8 * 128 * 4
+        handles = [eng.submit(prompt_ids(20, eng.model_info.vocab_size, seed=i), max_tokens=32768,
+                              temperature=0, ignore_eos=True) for i in range(32)]
+        assert _wait(lambda: eng.stats()["peak_running"] >= 32, timeout=180)
+        for h in handles:
+            h.abort()
+        assert _wait(lambda: eng.running_count == 0)
+        huge = eng.submit("Once upon a time", max_tokens=10**9, temperature=0, ignore_eos=True)
+        assert _wait(lambda: eng.stats()["running"] >= 1)
+        t0 = time.monotonic()
+        small = eng.generate(["Hi"], max_tokens=2, temperature=0, ignore_eos=True)[0]
+        assert len(small.token_ids) == 2 and not huge.request.finished
+        assert time.monotonic() - t0 < 60
+        huge.abort()
+    finally:
+        eng.shutdown()
+
+
+def test_sliding_window_long_prompt_matches_mlx_lm_with_bounded_kv(tmp_path):
+    """A 1,000-token prompt on a window-64 model gives mlx-lm's tokens, and the sliding layers hold at
+    most the window while it decodes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchRotatingKVCache
+    from mlx_lm.utils import load
+
+    from parallm_engine import Engine
+
+    tok_dir, vocab = default_tokenizer()
+    path = build("gemma3_text", tmp_path / "g3", tok_dir, vocab, overrides={"sliding_window": 64})
+    ref, _ = load(str(path))
+    ref.set_dtype(mx.float32)
+    prompt = prompt_ids(1000, vocab, seed=3)
+    want = reference_greedy(ref, prompt, 16)
+    eng = Engine(str(path), decode_lanes=1)
+    try:
+        handle = eng.submit(prompt, max_tokens=16, temperature=0, ignore_eos=True)
+        seen = []
+
+        def window_layers():
+            caches = eng._scheduler.batch.caches or []
+            return [c.keys.shape[2] for c in caches if isinstance(c, BatchRotatingKVCache) and c.keys is not None]
+
+        tokens = []
+        for delta in handle:
+            tokens += delta.token_ids
+            seen += eng.run_on_engine_thread(window_layers)
+        assert tokens == want
+        assert seen and max(seen) <= 64
+        per_layer_token = 2 * 2 * 16 * 4  # (K + V) x 2 KV heads x head_dim 16 x fp32
+        full = 2 * (1016 + 256) * per_layer_token  # the 2 global layers, allocated in steps of 256
+        sliding = 2 * 64 * per_layer_token  # the 2 window layers: the window, whatever the context
+        assert eng.stats()["peak_kv_bytes"] <= full + sliding
+        assert eng.stats()["peak_kv_bytes"] < 0.7 * 4 * 1016 * per_layer_token  # vs every layer full
+    finally:
+        eng.shutdown()
+
+
+def test_hybrid_model_reuses_a_shared_prefix(tmp_path):
+    """A recurrent hybrid (qwen3_next: gated delta + attention): 16 requests sharing a 300-token
+    prefix; a second wave hits the prefix snapshots and gives the cold run's tokens."""
+    from parallm_engine import Engine
+
+    tok_dir, vocab = default_tokenizer()
+    path = build("qwen3_next", tmp_path / "q3n", tok_dir, vocab)
+    shared = prompt_ids(300, vocab, seed=11)
+    first = [shared + prompt_ids(12, vocab, seed=100 + i) for i in range(16)]
+    second = [shared + prompt_ids(15, vocab, seed=200 + i) for i in range(16)]
+    cold = Engine(str(path), decode_lanes=1, enable_prefix_cache=False)
+    try:
+        want = [r.token_ids for r in cold.generate(second, max_tokens=8, temperature=0, ignore_eos=True)]
+    finally:
+        cold.shutdown()
+    eng = Engine(str(path), decode_lanes=1)
+    try:
+        eng.generate(first, max_tokens=8, temperature=0, ignore_eos=True)
+        wave2 = eng.generate(second, max_tokens=8, temperature=0, ignore_eos=True)
+        assert [r.token_ids for r in wave2] == want
+        assert all(r.usage.cached_tokens >= 300 for r in wave2)
+        assert eng.stats()["prefix_cache"]["kind"] == "snapshots"
+    finally:
+        eng.shutdown()

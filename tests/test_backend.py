@@ -126,3 +126,40 @@ def test_importing_mlx_first_is_reported_not_hidden():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "BLAS=reference (mlx imported first)" in out.stdout, out.stderr
     assert "Import parallm_engine (or parallm_integrations) before mlx" in out.stderr
+
+
+def test_backend_object_reads_each_devices_memory_with_the_queries_faked():
+    """The memory budget comes from the device: Metal's recommended working set, CUDA's device memory,
+    RAM on the CPU; a missing or failing query falls back to RAM."""
+    from types import SimpleNamespace
+
+    from parallm_engine.backend import device_memory
+
+    metal = SimpleNamespace(device_info=lambda: {"max_recommended_working_set_size": 48 << 30, "memory_size": 64 << 30})
+    assert device_memory("gpu", metal) == (48 << 30, "metal working set")
+    cuda = SimpleNamespace(device_info=lambda: {"total_memory": 80 << 30})
+    assert device_memory("cuda", cuda) == (80 << 30, "cuda device memory")
+
+    def broken():
+        raise RuntimeError("no device")
+
+    ram, source = device_memory("gpu", SimpleNamespace(device_info=broken))
+    assert source == "system RAM" and ram > 0
+    assert device_memory("cpu", metal)[1] == "system RAM"
+
+
+def test_backend_choice_and_overrides(monkeypatch):
+    from parallm_engine.backend import choose_backend
+
+    assert choose_backend("cpu-mlx").cpu_kernels is False
+    monkeypatch.setenv("PARALLM_CPU_KERNELS", "0")
+    assert choose_backend().name == "cpu-mlx"
+    monkeypatch.delenv("PARALLM_CPU_KERNELS")
+    monkeypatch.setenv("PARALLM_BACKEND", "cpu-mlx")
+    b = choose_backend()
+    assert b.name == "cpu-mlx" and "MLX ops" in b.attention
+    assert b.kv_budget() == max(256 << 20, b.memory_bytes // 4)
+    with pytest.raises(ValueError, match="not available"):
+        choose_backend("metal")
+    with pytest.raises(ValueError, match="unknown backend"):
+        choose_backend("tpu")

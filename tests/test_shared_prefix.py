@@ -137,3 +137,36 @@ def test_cancelled_sharing_rows_release_the_prefix(engines):
     _wait_idle(shared)
     assert shared.stats()["kv_bytes"] == 0
     assert _released(shared)
+
+
+def test_fan_out_on_the_pure_mlx_path_holds_the_prefix_once(engines, tiny_model_dir):
+    """The path Metal and CUDA take (MLX ops only, no engine CPU kernels): 32 rows continuing one
+    cached 320-token prefix (the tiny model's context is 512) hold it once (the MLX-op cascade) and give
+    the native path's greedy tokens."""
+    from parallm_engine import Engine
+
+    shared, _ = engines
+    prefix = shared.encode("You are an agent with tools: search, fetch, sum. Answer briefly and cite sources. " * 24)
+    P = 320
+    prefix = prefix[:P]
+    prompts = [prefix + shared.encode(f" Question {i}: what is {i} plus {i}?") for i in range(32)]
+    mlx_only = Engine(str(tiny_model_dir), backend="cpu-mlx", decode_lanes=1)
+    try:
+        assert mlx_only.backend.name == "cpu-mlx" and not mlx_only.backend.cpu_kernels
+        assert mlx_only._scheduler._share_prefix and not mlx_only._scheduler.native_kernels
+        for eng in (shared, mlx_only):
+            eng.generate([prefix + [5]], max_tokens=1, temperature=0)  # the prefix is in the tree
+            eng.reset_peaks()
+        want = [r.token_ids for r in shared.generate(prompts, max_tokens=16, temperature=0)]
+        joins = _joins(mlx_only)
+        got = mlx_only.generate(prompts, max_tokens=16, temperature=0)
+        flags = [f for fl, length in joins if fl and length >= P for f in fl]
+        assert len(flags) == 32 and all(flags)  # every row read the one copy of the prefix
+        assert [r.token_ids for r in got] == want
+        assert all(r.usage.cached_tokens >= P for r in got)
+        per_token = mlx_only.model_info.kv_bytes_per_token()
+        # Held once: the prefix plus each row's own tokens (left-padded, allocated in steps of 256).
+        assert mlx_only.stats()["peak_kv_bytes"] <= 1.2 * (P + 32 * 256) * per_token
+        assert mlx_only.stats()["peak_kv_bytes"] < 32 * P * per_token
+    finally:
+        mlx_only.shutdown()

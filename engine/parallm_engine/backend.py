@@ -281,3 +281,113 @@ def warn_if_slow_blas(info: BackendInfo) -> None:
     if info.device == "cpu" and info.blas.startswith("reference") and not _warned_slow_blas:
         _warned_slow_blas = True
         logger.warning(LATE_IMPORT_HINT if _preload_too_late else BLAS_FIX_HINT)
+
+
+# -- the engine's backend object ---------------------------------------------------------------------
+
+BACKEND_NAMES = ("cpu-native", "cpu-mlx", "metal", "cuda")
+
+
+@dataclass
+class Backend:
+    """Everything that differs between backends, decided once per engine. The scheduler, model runner
+    and memory budget ask this object; nothing else looks at the device.
+
+    - ``cpu-native``: MLX's CPU backend with ParaLLM's native kernels (attention, RMSNorm, SwiGLU,
+      RoPE, the decode step's linear) and its pure-MLX CPU kernels where the native ones do not apply.
+    - ``cpu-mlx``: MLX's own ops only, as on Metal and CUDA (every engine feature is on this path:
+      the shared-prefix cascade is MLX ops). ``PARALLM_NATIVE=0 PARALLM_CPU_KERNELS=0`` or
+      ``PARALLM_BACKEND=cpu-mlx`` selects it on a CPU; CI runs the engine invariants on it.
+    - ``metal`` / ``cuda``: the GPU; native dtype, one decode lane, mlx-lm's fused attention.
+    """
+
+    name: str
+    device: str  # "cpu", "gpu" (Metal) or "cuda"
+    dtype: str  # weights and KV: "float32" on the CPU, "native" (the checkpoint's) on GPUs
+    blas: str
+    cpu_kernels: bool  # the engine's own attention / SwiGLU / RoPE (and native ones where built)
+    decode_lanes: int
+    memory_bytes: int  # what this device offers the process: RAM, Metal's working set, CUDA memory
+    memory_source: str
+
+    @property
+    def attention(self) -> str:
+        if self.name == "cpu-native":
+            return "native (shared-prefix cascade native)"
+        if self.cpu_kernels:
+            return "engine MLX kernels (shared-prefix cascade in MLX ops)"
+        return "mlx fast SDPA (shared-prefix cascade in MLX ops)"
+
+    def kv_budget(self, fraction: float = 0.25) -> int:
+        """The running batch's share of the device's memory (at least 256 MiB)."""
+        return max(256 << 20, int(self.memory_bytes * fraction))
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["attention"] = self.attention
+        return out
+
+    def summary(self) -> str:
+        return (f"backend={self.name} dtype={self.dtype} blas={self.blas} lanes={self.decode_lanes} "
+                f"attention={self.attention} memory={self.memory_bytes / 2**30:.1f} GiB ({self.memory_source})")
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def device_memory(device: str, mx=None) -> tuple[int, str]:
+    """(bytes, where they were read) for ``device``: Metal's recommended working set, CUDA's device
+    memory, or physical RAM. Each query is guarded: an MLX build without it falls back to RAM."""
+    if mx is not None and device == "gpu":
+        for query in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
+            try:
+                info = query() if query is not None else None
+            except Exception:
+                info = None
+            if info:
+                size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+                if size:
+                    return int(size), "metal working set"
+    if mx is not None and device == "cuda":
+        for query in (getattr(mx, "device_info", None), getattr(getattr(mx, "cuda", None), "device_info", None)):
+            try:
+                info = query() if query is not None else None
+            except Exception:
+                info = None
+            if info:
+                size = info.get("total_memory") or info.get("memory_size")
+                if size:
+                    return int(size), "cuda device memory"
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "system RAM"
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30, "assumed 8 GiB"
+
+
+def choose_backend(name: str | None = None) -> Backend:
+    """The backend object for a new engine: ``name`` (one of :data:`BACKEND_NAMES`), else
+    ``PARALLM_BACKEND``, else the device MLX runs on, with the CPU kernels unless turned off."""
+    import mlx.core as mx
+
+    info = backend_info()
+    name = name or os.environ.get("PARALLM_BACKEND", "").strip() or None
+    if name is not None and name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; one of {', '.join(BACKEND_NAMES)}")
+    if name in ("metal", "cuda") and name != {"gpu": "metal", "cuda": "cuda"}.get(info.device):
+        raise ValueError(f"backend {name!r} is not available here (MLX runs on {info.device})")
+    if info.device == "cpu":
+        kernels = name != "cpu-mlx" and not _env_off("PARALLM_CPU_KERNELS")
+        if name is None:
+            from . import native
+
+            name = "cpu-native" if kernels and native.enabled_by_env() and native.supported_platform() \
+                else "cpu-mlx"
+        if name == "cpu-native" and not kernels:
+            name = "cpu-mlx"
+        lanes = cpu_lanes()
+    else:
+        name, kernels, lanes = ("metal" if info.device == "gpu" else "cuda"), False, 1
+    memory, source = device_memory(info.device, mx)
+    return Backend(name=name, device=info.device, dtype=info.dtype, blas=info.blas, cpu_kernels=kernels,
+                   decode_lanes=lanes, memory_bytes=memory, memory_source=source)

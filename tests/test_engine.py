@@ -325,3 +325,18 @@ def test_completion_keeps_the_first_tokens_leading_space(engine):
     r = engine.generate(["The capital of France is"], max_tokens=4, temperature=0)[0]
     assert r.text == engine.decode(r.token_ids)
     assert r.text.startswith(" ")
+
+
+def test_pure_mlx_path_gives_the_native_paths_greedy_tokens(engine):
+    """The default model, greedy fp32: the engine's native CPU kernels and MLX's own ops (the path Metal
+    and CUDA take) give the same tokens."""
+    if engine.backend.name == "cpu-mlx":
+        pytest.skip("the session engine already runs the pure-MLX path")
+    mlx_only = Engine(None, backend="cpu-mlx")
+    try:
+        prompts = [chat_ids(engine, q) for q in QUESTIONS]
+        want = [r.token_ids for r in engine.generate(prompts, max_tokens=24, temperature=0)]
+        got = [r.token_ids for r in mlx_only.generate(prompts, max_tokens=24, temperature=0)]
+        assert got == want
+    finally:
+        mlx_only.shutdown()

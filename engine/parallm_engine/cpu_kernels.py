@@ -23,12 +23,15 @@ rows (up to ``NATIVE_LINEAR_ROWS``; a prefill chunk keeps the BLAS's packed GEMM
 2-core CI machine: a batch-32 decode step 72 ms -> ~50 ms (its 211 GEMMs 48 -> ~33 ms), batch 1
 33 -> ~18 ms, a 512-token prefill 640 -> ~400 ms (its attention ~400 -> ~75 ms).
 
-:func:`install` swaps them into an mlx-lm model's module (its names ``scaled_dot_product_attention``
-and ``swiglu``, each layer's plain ``nn.RoPE``, and the class of each plain float32 ``nn.Linear`` and
-``nn.RMSNorm``) behind a thread-local switch, so they run only while :func:`enabled` is active on the
-building thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's
-own generate in ``parallm bench``, a user's code) gets mlx-lm's functions unchanged. On Metal and CUDA
-nothing is installed: their fused kernels are the fast path there.
+:func:`install` binds them to one model's own module instances, never to mlx-lm's modules: each
+attention / MLP instance is switched to a subclass whose methods read the engine's
+``scaled_dot_product_attention`` / ``swiglu`` (same code, private globals), each layer's plain
+``nn.RoPE`` is wrapped, and plain float32 ``nn.Linear`` / ``nn.RMSNorm`` / tied ``nn.Embedding``
+instances get a switched class. The kernels run only while :func:`enabled` is active on the building
+thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's own
+generate in ``parallm bench``) gets mlx-lm's functions, and another model in the process is untouched.
+On Metal and CUDA (and the CPU's pure-MLX backend) only the attention hook is bound: it reads a
+shared prefix with the MLX-op cascade and otherwise calls mlx-lm's fused attention.
 """
 
 from __future__ import annotations
@@ -267,6 +270,16 @@ class _SwitchedLinear(nn.Linear):
         return super().__call__(x) if y is None else y
 
 
+class _SwitchedEmbedding(nn.Embedding):
+    """A model's ``nn.Embedding`` with its class swapped: a tied output head (``as_linear``) through the
+    native linear for a decode step's rows while :func:`enabled` is on (the vocabulary-sized projection
+    is a fifth of a small model's decode step)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = linear_native(x, self.weight)
+        return super().as_linear(x) if y is None else y
+
+
 class _SwitchedRMSNorm(nn.RMSNorm):
     """A model's ``nn.RMSNorm`` with its class swapped: the native kernel (one graph node; MLX's CPU
     ``mx.fast.rms_norm`` is eight) for float32 while :func:`enabled` is on, ``nn.RMSNorm`` otherwise."""
@@ -289,6 +302,7 @@ def _install_native_modules(model) -> bool:
     swaps = {nn.RMSNorm: _SwitchedRMSNorm}
     if nat.wide_vectors():  # the native linear is tuned (and measured) for AVX-512's registers only
         swaps[nn.Linear] = _SwitchedLinear
+        swaps[nn.Embedding] = _SwitchedEmbedding
     done = False
     for _, module in model.named_modules():
         switched = swaps.get(type(module))

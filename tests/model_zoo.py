@@ -19,18 +19,73 @@ real tokenizer of the default model) and gives the mlx-lm reference to compare a
 * ``reference_greedy(model, prompt_ids, max_tokens)``: mlx-lm's ``generate_step`` with a greedy sampler
   and the model's own ``make_prompt_cache``.
 * ``mlx_batch_greedy(model, prompts, max_tokens)``: the same through mlx-lm's ``BatchGenerator``.
-* ``SURVEY``: what :func:`survey` found for every family with mlx-lm 0.32.2 (CPU, fp32).
-  Regenerate with ``python -m tests.model_zoo`` (``--quantize 4`` for the 4-bit variant).
+* ``SURVEY``: what :func:`survey` found for every family with mlx-lm 0.32.2 (table below).
+  Regenerate with ``python -m tests.model_zoo [families...] [--quantize 4]`` (~2 min fp32, 2 cores).
 
-Embedding (and untied output-head) weights are drawn N(0, 0.5^2) rather than mlx's default
-N(0, 1/hidden): logits then have a spread of a few units, so the top-1 margin of greedy decoding is
-far above float32 noise (``SURVEY[f]["min_margin"]`` records the smallest margin seen).
+Weights are seeded random, but not mlx's plain init, which makes degenerate models: the residual stream
+is dominated by the current token's embedding, so a tied model just repeats its last input token and
+attention bugs go unnoticed. Instead (``_init_weights``): embeddings / untied heads ~ N(0, 0.5^2)
+(``EMBED_STD``; 0.125 for Gemma, which scales embeddings by sqrt(hidden)); every other matrix weight
+x3 (``LINEAR_GAIN``; x5 for Gemma and llama4); the final norm's weight x4 (``LOGIT_GAIN``: scales all
+logits, so greedy tokens are unchanged but top-1 margins grow); SSM / gated-delta layers get slow decays
+(``dt_bias`` = -3, ``A = exp(A_log)`` in [0.05, 0.2], ``D`` = 0) so their state carries the whole
+prompt. With that every family generates varied tokens (~20-24 distinct of 24), its continuation
+depends on the first token of a 100-token prompt ("ctx"), and the smallest top-1 logprob margin over 48
+greedy steps ("margin") is >= 1e-4, mostly >= 1e-2 -- far above float32 noise (~1e-6).
 
-Survey (mlx-lm 0.32.2, fp32 CPU, prompts of 40 and 100 tokens, 24 new tokens each; "batch" = mlx-lm's
-BatchGenerator on 3 prompts of 40/23/100 tokens vs reference_greedy per row; "ctx" = changing the
-first prompt token changes the greedy continuation of the 100-token prompt)::
+Survey: prompts of 40 and 100 pseudo-random tokens (:func:`prompt_ids`), 24 new tokens each; "margin"
+= smallest top-1 minus top-2 logprob over those steps, float32 / 4-bit (group 64); "ctx" = changing the
+first prompt token changes the 100-token continuation (both variants); "BatchGenerator" = mlx-lm's
+``BatchGenerator`` on prompts of 40/23/100 tokens (greedy) vs :func:`reference_greedy` per row,
+"diff@i" = first differing token of each row; identical for float32 and 4-bit. Every family builds,
+loads back exactly (float32 and 4-bit), generates deterministically and has ``model.args.model_type`` ==
+its family name; "*" = the model has no ``make_cache`` (``make_prompt_cache`` gives a KVCache per
+layer)::
 
-@@SURVEY_TABLE@@
+    family       model.model  make_cache() entries                 margin f32/q4    BatchGenerator
+    ------------ ------------ ------------------------------------ ---------------- ---------------------------------
+    llama        True         KVCache x2                           0.0274 / 0.035   equal
+    qwen2        True         KVCache x2 *                         0.0004 / 0.0476  equal
+    qwen3        True         KVCache x2 *                         0.0944 / 0.0237  equal
+    qwen3_moe    True         KVCache x2 *                         0.063 / 0.0313   equal
+    mistral      True         KVCache x2                           0.0076 / 0.0138  equal
+    ministral3   True         KVCache x2                           0.1861 / 0.0498  equal
+    gemma2       True         KVCache x2 *                         0.0354 / 0.0001  error (mask broadcast)
+    gemma3_text  True         [RotatingKVCache, KVCache] x2        0.0437 / 0.0811  equal
+    phi3         True         KVCache x2 *                         0.2971 / 0.0077  equal
+    granite      True         KVCache x2 *                         0.0245 / 0.0821  equal
+    cohere2      True         [RotatingKVCache, KVCache] x2        0.0297 / 0.0067  equal
+    gpt_oss      True         [RotatingKVCache, KVCache] x2        0.0179 / 0.2671  equal
+    olmo2        True         KVCache x2 *                         0.0025 / 0.0158  equal
+    olmo3        True         [RotatingKVCache, KVCache] x2        0.0289 / 0.0044  equal
+    deepseek_v3  True         KVCache x2 *                         0.0054 / 0.047   equal
+    deepseek_v2  True         KVCache x2 *                         0.1559 / 0.0492  equal
+    qwen3_next   True         [ArraysCache, KVCache] x2            0.1434 / 0.0015  equal
+    lfm2         True         [ArraysCache, KVCache] x2            0.1346 / 0.0296  equal
+    nemotron_h   False        ArraysCache, KVCache, ArraysCache    0.0235 / 0.0577  different (diff@0, diff@0, equal)
+    falcon_h1    True         CacheList(ArraysCache, KVCache) x2   0.1655 / 0.1191  equal
+    mamba2       False        ArraysCache x2                       0.0613 / 0.0209  equal
+    mamba        False        ArraysCache x2                       0.0871 / 0.034   different (diff@0, diff@0, equal)
+    llama4_text  True         KVCache x4 *                         0.1137 / 0.1077  equal
+    llama4       False        ChunkedKVCache x3, KVCache           0.1243 / 0.0003  error (ChunkedKVCache)
+    minicpm      True         KVCache x2 *                         0.0433 / 0.0522  equal
+    cohere       True         KVCache x2 *                         0.0802 / 0.0476  equal
+
+Findings worth knowing when testing the engine against these:
+
+* ``len(make_cache())`` is not always the number of layers: nemotron_h has caches only for its Mamba
+  (M) and attention (*) blocks, none for MLP (-) / MoE (E) blocks, and indexes them with a counter.
+* ``model.model`` is absent for nemotron_h / mamba / mamba2 (``model.backbone``) and llama4
+  (``model.language_model.model``); ``model.layers`` exists for all.
+* mlx-lm's own BatchGenerator (right-padded batched prefill) is wrong for the padded rows of mamba
+  (its blocks ignore the padding mask) and nemotron_h (its SSM ignores ``ArraysCache.lengths``, which
+  mamba2 honours); it raises for gemma2 (its 5-D GQA attention cannot broadcast a per-row mask) and
+  llama4 (ChunkedKVCache has no batched version). So those cannot serve as a batched reference.
+* llama4_text is configured untied: tied, its forward does ``h @ embed_tokens.weight.T``, which fails
+  once the embedding is quantized (an mlx-lm bug). mlx-lm's llama4_text has no chunked attention; the
+  chunked-attention family is ``llama4`` (needs >= 4 layers: layer 3 is its global layer).
+* gemma3_text is saved without ``lm_head`` (as real checkpoints are); its ``sanitize`` then ties it.
+* ``mistral`` is model_type "mistral", which mlx-lm maps to its llama implementation.
 """
 
 from __future__ import annotations
@@ -162,7 +217,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "moe_intermediate_size": 64, "n_shared_experts": 1,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0, "kv_lora_rank": 32,
         "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-        "rope_scaling": dict(_YARN), "topk_method": "greedy", "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "rope_scaling": dict(_YARN), "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1,
     },
     # Layers 0, 2 gated-delta linear attention, layers 1, 3 full attention; MoE MLPs everywhere.
     "qwen3_next": {
@@ -230,6 +286,197 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "cohere": {
         "model_type": "cohere", **_DIMS, "num_hidden_layers": 2, "layer_norm_eps": 1e-5, "rope_theta": 10000.0,
         "logit_scale": 0.25, "use_qk_norm": False,
+    },
+}
+
+#: What :func:`survey` found with mlx-lm 0.32.2 (CPU, float32 and 4-bit): see the module docstring. "caches" is
+#: ``type(c).__name__`` per ``make_prompt_cache(model)`` entry (a tuple for a CacheList's inner caches);
+#: "batch_generator": mlx-lm's BatchGenerator (3 prompts of 40/23/100 tokens, greedy) vs reference_greedy per
+#: row ("diff@i": first differing token), "error (...)": it raised.
+SURVEY: dict[str, dict[str, Any]] = {
+    "llama": {
+        "model_type": "llama", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0274, "q4_min_margin": 0.035, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "qwen2": {
+        "model_type": "qwen2", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0004, "q4_min_margin": 0.0476, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "qwen3": {
+        "model_type": "qwen3", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0944, "q4_min_margin": 0.0237, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.063, "q4_min_margin": 0.0313, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "mistral": {
+        "model_type": "mistral", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0076, "q4_min_margin": 0.0138, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "ministral3": {
+        "model_type": "ministral3", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.1861, "q4_min_margin": 0.0498, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "gemma2": {
+        "model_type": "gemma2", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0354, "q4_min_margin": 0.0001, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "error (mask broadcast)", "batch_generator_q4": "error (mask broadcast)",
+    },
+    "gemma3_text": {
+        "model_type": "gemma3_text", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"],
+        "min_margin": 0.0437, "q4_min_margin": 0.0811, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "phi3": {
+        "model_type": "phi3", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.2971, "q4_min_margin": 0.0077, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "granite": {
+        "model_type": "granite", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0245, "q4_min_margin": 0.0821, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "cohere2": {
+        "model_type": "cohere2", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"],
+        "min_margin": 0.0297, "q4_min_margin": 0.0067, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "gpt_oss": {
+        "model_type": "gpt_oss", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"],
+        "min_margin": 0.0179, "q4_min_margin": 0.2671, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "olmo2": {
+        "model_type": "olmo2", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0025, "q4_min_margin": 0.0158, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "olmo3": {
+        "model_type": "olmo3", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"],
+        "min_margin": 0.0289, "q4_min_margin": 0.0044, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0054, "q4_min_margin": 0.047, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "deepseek_v2": {
+        "model_type": "deepseek_v2", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.1559, "q4_min_margin": 0.0492, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "qwen3_next": {
+        "model_type": "qwen3_next", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["ArraysCache", "KVCache", "ArraysCache", "KVCache"],
+        "min_margin": 0.1434, "q4_min_margin": 0.0015, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "lfm2": {
+        "model_type": "lfm2", "has_model_attr": True, "has_make_cache": True,
+        "caches": ["ArraysCache", "KVCache", "ArraysCache", "KVCache"],
+        "min_margin": 0.1346, "q4_min_margin": 0.0296, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "nemotron_h": {
+        "model_type": "nemotron_h", "has_model_attr": False, "has_make_cache": True,
+        "caches": ["ArraysCache", "KVCache", "ArraysCache"],
+        "min_margin": 0.0235, "q4_min_margin": 0.0577, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "different (diff@0, diff@0, equal)",
+        "batch_generator_q4": "different (diff@0, diff@0, equal)",
+    },
+    "falcon_h1": {
+        "model_type": "falcon_h1", "has_model_attr": True, "has_make_cache": True,
+        "caches": [("ArraysCache", "KVCache"), ("ArraysCache", "KVCache")],
+        "min_margin": 0.1655, "q4_min_margin": 0.1191, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "mamba2": {
+        "model_type": "mamba2", "has_model_attr": False, "has_make_cache": True,
+        "caches": ["ArraysCache", "ArraysCache"],
+        "min_margin": 0.0613, "q4_min_margin": 0.0209, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "mamba": {
+        "model_type": "mamba", "has_model_attr": False, "has_make_cache": True,
+        "caches": ["ArraysCache", "ArraysCache"],
+        "min_margin": 0.0871, "q4_min_margin": 0.034, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "different (diff@0, diff@0, equal)",
+        "batch_generator_q4": "different (diff@0, diff@0, equal)",
+    },
+    "llama4_text": {
+        "model_type": "llama4_text", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache", "KVCache", "KVCache"],
+        "min_margin": 0.1137, "q4_min_margin": 0.1077, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "llama4": {
+        "model_type": "llama4", "has_model_attr": False, "has_make_cache": True,
+        "caches": ["ChunkedKVCache", "ChunkedKVCache", "ChunkedKVCache", "KVCache"],
+        "min_margin": 0.1243, "q4_min_margin": 0.0003, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "error (ChunkedKVCache)", "batch_generator_q4": "error (ChunkedKVCache)",
+    },
+    "minicpm": {
+        "model_type": "minicpm", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0433, "q4_min_margin": 0.0522, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
+    },
+    "cohere": {
+        "model_type": "cohere", "has_model_attr": True, "has_make_cache": False,
+        "caches": ["KVCache", "KVCache"],
+        "min_margin": 0.0802, "q4_min_margin": 0.0476, "context_sensitive": True,
+        "deterministic": True, "load_error": None,
+        "batch_generator": "equal", "batch_generator_q4": "equal",
     },
 }
 
@@ -456,6 +703,10 @@ def default_tokenizer() -> tuple[Path, int]:
     return path, int(config["vocab_size"])
 
 
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def survey_family(family: str, root: Path, tokenizer_dir, vocab_size: int, quantize_bits=None,
                   max_tokens: int = 24) -> dict[str, Any]:
     """Build, load, and run one family; see the module docstring for the recorded fields."""
@@ -495,11 +746,10 @@ def survey_family(family: str, root: Path, tokenizer_dir, vocab_size: int, quant
         prompts = [p40, prompt_ids(23, vocab_size, seed=1), p100]
         want = [t40[:max_tokens], reference_greedy(model, prompts[1], max_tokens), t100]
         got = mlx_batch_greedy(model, prompts, max_tokens)
-        rows = ["equal" if g == w else f"diff@{next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))}"
-                for g, w in zip(got, want)]
+        rows = ["equal" if g == w else f"diff@{_first_diff(g, w)}" for g, w in zip(got, want)]
         rec["batch"] = "equal" if all(r == "equal" for r in rows) else "different (" + ", ".join(rows) + ")"
     except Exception as e:  # noqa: BLE001
-        rec["batch"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        rec["batch"] = f"error: {type(e).__name__}: {str(e)[:120]}"  # e.g. a cache with no batched form
     return rec
 
 

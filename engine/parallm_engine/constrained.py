@@ -2,7 +2,8 @@
 
 A request's ``response_format`` (OpenAI shape, plus ``{"type": "regex", "regex": ...}``) or its tools
 and ``tool_choice`` (required / named: a call is forced; auto: text or a valid call; none: text that never
-starts a call) compile, at submit time on the caller's thread, to an llguidance grammar. Each
+starts a call; calls in the model family's own format, see :mod:`tool_grammars`) compile, at submit time
+on the caller's thread, to an llguidance grammar. Each
 sequence gets its own matcher; before sampling, the scheduler asks every constrained row's matcher for
 its allowed-token bitmask and masks those rows' logits in one ``mx.where``. Rows without a constraint
 are not touched, so an unconstrained request costs nothing extra and samples exactly as it would alone.
@@ -10,15 +11,15 @@ are not touched, so an unconstrained request costs nothing extra and samples exa
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
-from .chat_format import TOOL_CALL_END, TOOL_CALL_START
+from . import tool_grammars
 from .errors import GrammarError
+from .tool_grammars import _JSON_OPTIONS
 
 _tokenizers: dict[int, Any] = {}
 _tok_lock = threading.Lock()
@@ -78,59 +79,21 @@ def apply_constraints(logits: mx.array, constraints: list[GrammarConstraint | No
     return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
-# One-line JSON with ", " and ": " separators (json.dumps' defaults, and how chat templates render tool
-# calls): with flexible whitespace small models spend their token budget on indentation, and llguidance's
-# compact default ("," / ":") is out of distribution for them.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _tool_schema(tool: dict) -> dict:
-    fn = tool.get("function", tool)
-    params = _closed(fn.get("parameters") or {"type": "object", "properties": {}})
-    return {
-        "type": "object",
-        "properties": {"name": {"const": fn["name"]}, "arguments": params},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        "x-guidance": _JSON_OPTIONS,
-    }
-
-
-def _closed(schema: Any) -> Any:
-    """A copy where objects that list ``properties`` and say nothing about other keys allow no others.
-
-    JSON Schema's default lets any extra key through, and a small model fills arguments with junk keys
-    ("type", "required", ...) that the function then rejects; every output stays valid for the
-    original schema."""
-    if isinstance(schema, list):
-        return [_closed(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
-            out[k] = {name: _closed(sub) for name, sub in v.items()}  # a map of schemas, not a schema
-        elif k in ("const", "enum", "default", "examples"):
-            out[k] = v
-        else:
-            out[k] = _closed(v)
-    if isinstance(schema.get("properties"), dict) and not any(
-        k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
-def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool | None = None) -> str | None:
-    """A lark grammar for tool calls in the Hermes format, or None when decoding stays free.
+def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool | None = None, fmt=None,
+                      special: dict[str, int] | None = None) -> str | None:
+    """A lark grammar for tool calls in the model family's format (``fmt``, a ``tool_formats`` format;
+    Hermes ``<tool_call>`` when None), or None when decoding stays free.
 
     "required"/"any": a call to any of the tools (several in a row only with ``parallel=True``: small
     models asked to allow more tend to repeat the same call until max_tokens); a named choice: exactly
     that tool; "auto" (and no tool_choice, OpenAI's default when tools are given): free text, which may
-    end in calls; once the model writes the call marker the call must be valid JSON naming one of the
-    tools with arguments matching its schema. "none": free text that never starts a call.
+    end in calls; once the model writes the call markup the call must be valid, naming one of the
+    tools with arguments matching its schema. "none": free text that never starts a call. ``special``:
+    the format's markers that are single special tokens (see ``tool_grammars.build``).
     """
     from llguidance import LLMatcher
+
+    from .tool_formats import HermesFormat
 
     if not tools:
         return None
@@ -144,30 +107,16 @@ def tool_call_grammar(tools: list[dict], tool_choice: Any, parallel: bool | None
         chosen = tools
     else:
         raise GrammarError(f"unsupported tool_choice {tool_choice!r}", param="tool_choice")
-    schemas = [_tool_schema(t) for t in chosen]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas, "x-guidance": _JSON_OPTIONS}
-    body = f'"\\n" %json {json.dumps(schema)} "\\n{_lark_escape(TOOL_CALL_END)}"'
-    more = f' ("\\n{_lark_escape(TOOL_CALL_START)}" body)*' if parallel is True else ""
-    # Free text is one lexeme that never contains the call marker; PRE is free text ending at the first
-    # marker (it cannot extend past it, so the lexer hands over to the call there).
-    marker, anything = _regex_escape(TOOL_CALL_START), "(?s:.*)"
-    free = f"FREE: /{anything}/ & ~/{anything}{marker}{anything}/"
-    if tool_choice in ("none", False):
-        return LLMatcher.grammar_from_lark(f"start: FREE\n{free}\n")
-    if tool_choice in (None, "auto"):
-        pre = f"PRE: /{anything}{marker}/ & ~/{anything}{marker}(?s:.)+/"
-        return LLMatcher.grammar_from_lark(f"start: FREE | PRE body{more}\n{free}\n{pre}\nbody: {body}\n")
-    start = f'start: "{_lark_escape(TOOL_CALL_START)}" body{more}'
-    return LLMatcher.grammar_from_lark(f"{start}\nbody: {body}\n")
-
-
-def _regex_escape(s: str) -> str:
-    """Escape for a /regex/ in llguidance's lark (Rust regex syntax, '/' delimited)."""
-    return "".join("\\" + c if c in "\\.+*?()|[]{}^$/&~-#" else c for c in s)
-
-
-def _lark_escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"')
+    fmt = fmt if fmt is not None else HermesFormat()
+    mode = "none" if tool_choice in ("none", False) else "auto" if tool_choice in (None, "auto") else "required"
+    if not fmt.has_grammar:
+        raise GrammarError(f"tool_choice={tool_choice!r} cannot be enforced for the {fmt.name!r} tool-call format "
+                           "(no grammar for it yet); use tool_choice='auto'", param="tool_choice")
+    try:
+        lark = tool_grammars.build(fmt, chosen, mode, parallel, special or {})
+    except ValueError as exc:
+        raise GrammarError(f"cannot build a {fmt.name!r} tool-call grammar: {exc}", param="tools") from exc
+    return LLMatcher.grammar_from_lark(lark)
 
 
 def response_format_grammar(response_format: dict) -> str | None:
@@ -200,6 +149,20 @@ def response_format_grammar(response_format: dict) -> str | None:
     raise GrammarError(f"unsupported response_format type {kind!r}", param="response_format")
 
 
+def _tool_format(tokenizer):
+    from .chat_format import parser_for
+
+    return parser_for(tokenizer).tool_format
+
+
+def _special_markers(fmt, tokenizer, vocab_size: int) -> dict[str, int]:
+    """The format's markers that are one special token of this model (llguidance's view)."""
+    if not fmt.marker_ids:
+        return {}
+    tok = ll_tokenizer(tokenizer, vocab_size)
+    return {m: i for m, i in fmt.marker_ids.items() if i < vocab_size and tok.is_special_token(i)}
+
+
 def compile_constraint(
     tokenizer,
     vocab_size: int,
@@ -221,7 +184,9 @@ def compile_constraint(
     if grammar is None and tools:
         param = "tools"
         try:
-            grammar = tool_call_grammar(tools, tool_choice, parallel_tool_calls)
+            fmt = _tool_format(tokenizer)
+            special = _special_markers(fmt, tokenizer, vocab_size)
+            grammar = tool_call_grammar(tools, tool_choice, parallel_tool_calls, fmt=fmt, special=special)
         except GrammarError:
             if optional:
                 return None

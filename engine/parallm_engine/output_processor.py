@@ -4,7 +4,7 @@ Runs on the engine thread after each forward. For each sequence's new token it a
 penalty counts and the grammar, detokenises incrementally, checks stop tokens / strings / max_tokens /
 the context window, sends a :class:`~parallm_engine.request.StreamDelta` to the caller, and on the
 last choice of a request assembles the :class:`~parallm_engine.request.GenerationResult` (tool calls
-parsed once, here, in the model family's format).
+and reasoning parsed once, here, in the model family's format: ``chat_format.parser_for``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .chat_format import parse_tool_calls
+from .chat_format import parser_for
 from .request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
 from .sampling import top_logprobs_for
 
@@ -23,6 +23,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stats = stats
         self.context_window = context_window
+        self.output_parser = parser_for(tokenizer)  # the model family's tool-call / reasoning format
         self.requests: dict[str, Request] = {}
         self._choices: dict[str, list[Choice | None]] = {}
 
@@ -97,10 +98,8 @@ class OutputProcessor:
             choice = Choice(s.index, s.detok.text, list(out_ids), s.finish_reason, s.logprobs, s.stop_reason)
             # A grammar-constrained output cut by max_tokens does not match its grammar.
             choice.incomplete = s.constraint is not None and s.finish_reason == "length"
-            if req.tools:
-                choice.content, choice.tool_calls = parse_tool_calls(choice.text, req.tools)
-            else:
-                choice.content = choice.text
+            choice.content, choice.reasoning, choice.tool_calls = self.output_parser.parse(
+                choice.text, req.tools, req.prompt_ids)
             self._choices[req.id][s.index] = choice
             req.remaining_choices -= 1
             if req.remaining_choices == 0:

@@ -69,6 +69,7 @@ class Choice:
     stop_reason: str | int | None = None
     content: str | None = None  # text without tool-call markup (when tools were given)
     tool_calls: list = field(default_factory=list)  # chat_format.ToolCall, parsed when tools were given
+    reasoning: str | None = None  # <think> / harmony analysis text, kept out of content (chat_format)
     incomplete: bool = False  # constrained output cut by max_tokens: it does not match its grammar
 
 
@@ -187,7 +188,7 @@ class RequestHandle:
         self.id = request.id
 
     def abort(self) -> None:
-        self._engine.abort(self.request.id)
+        self._engine.abort(self.request)
 
     # Sync iteration -------------------------------------------------------------------------
     def __iter__(self):

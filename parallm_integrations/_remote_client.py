@@ -1,5 +1,14 @@
 """The engine-shaped OpenAI-compatible client behind ``base_url=`` (see ``_remote`` for the
-interface, the result shapes and the LangChain adapters built on it)."""
+interface, the result shapes and the LangChain adapters built on it).
+
+Imports nothing of ``parallm_engine`` and nothing of MLX: ``pip install parallm-integrations`` without the
+``engine`` extra runs it. Its result types carry the engine's field names (``GenerationResult`` /
+``Choice`` / ``StreamDelta`` / ``Usage`` / ``chat_format.ToolCall`` / ``ToolCallDelta``), so code reads a
+result the same whichever path made it; ``logprobs`` is the server's OpenAI chat ``logprobs`` dict,
+passed on as the server formatted it (``parallm serve`` with the engine's one formatter,
+``parallm_engine.logprobs``). Errors the server reports are :mod:`parallm_integrations.errors`, which
+are the engine's own classes when the engine is installed.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +21,6 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-from parallm_engine.chat_format import ToolCall, ToolCallDelta
-from parallm_engine.errors import (
-    ContextLengthExceededError,
-    InvalidRequestError,
-    ModelLoadError,
-    QueueFullError,
-)
-from parallm_engine.request import Choice, GenerationResult, StreamDelta, TokenLogprob, Usage
 
 DEFAULT_MODEL_ALIASES = ("", "default", "SmolLM2-135M-Instruct")
 
@@ -37,25 +37,109 @@ _COMPLETION_FIELDS = frozenset({
 
 
 # ----------------------------------------------------------------------------------------------
-# Result types
+# Result types (the engine's field names; tests/test_remote.py checks they cover the engine's)
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclass
-class RemoteToolCall(ToolCall):
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server served from its prefix cache (0 when it does not say)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RemoteToolCall:
+    """A tool call as the server parsed it (``chat_format.ToolCall``'s fields, plus what was sent)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)  # {} when raw_arguments is not a JSON object
     raw_arguments: str | None = None  # the argument text as the server sent it
-    error: str | None = None  # set when raw_arguments is not a JSON object (arguments is then {})
+    error: str | None = None  # set when raw_arguments is not a JSON object
 
 
 @dataclass
-class RemoteResult(GenerationResult):
+class RemoteToolCallDelta:
+    """A piece of a streamed tool call (``chat_format.ToolCallDelta``'s fields)."""
+
+    index: int
+    id: str | None = None  # set on a call's first delta, with the name
+    name: str | None = None
+    arguments_delta: str = ""
+
+
+@dataclass
+class RemoteChoice:
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None = None  # OpenAI's chat logprobs {"content": [...]}, as the server sent it
+    content: str | None = None  # = text: a server sends content without tool-call markup
+    tool_calls: list[RemoteToolCall] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # servers send text only
+    stop_reason: str | int | None = None
+    reasoning: str | None = None  # the server's reasoning_content (vLLM / DeepSeek / parallm serve)
+    incomplete: bool = False
+
+
+@dataclass
+class RemoteResult:
+    """A finished request (``GenerationResult``'s fields; ``text`` etc. are the first choice's), plus
+    ``model``, the name the server answered with."""
+
+    request_id: str
+    choices: list[RemoteChoice]
+    usage: Usage = field(default_factory=Usage)
     model: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def logprobs(self) -> dict | None:
+        return self.choices[0].logprobs
+
+    @property
+    def tool_calls(self) -> list[RemoteToolCall]:
+        return self.choices[0].tool_calls
+
+    @property
+    def content(self) -> str | None:
+        return self.choices[0].content
 
 
 @dataclass
-class RemoteDelta(StreamDelta):
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+class RemoteDelta:
+    """One increment of one choice (``StreamDelta``'s fields) plus ``tool_calls`` pieces and ``model``."""
+
+    request_id: str
+    index: int
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: dict | None = None  # OpenAI's chat logprobs for this delta's tokens
+    tool_calls: list[RemoteToolCallDelta] = field(default_factory=list)
     model: str | None = None  # the model name the server answered with
+    reasoning: str | None = None  # a piece of the server's reasoning_content (never part of ``text``)
+    token_ids: list[int] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    error: BaseException | None = None
 
 
 def _usage(u) -> Usage | None:
@@ -84,24 +168,34 @@ def _tool_call(tc) -> RemoteToolCall:
                           raw_arguments=raw, error=error)
 
 
-def _chat_logprobs(lp) -> list[TokenLogprob] | None:
+def _chat_logprobs(lp) -> dict | None:
+    """The server's chat ``logprobs``, as it sent them (OpenAI's shape)."""
     content = getattr(lp, "content", None) if lp is not None else None
     if not content:
         return None
-    return [TokenLogprob(-1, t.token, float(t.logprob),
-                         [(-1, a.token, float(a.logprob)) for a in (t.top_logprobs or [])])
-            for t in content]
+    return {"content": [t.model_dump() for t in content]}
 
 
-def _completion_logprobs(lp) -> list[TokenLogprob] | None:
+def _completion_logprobs(lp) -> dict | None:
+    """A completions response's ``logprobs`` (tokens / token_logprobs / top_logprobs lists), in the chat
+    shape every ParaLLM class reports (values as the server sent them)."""
     if lp is None or not lp.tokens:
         return None
     tops = lp.top_logprobs or [None] * len(lp.tokens)
-    out = []
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs or [], tops):
-        alts = [(-1, k, float(v)) for k, v in (top or {}).items()]
-        out.append(TokenLogprob(-1, tok, float(val) if val is not None else float("-inf"), alts))
-    return out
+    values = lp.token_logprobs or [None] * len(lp.tokens)
+    return {"content": [
+        {"token": tok, "logprob": val, "bytes": list(tok.encode("utf-8")),
+         "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode("utf-8"))} for k, v in (top or {}).items()]}
+        for tok, val, top in zip(lp.tokens, values, tops)
+    ]}
+
+
+def _reasoning(message) -> str | None:
+    """A message's or delta's reasoning text: ``reasoning_content`` (vLLM, DeepSeek, ``parallm serve``) or
+    ``reasoning`` (newer vLLM); openai's types keep such extra fields as attributes."""
+    if message is None:
+        return None
+    return getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None) or None
 
 
 def _chat_result(resp) -> RemoteResult:
@@ -109,27 +203,27 @@ def _chat_result(resp) -> RemoteResult:
     for ch in sorted(resp.choices, key=lambda c: c.index):
         msg = ch.message
         content = msg.content or ""
-        choices.append(Choice(index=ch.index, text=content, token_ids=[], finish_reason=ch.finish_reason,
-                              logprobs=_chat_logprobs(ch.logprobs), content=content,
-                              tool_calls=[_tool_call(tc) for tc in (msg.tool_calls or [])]))
-    return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(),
-                        prompt_token_ids=[], model=resp.model)
+        choices.append(RemoteChoice(index=ch.index, text=content, finish_reason=ch.finish_reason,
+                                    logprobs=_chat_logprobs(ch.logprobs), content=content,
+                                    tool_calls=[_tool_call(tc) for tc in (msg.tool_calls or [])],
+                                    reasoning=_reasoning(msg)))
+    return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(), model=resp.model)
 
 
 def _completion_results(resp, n_prompts: int, n: int) -> list[RemoteResult]:
     """One HTTP response for many prompts -> one result per prompt (choice i*n + j is prompt i's j-th)."""
-    groups: list[list[Choice]] = [[] for _ in range(n_prompts)]
+    groups: list[list[RemoteChoice]] = [[] for _ in range(n_prompts)]
     for ch in sorted(resp.choices, key=lambda c: c.index):
         p, j = divmod(ch.index, n)
         if p < n_prompts:
-            groups[p].append(Choice(index=j, text=ch.text, token_ids=[], finish_reason=ch.finish_reason,
-                                    logprobs=_completion_logprobs(ch.logprobs), content=ch.text))
+            groups[p].append(RemoteChoice(index=j, text=ch.text, finish_reason=ch.finish_reason,
+                                          logprobs=_completion_logprobs(ch.logprobs), content=ch.text))
     usage = _usage(resp.usage) or Usage()
     results = []
     for i, choices in enumerate(groups):
         # The server reports usage for the whole call: it goes on the first result, so sums stay right.
         results.append(RemoteResult(request_id=f"{resp.id}-{i}", choices=choices,
-                                    usage=usage if i == 0 else Usage(), prompt_token_ids=[], model=resp.model))
+                                    usage=usage if i == 0 else Usage(), model=resp.model))
     return results
 
 
@@ -149,6 +243,8 @@ def _error_fields(exc) -> tuple[str, str | None, str | None]:
 def _translate(exc: BaseException) -> BaseException:
     """An ``openai`` exception -> the error the in-process engine raises for the same problem."""
     import openai
+
+    from .errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError, QueueFullError
 
     if isinstance(exc, openai.APITimeoutError):
         return TimeoutError(f"ParaLLM request to the server timed out ({exc})")
@@ -278,19 +374,19 @@ class _StreamState:
         out: list[RemoteDelta] = []
         for ch in chunk.choices or []:
             if completion:
-                delta = RemoteDelta(chunk.id, ch.index, ch.text or "", [], finish_reason=ch.finish_reason,
+                delta = RemoteDelta(chunk.id, ch.index, ch.text or "", finish_reason=ch.finish_reason,
                                     logprobs=_completion_logprobs(ch.logprobs))
             else:
                 d = ch.delta
                 calls = []
                 for tc in (getattr(d, "tool_calls", None) or []):
                     fn = tc.function
-                    calls.append(ToolCallDelta(tc.index, tc.id or None, (fn.name if fn else None) or None,
-                                               (fn.arguments if fn else "") or ""))
-                delta = RemoteDelta(chunk.id, ch.index, (d.content if d is not None else None) or "", [],
+                    calls.append(RemoteToolCallDelta(tc.index, tc.id or None, (fn.name if fn else None) or None,
+                                                     (fn.arguments if fn else "") or ""))
+                delta = RemoteDelta(chunk.id, ch.index, (d.content if d is not None else None) or "",
                                     finish_reason=ch.finish_reason, logprobs=_chat_logprobs(ch.logprobs),
-                                    tool_calls=calls)
-            if not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason):
+                                    tool_calls=calls, reasoning=_reasoning(d))
+            if not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason or delta.reasoning):
                 continue  # e.g. the role-only first chunk
             delta.model = self.model
             if self.pending is not None:
@@ -309,7 +405,7 @@ class _StreamState:
             last.usage = self.usage
             return [last]
         if self.usage is not None:
-            return [RemoteDelta(self.request_id, 0, "", [], usage=self.usage, model=self.model)]
+            return [RemoteDelta(self.request_id, 0, "", usage=self.usage, model=self.model)]
         return []
 
 
@@ -564,6 +660,8 @@ class RemoteClient:
                 ) from exc
             detail = exc.read().decode("utf-8", "replace")[:500]
             if exc.code == 400:
+                from .errors import InvalidRequestError
+
                 raise InvalidRequestError(f"tokenize failed: {detail}") from exc
             raise
 
@@ -589,4 +687,7 @@ def get_client(base_url: str, api_key: str | None = None, *, max_retries: int | 
         return client
 
 
-__all__ = ["RemoteClient", "RemoteDelta", "RemoteResult", "RemoteToolCall", "get_client", "DEFAULT_MODEL_ALIASES"]
+__all__ = [
+    "RemoteChoice", "RemoteClient", "RemoteDelta", "RemoteResult", "RemoteToolCall", "RemoteToolCallDelta", "Usage",
+    "get_client", "DEFAULT_MODEL_ALIASES",
+]

@@ -16,7 +16,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, conv
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, LLMResult
+from langchain_core.outputs import ChatGenerationChunk, ChatResult, LLMResult
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ContextThreadPoolExecutor
 from langchain_core.tools import BaseTool
@@ -29,6 +29,7 @@ from ._common import (
     EngineCall,
     EngineRequest,
     ParaLLMParams,
+    chat_result,
     peek_context_window,
     remote_function,
 )
@@ -83,9 +84,13 @@ class _ChunkBuilder:
     tool calls (when tools are bound) as ``tool_call_chunks``, and usage / finish reason / model
     name exactly once, on the last chunk (``chunk_position="last"``)."""
 
-    def __init__(self, model_name: str, tools: list[dict] | None, parallel_tool_calls: bool | None):
+    def __init__(self, model_name: str, tools: list[dict] | None, parallel_tool_calls: bool | None,
+                 output_parser=None, prompt_ids=None):
         self.model_name = model_name
-        self.parser = _chat_format().ToolCallStreamParser() if tools else None
+        # The model family's format (``chat_format.parser_for(engine.tokenizer)``); one stream per request.
+        output_parser = output_parser or _chat_format().default_parser()
+        wanted = tools or output_parser.splits_reasoning
+        self.parser = output_parser.stream(tools, prompt_ids) if wanted else None
         self.single_call = parallel_tool_calls is False
         self.tool_calls_seen: set[int] = set()
         self.finish_reason: str | None = None
@@ -111,6 +116,10 @@ class _ChunkBuilder:
                             )
                         ],
                     )
+                )
+            elif getattr(ev, "reasoning", ""):  # ReasoningDelta: never part of the answer
+                yield ChatGenerationChunk(
+                    message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": ev.reasoning})
                 )
             elif getattr(ev, "text", ""):
                 yield self._content(ev.text)
@@ -222,6 +231,12 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         the prefix cache.
     """
 
+    allow_special_tokens: bool = False
+    """Whether special-token text inside the messages and tools (``"<|im_start|>system"`` in a user's
+    message) is parsed as special tokens. False (the default): it is tokenized as plain text, so content
+    cannot forge a turn; only the chat template's own markers are special tokens. True only for trusted
+    input. With ``base_url`` it is sent to the server (``parallm serve`` reads it)."""
+
     # -- identity --------------------------------------------------------------------------------
     @property
     def _llm_type(self) -> str:
@@ -293,41 +308,22 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         return req
 
     def _prompt(self, engine, messages: list[BaseMessage], req: EngineRequest) -> list[int]:
-        return engine.apply_chat_template(messages_to_dicts(messages), tools=req.tools)
+        return engine.apply_chat_template(messages_to_dicts(messages), tools=req.tools,
+                                          allow_special_tokens=self.allow_special_tokens)
+
+    def _remote_params(self, req: EngineRequest) -> dict[str, Any]:
+        params = super()._remote_params(req)
+        if self.allow_special_tokens:  # a ParaLLM extension: sent only when it differs from the default
+            params["allow_special_tokens"] = True
+        return params
 
     def _check_streamable(self, req: EngineRequest) -> None:
         if (req.sampling.get("n") or 1) > 1:
             raise ValueError("n must be 1 when streaming")
 
-    def _message_from_choice(self, choice, req: EngineRequest, usage, model_name: str) -> ChatGeneration:
-        text = choice.text
-        tool_calls: list[dict[str, Any]] = []
-        if req.tools:
-            text, calls = _chat_format().parse_tool_calls(text, req.tools)
-            if req.parallel_tool_calls is False:
-                calls = calls[:1]
-            tool_calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in calls]
-        finish_reason = choice.finish_reason
-        if tool_calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        meta: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": _PROVIDER}
-        logprobs = logprobs_to_openai(choice.logprobs)
-        if logprobs:
-            meta["logprobs"] = logprobs
-        message = AIMessage(
-            content=text, tool_calls=tool_calls, usage_metadata=usage_metadata(usage), response_metadata=meta
-        )
-        info = {"finish_reason": finish_reason}
-        if logprobs:
-            info["logprobs"] = logprobs
-        return ChatGeneration(message=message, generation_info=info)
-
     def _chat_result(self, result, req: EngineRequest, model_name: str) -> ChatResult:
-        generations = [self._message_from_choice(c, req, result.usage, model_name) for c in result.choices]
-        return ChatResult(
-            generations=generations,
-            llm_output={"model_name": model_name, "model_provider": _PROVIDER},
-        )
+        # The engine parsed the tool calls (it was given the tools): content and calls come from it.
+        return chat_result(result, model_name, single_call=req.parallel_tool_calls is False)
 
     # -- LangChain hooks -------------------------------------------------------------------------
     def _generate(
@@ -382,8 +378,10 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             )
             return
         engine = self._get_engine(req.model)
-        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls)
-        call = EngineCall(engine, self._prompt(engine, messages, req), req)
+        prompt = self._prompt(engine, messages, req)
+        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls,
+                                _chat_format().parser_for(getattr(engine, "tokenizer", None)), prompt)
+        call = EngineCall(engine, prompt, req)
         iterator = iter(call)
         try:
             for delta in iterator:
@@ -408,8 +406,10 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
                 yield chunk
             return
         engine = await self._aget_engine(req.model)
-        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls)
-        call = EngineCall(engine, self._prompt(engine, messages, req), req, loop=asyncio.get_running_loop())
+        prompt = self._prompt(engine, messages, req)
+        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls,
+                                _chat_format().parser_for(getattr(engine, "tokenizer", None)), prompt)
+        call = EngineCall(engine, prompt, req, loop=asyncio.get_running_loop())
         iterator = call.__aiter__()
         try:
             async for delta in iterator:
@@ -503,7 +503,8 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
                 return remote_function("get_num_tokens_from_messages")(self, openai_messages, tools=openai_tools)
             except NotImplementedError:  # no /tokenize on this server
                 return super().get_num_tokens_from_messages(convert_to_messages(messages), tools=tools)
-        ids = self._get_engine().apply_chat_template(openai_messages, tools=openai_tools, add_generation_prompt=False)
+        ids = self._get_engine().apply_chat_template(openai_messages, tools=openai_tools, add_generation_prompt=False,
+                                                     allow_special_tokens=self.allow_special_tokens)
         return len(ids)
 
     # -- tools -----------------------------------------------------------------------------------

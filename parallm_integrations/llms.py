@@ -65,7 +65,22 @@ class ParaLLM(ParaLLMParams, BaseLLM):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls_params("llm", stop, kwargs)
 
+    allow_special_tokens: bool = True
+    """Whether special-token text in the prompt (``"<|im_start|>"``) is parsed as special tokens. The
+    prompt is the model's raw input, so True by default (as vLLM's completions do: a prompt may carry its
+    own chat markup); False tokenizes it as plain text, for prompts that embed untrusted text. With
+    ``base_url`` it is sent to the server (``parallm serve`` reads it)."""
+
     # -- requests --------------------------------------------------------------------------------
+    def _engine_prompt(self, engine, prompt: str) -> str | list[int]:
+        return prompt if self.allow_special_tokens else engine.encode(prompt, allow_special_tokens=False)
+
+    def _remote_params(self, req: EngineRequest) -> dict[str, Any]:
+        params = super()._remote_params(req)
+        if not self.allow_special_tokens:  # a ParaLLM extension: sent only when it differs from the default
+            params["allow_special_tokens"] = False
+        return params
+
     def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> EngineRequest:
         req = self._build_request(stop, kwargs)
         if req.tools:
@@ -115,7 +130,7 @@ class ParaLLM(ParaLLMParams, BaseLLM):
         calls: list[EngineCall] = []
         try:
             for prompt in prompts:
-                calls.append(EngineCall(engine, prompt, req))
+                calls.append(EngineCall(engine, self._engine_prompt(engine, prompt), req))
             for call in calls:
                 for _ in call:
                     pass
@@ -158,7 +173,7 @@ class ParaLLM(ParaLLMParams, BaseLLM):
 
         try:
             for prompt in prompts:
-                calls.append(EngineCall(engine, prompt, req, loop=loop))
+                calls.append(EngineCall(engine, self._engine_prompt(engine, prompt), req, loop=loop))
             await asyncio.gather(*(drain(c) for c in calls))
         finally:
             for call in calls:
@@ -183,7 +198,7 @@ class ParaLLM(ParaLLMParams, BaseLLM):
                 yield chunk
             return
         engine = self._get_engine(req.model)
-        call = EngineCall(engine, prompt, req)
+        call = EngineCall(engine, self._engine_prompt(engine, prompt), req)
         iterator = iter(call)
         finish_reason = None
         try:
@@ -219,7 +234,7 @@ class ParaLLM(ParaLLMParams, BaseLLM):
                 yield chunk
             return
         engine = await self._aget_engine(req.model)
-        call = EngineCall(engine, prompt, req, loop=asyncio.get_running_loop())
+        call = EngineCall(engine, self._engine_prompt(engine, prompt), req, loop=asyncio.get_running_loop())
         iterator = call.__aiter__()
         finish_reason = None
         try:

@@ -318,7 +318,7 @@ def test_bad_seed_is_typed_and_engine_survives_a_failing_request(engine, monkeyp
         list(h)
     monkeypatch.undo()
     assert engine.generate(["still serving"], max_tokens=3, temperature=0)[0].usage.completion_tokens == 3
-    assert engine._dead is None
+    assert engine.is_alive
 
 
 def test_completion_keeps_the_first_tokens_leading_space(engine):

@@ -18,7 +18,6 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from parallm_integrations import ChatParaLLM
-from parallm_integrations._common import EngineRequest
 from parallm_integrations.chat_models import _ChunkBuilder
 
 
@@ -71,16 +70,19 @@ TWO_CALLS = (
 
 
 def test_several_calls_in_one_message_get_unique_ids():
-    llm = ChatParaLLM()
-    req = EngineRequest(sampling={}, tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}])
-    gen = llm._message_from_choice(Choice(0, TWO_CALLS, [], "stop"), req, Usage(10, 5, 0), "m")
-    msg = gen.message
+    from parallm_engine.chat_format import parse_tool_calls
+
+    from parallm_integrations._common import chat_generation
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    content, calls = parse_tool_calls(TWO_CALLS, tools)  # what the engine puts on a Choice when given tools
+    choice = Choice(0, TWO_CALLS, [], "stop", content=content, tool_calls=calls)
+    msg = chat_generation(choice, Usage(10, 5, 0), "m").message
     assert [c["args"] for c in msg.tool_calls] == [{"city": "Paris"}, {"city": "Rome"}]
     assert len({c["id"] for c in msg.tool_calls}) == 2
     assert msg.content.strip() == "Let me check."
     assert msg.response_metadata["finish_reason"] == "tool_calls"
-    req.parallel_tool_calls = False
-    assert len(llm._message_from_choice(Choice(0, TWO_CALLS, [], "stop"), req, None, "m").message.tool_calls) == 1
+    assert len(chat_generation(choice, None, "m", single_call=True).message.tool_calls) == 1
 
 
 @pytest.mark.parametrize("piece", [1, 3, 7])

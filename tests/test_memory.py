@@ -7,6 +7,8 @@ import json
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
 
@@ -160,3 +162,51 @@ def test_hybrid_model_reuses_a_shared_prefix(tmp_path):
         assert eng.stats()["prefix_cache"]["kind"] == "snapshots"
     finally:
         eng.shutdown()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["insert", "match", "pin", "unpin", "evict"]),
+                          st.integers(0, 5), st.integers(1, 6)), max_size=40),
+       st.integers(0, 3000))
+def test_snapshot_cache_accounting_under_any_operation_sequence(ops, budget):
+    """The snapshot store (recurrent / window models): bytes counted equal the snapshots' arrays after
+    any sequence of inserts, matches, pins and evictions; pinned snapshots are never evicted; a match
+    is always a stored prefix of the query; restored caches are independent of the stored ones."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    from parallm_engine.snapshot_cache import SnapshotCache
+
+    def state(n):
+        kv, arr = KVCache(), ArraysCache(1)
+        kv.update_and_fetch(mx.ones((1, 1, n, 4)), mx.ones((1, 1, n, 4)))
+        arr[0] = mx.full((1, 3), float(n))
+        return [kv, arr]
+
+    cache = SnapshotCache(budget)
+    pinned = []
+    for op, a, n in ops:
+        tokens = [a] * n
+        if op == "insert":
+            cache.insert(tokens, state(n))
+        elif op == "match":
+            hit = cache.match(tokens + [9])
+            assert hit is None or list(hit.tokens) == (tokens + [9])[: len(hit.tokens)]
+            if hit is not None:
+                restored = cache.restore(hit)
+                restored[1][0] = mx.zeros((1, 3))  # writing a restored copy leaves the snapshot alone
+                assert hit.caches[1][0].sum().item() == 3.0 * len(hit.tokens)
+        elif op == "pin":
+            hit = cache.match(tokens, record=False)
+            if hit is not None:
+                cache.pin(hit)
+                pinned.append(hit)
+        elif op == "unpin" and pinned:
+            cache.unpin(pinned.pop())
+        else:
+            cache.evict(a * 100)
+        assert cache.total_bytes == cache.computed_bytes()
+        held = {s.tokens for d in cache._by_len.values() for s in d.values()}
+        assert all(p.tokens in held for p in pinned)
+        unpinned_bytes = sum(s.nbytes for d in cache._by_len.values() for s in d.values() if s.ref == 0)
+        assert cache.total_bytes <= budget or unpinned_bytes == 0 or op != "insert"

@@ -43,6 +43,8 @@ def stored_paths(tree: RadixCache) -> set[tuple[int, ...]]:
 
 def check_invariants(tree: RadixCache):
     assert tree.total_bytes == tree.computed_bytes()
+    stats = tree.stats()  # counters kept incrementally equal a recount
+    assert (stats["nodes"], stats["tokens"]) == (tree.num_nodes(), tree.num_tokens())
     for node in tree._iter_nodes():
         assert node.kv is not None and all(k.shape[2] == len(node.tokens) for k, _ in node.kv)
         assert node.ref >= 0

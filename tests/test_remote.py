@@ -14,16 +14,27 @@ import openai
 import pytest
 
 from parallm_engine import (
+    Choice,
     ContextLengthExceededError,
     GenerationResult,
     InvalidRequestError,
     ModelLoadError,
     QueueFullError,
     StreamDelta,
+    Usage,
 )
+from parallm_engine.chat_format import ToolCall, ToolCallDelta
 from parallm_engine.server import ServerThread
 from parallm_integrations import _remote
-from parallm_integrations._remote import RemoteClient, RemoteDelta, RemoteResult, RemoteToolCall, get_client
+from parallm_integrations._remote import (
+    RemoteChoice,
+    RemoteClient,
+    RemoteDelta,
+    RemoteResult,
+    RemoteToolCall,
+    RemoteToolCallDelta,
+    get_client,
+)
 
 KEY = "remote-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -66,7 +77,7 @@ def wait_idle(engine, timeout: float = 30.0) -> None:
 def collect(deltas) -> tuple[str, str | None, object, list]:
     text, finish, usage, calls = "", None, None, []
     for d in deltas:
-        assert isinstance(d, StreamDelta) and isinstance(d, RemoteDelta)
+        assert isinstance(d, RemoteDelta)
         assert usage is None, "usage comes on the very last delta"
         text += d.text
         finish = d.finish_reason or finish
@@ -85,7 +96,7 @@ def test_chat_has_engine_shape_and_values(remote, engine):
     # No model / the default model's name: resolved to what the server serves.
     for model in (None, "SmolLM2-135M-Instruct", engine.model_name):
         r = remote.chat(QUESTION, model=model, max_tokens=12, temperature=0)
-        assert isinstance(r, GenerationResult) and isinstance(r, RemoteResult)
+        assert isinstance(r, RemoteResult)
         assert r.text == r.content == ref.text
         assert r.finish_reason == ref.finish_reason
         assert r.tool_calls == []
@@ -99,9 +110,9 @@ def test_chat_logprobs_n_and_extra_sampling(remote):
     r = remote.chat(QUESTION, max_tokens=6, temperature=0.8, seed=3, n=2, logprobs=True, top_logprobs=2,
                     top_k=20, min_p=0.01, repetition_penalty=1.1)  # vLLM-style extras go in extra_body
     assert [c.index for c in r.choices] == [0, 1]
-    for c in r.choices:
-        assert "".join(lp.token for lp in c.logprobs) == c.text
-        assert all(len(lp.top_logprobs) == 2 for lp in c.logprobs)
+    for c in r.choices:  # OpenAI's chat logprobs, as the server sent them
+        assert "".join(t["token"] for t in c.logprobs["content"]) == c.text
+        assert all(len(t["top_logprobs"]) == 2 for t in c.logprobs["content"])
     again = remote.chat(QUESTION, max_tokens=6, temperature=0.8, seed=3, n=2, top_k=20, min_p=0.01,
                         repetition_penalty=1.1)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
@@ -158,7 +169,8 @@ def test_completions(remote, engine):
     results = remote.generate(prompts, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1)
     assert [r.text for r in results] == [r.text for r in refs]
     assert sum(r.usage.completion_tokens for r in results) == sum(r.usage.completion_tokens for r in refs)
-    assert all(r.logprobs and len(r.logprobs) == ref.usage.completion_tokens for r, ref in zip(results, refs))
+    assert all(len(r.logprobs["content"]) == ref.usage.completion_tokens for r, ref in zip(results, refs))
+    assert all("".join(t["token"] for t in r.logprobs["content"]) == r.text for r in results)
     text, finish, usage, _ = collect(remote.stream(prompts[0], max_tokens=6, temperature=0))
     assert text == refs[0].text and finish == refs[0].finish_reason and usage is not None
 
@@ -352,6 +364,20 @@ def test_chat_model_counts_tokens_with_the_server(server, engine, monkeypatch):
     # A user's own counter is used first, without asking the server.
     estimate = ChatParaLLM(base_url=server.base_url, api_key=KEY, custom_get_token_ids=lambda s: s.split())
     assert estimate.get_num_tokens_from_messages(messages) == expected
+
+
+def test_remote_types_have_the_engines_fields():
+    """Code reads a result the same whichever path made it: the remote types (which import nothing of the
+    engine) have every field of the engine's."""
+    from dataclasses import fields
+
+    def names(cls):
+        return {f.name for f in fields(cls)} | {n for n, v in vars(cls).items() if isinstance(v, property)}
+
+    for engine_type, remote_type in [(GenerationResult, RemoteResult), (Choice, RemoteChoice),
+                                     (StreamDelta, RemoteDelta), (Usage, _remote.Usage),
+                                     (ToolCall, RemoteToolCall), (ToolCallDelta, RemoteToolCallDelta)]:
+        assert names(engine_type) <= names(remote_type), remote_type
 
 
 def test_stream_retiming_without_a_server():

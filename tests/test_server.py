@@ -386,7 +386,7 @@ def test_queue_full_answers_429(server, client, engine):
         assert err["type"] == "rate_limit_error"
         assert int(r.headers["Retry-After"]) >= 1
         with pytest.raises(openai.RateLimitError):
-            client.completions.create(model="default", prompt=["a", "b"], max_tokens=2)
+            client.completions.create(model="default", prompt=["a"], max_tokens=2)
     finally:
         engine.max_queue = old
         stream.close()
@@ -545,44 +545,84 @@ def _bound_generation(body) -> None:
         body["ignore_eos"] = False
 
 
+def _string_paths(body, path=()) -> list[tuple]:
+    """Where the strings are in a JSON body (dict keys and list indexes)."""
+    if isinstance(body, str):
+        return [path]
+    if isinstance(body, dict):
+        return [p for k, v in body.items() for p in _string_paths(v, path + (k,))]
+    if isinstance(body, list):
+        return [p for i, v in enumerate(body) for p in _string_paths(v, path + (i,))]
+    return []
+
+
+def _with_surrogate(body, path: tuple):
+    """A copy of ``body`` whose string at ``path`` starts with a lone UTF-16 surrogate."""
+    if not path:
+        return "\ud800" + body
+    body = json.loads(json.dumps(body))
+    parent = body
+    for step in path[:-1]:
+        parent = parent[step]
+    parent[path[-1]] = "\ud800" + parent[path[-1]]
+    return body
+
+
 def test_openapi_fuzz_finds_no_server_errors(fuzz_engine):
-    """Every operation of the server's own OpenAPI schema, with schema-valid and invalid inputs
-    (bounded: 40 positive and 40 negative examples per POST, 8 per GET; generation capped at a few
-    tokens), answers below 500."""
+    """Every operation of the server's own OpenAPI schema, through the real server on loopback (with an
+    API key), with schema-valid and invalid inputs, answers below 500; a schema-valid body with a lone
+    UTF-16 surrogate put into one of its strings answers 400. Bounded: 40 positive and 40 negative
+    examples per POST, 8 per GET, generation capped at a few tokens, and 45 s in all (an operation whose
+    share of the time is spent stops early)."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
-    app = create_app(engine=fuzz_engine)
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert {"/v1/chat/completions", "/v1/completions"} <= {op.path for op in operations}
-    failures: list = []
-    t0 = time.monotonic()
-    cases = 0
-    for op, mode in itertools.product(operations, (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)):
-        examples = 40 if op.method.upper() == "POST" else 8
+    budget = 45.0
+    with ServerThread(create_app(engine=fuzz_engine, api_key=KEY)) as srv, \
+            httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+        schema = schemathesis.openapi.from_url(f"{srv.url}/openapi.json", headers=AUTH)
+        operations = [result.ok() for result in schema.get_all_operations()]
+        assert {"/v1/chat/completions", "/v1/completions"} <= {op.path for op in operations}
+        pairs = list(itertools.product(operations, (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)))
+        failures: list = []
+        t0 = time.monotonic()
+        cases = surrogates = 0
+        for i, (op, mode) in enumerate(pairs):
+            examples = 40 if op.method.upper() == "POST" else 8
+            deadline = t0 + budget * (i + 1) / len(pairs)
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(case=op.as_strategy(mode))
-        def run(case):
-            nonlocal cases
-            cases += 1
-            _bound_generation(case.body)
-            resp = case.call(timeout=60)
-            if resp.status_code >= 500:
-                failures.append((op.method, op.path, case.body, resp.status_code, resp.text[:300]))
-            if resp.status_code >= 400:
-                body = resp.json()
-                assert set(body["error"]) == {"message", "type", "param", "code"}, body
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(mode))
+            def run(case):
+                nonlocal cases, surrogates
+                if time.monotonic() > deadline:
+                    return
+                cases += 1
+                _bound_generation(case.body)
+                resp = case.call(base_url=srv.url, headers=AUTH, timeout=60)
+                if resp.status_code >= 500:
+                    failures.append((op.method, op.path, case.body, resp.status_code, resp.text[:300]))
+                if resp.status_code >= 400:
+                    body = resp.json()
+                    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+                strings = _string_paths(case.body) if op.method.upper() == "POST" else []
+                if strings:  # hypothesis draws no surrogates: put one in, in a different string each time
+                    surrogates += 1
+                    bad = _with_surrogate(case.body, strings[cases % len(strings)])
+                    r = http.post(op.path, content=json.dumps(bad), headers={"Content-Type": "application/json"})
+                    if r.status_code >= 500 or (mode is GenerationMode.POSITIVE and r.status_code != 400):
+                        failures.append((op.method, op.path, bad, r.status_code, r.text[:300]))
 
-        try:
-            run()
-        except Unsatisfiable:  # negative mode on an operation that takes no input
-            assert mode is GenerationMode.NEGATIVE
-    wall = time.monotonic() - t0
+            try:
+                run()
+            except Unsatisfiable:  # negative mode on an operation that takes no input
+                assert mode is GenerationMode.NEGATIVE
+        wall = time.monotonic() - t0
     assert not failures, failures[:3]
+    assert cases >= 3 * len(pairs) and surrogates > 0
     wait_idle(fuzz_engine, 30.0)
-    print(f"fuzzed {len(operations)} operations with {cases} requests in {wall:.1f} s")
+    print(f"fuzzed {len(operations)} operations with {cases} requests (+{surrogates} with a surrogate) "
+          f"in {wall:.1f} s")

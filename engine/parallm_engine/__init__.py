@@ -1,10 +1,22 @@
-"""parallm_engine: one in-process continuous-batching MLX engine with radix prefix caching."""
+"""parallm_engine: one in-process continuous-batching MLX engine with radix prefix caching.
+
+Importing the package loads no MLX: the engine, the registry and the result types are imported on
+first use (``from parallm_engine import get_engine`` imports them then). So the pure-Python modules
+(``errors``, ``sampling_params``, ``chat_format``, ``logprobs``) can be imported where MLX is missing
+or unwanted, e.g. by a ``base_url=`` client. The one thing done eagerly is the fast-BLAS preload, which
+must come before anything imports ``mlx.core`` and loads only a shared library (see ``backend``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .backend import preload_blas as _preload_blas
 
 _preload_blas()  # must happen before anything imports mlx.core
 
-from .errors import (  # noqa: E402
+from .errors import (  # noqa: E402  (plain Python: no MLX)
     ContextLengthExceededError,
     EngineDeadError,
     GrammarError,
@@ -13,18 +25,48 @@ from .errors import (  # noqa: E402
     ParaLLMError,
     QueueFullError,
     RequestCancelledError,
+    UnsupportedModelError,
 )
 
 __version__ = "0.1.0"
 
-from .engine import Engine  # noqa: E402
-from .registry import get_engine, shutdown_all  # noqa: E402
-from .request import Choice, GenerationResult, RequestHandle, StreamDelta, TokenLogprob, Usage  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
+#: Public names imported on first access (these modules import MLX), and where each lives.
+_LAZY = {
+    "Engine": "engine",
+    "get_engine": "registry",
+    "shutdown_all": "registry",
+    "SamplingParams": "sampling_params",
+    "Choice": "request",
+    "GenerationResult": "request",
+    "RequestHandle": "request",
+    "StreamDelta": "request",
+    "TokenLogprob": "request",
+    "Usage": "request",
+}
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .registry import get_engine, shutdown_all
+    from .request import Choice, GenerationResult, RequestHandle, StreamDelta, TokenLogprob, Usage
+    from .sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "Engine", "get_engine", "shutdown_all", "SamplingParams", "GenerationResult", "Choice", "StreamDelta",
     "TokenLogprob", "Usage", "RequestHandle", "ParaLLMError", "InvalidRequestError",
     "ContextLengthExceededError", "ModelLoadError", "QueueFullError", "RequestCancelledError",
-    "GrammarError", "EngineDeadError",
+    "GrammarError", "EngineDeadError", "UnsupportedModelError",
 ]

@@ -9,41 +9,7 @@ import sys
 import time
 
 from . import backend as _backend  # noqa: F401  (importing the package preloads BLAS first)
-
-DEMO_QUESTIONS = [
-    "What is the capital of France?",
-    "Give me three tips for staying healthy.",
-    "Write a short poem about the sea.",
-    "Explain in one sentence what a language model is.",
-    "What are the primary colors?",
-    "Describe a cat to someone who has never seen one.",
-    "Why is the sky blue?",
-    "Name three planets in our solar system.",
-    "How do plants make their food?",
-    "What is the boiling point of water?",
-    "Suggest a name for a friendly robot.",
-    "What does a librarian do?",
-    "Give a tip for learning a new language.",
-    "What is the largest ocean on Earth?",
-    "Write a haiku about autumn leaves.",
-    "Why do we need sleep?",
-    "What is photosynthesis?",
-    "List three fruits that are red.",
-    "How many days are there in a leap year?",
-    "What is the opposite of hot?",
-    "Describe the taste of a lemon.",
-    "What is a volcano?",
-    "Give one reason to exercise.",
-    "What language is spoken in Brazil?",
-    "What is the tallest animal?",
-    "How do bees help flowers?",
-    "Tell me a fun fact about octopuses.",
-    "What is gravity?",
-    "Write a sentence using the word 'bright'.",
-    "What is the freezing point of water in Fahrenheit?",
-    "Why do leaves change colour in autumn?",
-    "What is the main ingredient of bread?",
-]
+from .demo import DEMO_QUESTIONS  # noqa: F401  (the demo's prompts; re-exported)
 
 
 def _engine_config(args) -> dict:
@@ -57,12 +23,14 @@ def _engine_config(args) -> dict:
 
 def cmd_info(args) -> int:
     from .backend import backend_info
-    from .loader import DEFAULT_MODEL_NAME, default_model_path
+    from .loader import DEFAULT_MODEL_NAME, default_model_path, peek_sampling_defaults
 
-    from .engine import _default_cpu_kernels, _default_decode_lanes
+    from .backend import choose_backend
 
     info = backend_info()
-    out = {"backend": info.as_dict(), "decode_lanes": _default_decode_lanes(), "cpu_kernels": _default_cpu_kernels()}
+    engine_backend = choose_backend()
+    out = {"backend": info.as_dict(), "engine_backend": engine_backend.as_dict(),
+           "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
     if out["cpu_kernels"]:
         from . import native
 
@@ -71,6 +39,9 @@ def cmd_info(args) -> int:
         out["default_model"] = {"name": DEFAULT_MODEL_NAME, "gguf": str(default_model_path())}
     except Exception as exc:
         out["default_model"] = {"error": str(exc)}
+    # What a request that sets no temperature / top_p / top_k / min_p / repetition_penalty samples with.
+    values, source = peek_sampling_defaults(args.model)
+    out["sampling_defaults"] = {"values": values, "source": source}
     if args.model is not None or args.load:
         from .loader import load_model
 
@@ -78,8 +49,9 @@ def cmd_info(args) -> int:
         out["model"] = {
             "name": minfo.name, "path": str(minfo.path), "dtype": minfo.dtype,
             "context_window": minfo.context_window, "layers": minfo.num_layers,
-            "kv_bytes_per_token": minfo.kv_bytes_per_token(4 if minfo.dtype == "float32" else 2),
+            "kv_bytes_per_token": minfo.kv_bytes_per_token(),
         }
+        out["sampling_defaults"] = {"values": minfo.sampling_defaults, "source": minfo.sampling_defaults_source}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -87,6 +59,7 @@ def cmd_info(args) -> int:
     print(f"backend : {b.device} ({b.platform}), mlx {b.mlx_version}")
     print(f"dtype   : {b.dtype}  (weights run in this dtype on this backend)")
     print(f"blas    : {b.blas}")
+    print(f"engine  : {engine_backend.summary()}")
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
     if "native_kernels" in out:
         nk = out["native_kernels"]
@@ -99,7 +72,21 @@ def cmd_info(args) -> int:
     if "model" in out:
         m = out["model"]
         print(f"model   : {m['name']} [{m['dtype']}, ctx {m['context_window']}, {m['layers']} layers] at {m['path']}")
+    print(f"sampling: {_describe_sampling(out['sampling_defaults'])}")
     return 0
+
+
+def _describe_sampling(defaults: dict) -> str:
+    """One line: what requests that set no sampling settings use, and where it comes from."""
+    from .sampling_params import SamplingParams
+
+    values = defaults["values"]
+    if not values:
+        base = SamplingParams()
+        return (f"temperature {base.temperature:g}, top_p {base.top_p:g} for requests that set none "
+                "(engine defaults: the model recommends nothing)")
+    shown = ", ".join(f"{k} {v:g}" for k, v in values.items())
+    return f"{shown} for requests that set none (explicit settings win)\n          from {defaults['source']}"
 
 
 def _read_prompts(args) -> list[str]:
@@ -142,85 +129,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-    from tqdm import tqdm
+    from .demo import main as demo_main
 
-    from .registry import get_engine
-
-    console = Console()
-    t_load = time.monotonic()
-    eng = get_engine(args.model, **_engine_config(args))
-    from .backend import backend_info
-
-    console.print(f"[bold]ParaLLM demo[/] model={eng.model_name} {backend_info().summary()} "
-                  f"(loaded in {time.monotonic() - t_load:.1f}s)")
-    qs = (DEMO_QUESTIONS * ((args.n // len(DEMO_QUESTIONS)) + 1))[: args.n]
-    prompts = [eng.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
-    sampling = {"max_tokens": args.max_tokens, "temperature": 0.0}
-    eng.generate([prompts[0]], max_tokens=2, temperature=0.0)  # warm-up
-
-    # Parallel: every prompt in flight at once; a live bar counts generated tokens.
-    eng.reset_peaks()
-    handles = [eng.submit(p, **sampling) for p in prompts]
-    t0 = time.monotonic()
-    texts = [""] * len(prompts)
-    ttfts = [0.0] * len(prompts)
-    done = 0
-    with tqdm(total=args.n * args.max_tokens, unit="tok", desc=f"{args.n} prompts in parallel") as bar:
-        import threading
-
-        lock = threading.Lock()
-
-        def drain(i, h):
-            nonlocal done
-            for d in h:
-                with lock:
-                    if not texts[i] and d.text and not ttfts[i]:
-                        ttfts[i] = time.monotonic() - t0
-                    texts[i] += d.text
-                    bar.update(len(d.token_ids))
-            with lock:
-                done += 1
-
-        threads = [threading.Thread(target=drain, args=(i, h)) for i, h in enumerate(handles)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    par_wall = time.monotonic() - t0
-    results = [h.request.result for h in handles]
-    par_tokens = sum(r.usage.completion_tokens for r in results)
-    stats = eng.stats()
-
-    # One by one, on a subset (sequential is slow), for the per-request baseline rate.
-    n_seq = min(args.sequential, len(prompts))
-    t1 = time.monotonic()
-    seq_tokens = 0
-    seq_ttft = []
-    for p in tqdm(prompts[:n_seq], desc="one at a time (baseline)", unit="req"):
-        r = eng.generate([p], **sampling)[0]
-        seq_tokens += r.usage.completion_tokens
-        seq_ttft.append(r.metrics["ttft"])
-    seq_wall = time.monotonic() - t1
-
-    for q, r in list(zip(qs, results))[: args.show]:
-        console.print(f"[cyan]Q:[/] {q}\n[green]A:[/] {r.text.strip()[:200]}")
-    par_tps = par_tokens / par_wall
-    seq_tps = seq_tokens / seq_wall if seq_wall else 0.0
-    table = Table(title=f"{args.n} prompts x {args.max_tokens} max new tokens, greedy")
-    for col in ("mode", "requests", "tokens", "wall s", "tok/s", "TTFT p50 s", "peak in flight"):
-        table.add_column(col, justify="right")
-    ttft_sorted = sorted(r.metrics["ttft"] for r in results)
-    table.add_row("parallel (ParaLLM)", str(args.n), str(par_tokens), f"{par_wall:.1f}", f"{par_tps:.1f}",
-                  f"{ttft_sorted[len(ttft_sorted) // 2]:.2f}", str(stats["peak_in_flight"]))
-    table.add_row("one at a time", str(n_seq), str(seq_tokens), f"{seq_wall:.1f}", f"{seq_tps:.1f}",
-                  f"{sorted(seq_ttft)[len(seq_ttft) // 2]:.2f}", "1")
-    console.print(table)
-    if seq_tps:
-        console.print(f"[bold]Aggregate speedup over one at a time: {par_tps / seq_tps:.1f}x[/] "
-                      f"(prefix cache hit rate {stats['cache_hit_rate']:.0%})")
-    return 0
+    args.engine_config = _engine_config(args)
+    return demo_main(args)
 
 
 def cmd_serve(args) -> int:
@@ -230,7 +142,8 @@ def cmd_serve(args) -> int:
     if args.max_queue:
         cfg["max_queue"] = args.max_queue
     serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name, log_level=args.log_level, **cfg)
+          served_model_name=args.served_model_name, log_level=args.log_level, expose_docs=args.expose_docs,
+          max_request_share=args.max_request_share, max_key_share=args.max_key_share, **cfg)
     return 0
 
 
@@ -238,6 +151,17 @@ def cmd_bench(args) -> int:
     from .bench import main as bench_main
 
     return bench_main(args)
+
+
+def _share(text: str) -> float:
+    """A share of the engine queue: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("prompt", nargs="*")
     sp.add_argument("--file", help="one prompt per line")
     sp.add_argument("--max-tokens", type=int, default=128)
-    sp.add_argument("--temperature", type=float, default=0.0)
+    sp.add_argument("--temperature", type=float, default=None,
+                    help="default: the model's recommendation, see `parallm info` (0 = greedy)")
     sp.add_argument("--top-p", type=float, default=None)
     sp.add_argument("--seed", type=int, default=None)
     sp.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -271,16 +196,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(sp)
     sp.add_argument("-n", type=int, default=32, help="prompts in parallel")
     sp.add_argument("--max-tokens", type=int, default=48)
-    sp.add_argument("--sequential", type=int, default=3, help="prompts run one at a time for the baseline")
+    sp.add_argument("--sequential", type=int, default=4,
+                    help="how many of the same prompts to run one at a time for the baseline (-n: all of them)")
     sp.add_argument("--show", type=int, default=3, help="answers to print")
     sp.set_defaults(fn=cmd_demo)
 
-    sp = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the shared engine")
+    sp = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server on the shared engine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="OpenAI-compatible HTTP server on the shared engine.",
+        epilog="limits:\n"
+               "  queue shares are counted in sequences (prompts x n) of --max-queue:\n"
+               "  one request may hold at most --max-request-share of it (more: 400 too_many_sequences);\n"
+               "  with several keys, one key at most --max-key-share (more: 429 + Retry-After, other keys\n"
+               "  are still served); the whole queue full: 429 queue_full + Retry-After.\n"
+               "  Bodies over 32 MiB: 413. Text with lone UTF-16 surrogates: 400. max_tokens is clamped to\n"
+               "  what the context window leaves after the prompt.\n"
+               "special tokens:\n"
+               "  special-token text in chat messages is plain text unless a request sets\n"
+               "  allow_special_tokens=true; /v1/completions prompts are raw model input (parsed, as in vLLM)\n"
+               "  unless a request sets allow_special_tokens=false.")
     add_model(sp)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument("--api-key", default=None, help="require this key (default: $PARALLM_API_KEY, else none)")
-    sp.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
+    sp.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require this key; repeat for several clients, each with its own queue share "
+                         "(default: $PARALLM_API_KEYS, comma-separated, and $PARALLM_API_KEY, else none)")
+    sp.add_argument("--expose-docs", action="store_true",
+                    help="serve /docs, /redoc and /openapi.json without a key (with a key they need one)")
+    sp.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429 (default 1024)")
+    sp.add_argument("--max-request-share", type=_share, default=0.25, metavar="F",
+                    help="most of the queue, in sequences, one request may take (default 0.25)")
+    sp.add_argument("--max-key-share", type=_share, default=0.5, metavar="F",
+                    help="most of the queue, in sequences, one API key may hold when there are several "
+                         "(default 0.5)")
     sp.add_argument("--served-model-name", default=None)
     sp.add_argument("--log-level", default="info")
     sp.set_defaults(fn=cmd_serve)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import os
 import queue
@@ -29,11 +30,14 @@ from .errors import (
     InvalidRequestError,
     QueueFullError,
 )
+from .chat_tokens import ChatTokenizer
 from .constrained import compile_constraint
 from .request import Channel, GenerationResult, Request, RequestHandle, StreamDelta
 from .sampling import SamplingParams
+from .sampling_params import apply_model_defaults
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import EngineStats
+from .validation import check_text
 
 logger = logging.getLogger("parallm_engine")
 
@@ -50,30 +54,19 @@ def _shutdown_live_engines() -> None:
         eng.shutdown(timeout=30.0)
 
 
-def _default_kv_budget() -> int:
-    """A quarter of physical memory for running KV, an eighth for the prefix tree (per engine)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 8 << 30
-    return max(256 << 20, total // 4)
-
-
 def _default_decode_lanes() -> int:
     """Parallel decode lanes: one per core (up to 4) on the CPU backend, one on Metal and CUDA."""
-    from .backend import backend_info, cpu_lanes
+    from .backend import choose_backend
 
-    return cpu_lanes() if backend_info().device == "cpu" else 1
+    return choose_backend().decode_lanes
 
 
 def _default_cpu_kernels() -> bool:
-    """The engine's own attention/SwiGLU (``cpu_kernels``) on the CPU backend, unless
-    ``PARALLM_CPU_KERNELS=0``."""
-    from .backend import backend_info
+    """The engine's own attention/SwiGLU (``cpu_kernels``) on the CPU backend, unless turned off
+    (``PARALLM_CPU_KERNELS=0`` or ``PARALLM_BACKEND=cpu-mlx``)."""
+    from .backend import choose_backend
 
-    if os.environ.get("PARALLM_CPU_KERNELS", "").strip() in ("0", "false", "no"):
-        return False
-    return backend_info().device == "cpu"
+    return choose_backend().cpu_kernels
 
 
 class Engine:
@@ -90,7 +83,12 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         enable_prefix_cache: bool = True,
         decode_lanes: int | None = None,
+        backend: str | None = None,
     ):
+        """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
+        ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides). Memory
+        budgets default to shares of what the backend's device offers (``parallm info`` shows it)."""
+        from .backend import choose_backend
         from .loader import load_model
 
         for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
@@ -98,8 +96,12 @@ class Engine:
                             ("decode_lanes", 1 if decode_lanes is None else decode_lanes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        try:
+            self.backend = choose_backend(backend)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="backend") from exc
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype)
-        budget = kv_budget_bytes or _default_kv_budget()
+        budget = kv_budget_bytes or self.backend.kv_budget()
         self.config = SchedulerConfig(
             max_batch_size=max_batch_size,
             prefill_chunk=prefill_chunk,
@@ -107,19 +109,22 @@ class Engine:
             kv_budget_bytes=budget,
             radix_budget_bytes=prefix_cache_bytes if prefix_cache_bytes is not None else budget // 2,
             enable_prefix_cache=enable_prefix_cache,
-            decode_lanes=decode_lanes or _default_decode_lanes(),
-            cpu_kernels=_default_cpu_kernels(),
+            decode_lanes=decode_lanes or self.backend.decode_lanes,
+            cpu_kernels=self.backend.cpu_kernels,
         )
         self.max_queue = max_queue
         self._stats = EngineStats()
         self._scheduler = Scheduler(self.model, self.tokenizer, self.model_info, self.config, self._stats)
-        logger.info("decode lanes %d, engine CPU kernels %s", self.config.decode_lanes,
-                    ("on, native" if self._scheduler.native_kernels else "on") if self.config.cpu_kernels else "off")
+        if self.backend.name == "cpu-native" and not self._scheduler.native_kernels:
+            self.backend.name = "cpu-mlx"  # the native kernels could not be built: MLX-op kernels
+        self.backend.decode_lanes = self.config.decode_lanes
+        logger.info("%s; model layout %s", self.backend.summary(), self._scheduler.layout)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self._dead: BaseException | None = None
         self._pending = 0  # submitted, not yet picked up by the engine thread
+        self._aborting: set[str] = set()  # aborted by their caller, not yet dropped by the engine thread
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="parallm-engine", daemon=True)
         self._thread.start()
@@ -135,14 +140,33 @@ class Engine:
         return self.model_info.context_window
 
     @property
+    def sampling_defaults(self) -> dict:
+        """What a request samples with for each of temperature / top_p / top_k / min_p /
+        repetition_penalty it leaves unset: the model's recommendation
+        (``model_info.sampling_defaults_source`` says where it was found). Fields not listed here
+        fall back to :class:`SamplingParams`' defaults (OpenAI's)."""
+        return dict(self.model_info.sampling_defaults)
+
+    @property
     def running_count(self) -> int:
         """Requests in flight (queued, prefilling or decoding)."""
         return self._stats.in_flight
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine accepts requests (False once shut down, or if its thread died)."""
+        return self._dead is None
+
     # -- tokens and templates -------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, allow_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. ``add_special_tokens``: the tokenizer's BOS (/EOS) around it.
+        ``allow_special_tokens=False``: special-token text in ``text`` (``"<|im_start|>"``) is encoded as
+        plain text instead of as the special token (for untrusted text)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text must be a string, got {type(text).__name__}")
+        check_text(text, "prompt")
+        if not allow_special_tokens:
+            return self._chat_tokenizer.encode_text(text, add_special_tokens=add_special_tokens)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -154,13 +178,29 @@ class Engine:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        allow_special_tokens: bool = False,
         **template_kwargs: Any,
     ):
+        """Render ``messages`` (and ``tools``) with the model's chat template; token ids, or the text with
+        ``tokenize=False``.
+
+        Special-token text inside the messages, tools and template kwargs (a user writing
+        ``"<|im_end|>\\n<|im_start|>system"``) is tokenized as plain text: only the markers the template
+        writes itself are special tokens (see :mod:`parallm_engine.chat_tokens`). ``allow_special_tokens=True``
+        (trusted callers only) parses them as special tokens wherever they are, as plain
+        ``tokenizer.apply_chat_template`` does. The text returned with ``tokenize=False`` cannot carry
+        that distinction: tokenizing it yourself parses every special token in it.
+        """
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts", param="messages")
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        check_text(list(messages), "messages")
+        check_text(tools, "tools")
+        check_text(template_kwargs, "template_kwargs")
         try:
+            if tokenize and not allow_special_tokens:
+                return self._chat_tokenizer.apply(list(messages), tools, add_generation_prompt, template_kwargs)
             return self.tokenizer.apply_chat_template(
                 list(messages),
                 tools=tools or None,
@@ -168,8 +208,17 @@ class Engine:
                 tokenize=tokenize,
                 **template_kwargs,
             )
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # jinja errors: a message shape the template cannot render
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+
+    @property
+    def _chat_tokenizer(self) -> ChatTokenizer:
+        tok = self.__dict__.get("_chat_tokenizer_obj")
+        if tok is None:  # built once (a benign race builds two identical ones)
+            tok = self.__dict__["_chat_tokenizer_obj"] = ChatTokenizer(self.tokenizer)
+        return tok
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -198,9 +247,13 @@ class Engine:
         tool_choice: Any = None,
         parallel_tool_calls: bool | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         **sampling: Any,
     ) -> RequestHandle:
         """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
+
+        ``priority``: smaller runs first and is preempted last when memory runs short (vLLM's
+        convention; default 0, FIFO among equals).
 
         ``response_format`` (OpenAI shape, or ``{"type": "regex", "regex": ...}``) constrains decoding
         with a grammar; so do ``tools`` (OpenAI tool dicts): "required" / named ``tool_choice`` forces a
@@ -208,12 +261,23 @@ class Engine:
         :func:`constrained.tool_call_grammar`). With ``tools`` the result carries parsed ``tool_calls``.
         Rendering tools into the prompt is the chat template's job: use :meth:`chat` or
         :meth:`apply_chat_template`.
+
+        Sampling settings left unset (absent or None) among temperature / top_p / top_k / min_p /
+        repetition_penalty take the model's recommendation (:attr:`sampling_defaults`); explicit values
+        always win. A ready-made ``params=SamplingParams(...)`` is used as it is. The effective settings
+        are on the handle: ``handle.request.params``.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead}")
-        params = sampling.pop("params", None) or SamplingParams.from_kwargs(**sampling)
+        params = sampling.pop("params", None) or SamplingParams.from_kwargs(
+            **apply_model_defaults(sampling, self.model_info.sampling_defaults)
+        )
         if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of OpenAI tool dicts", param="tools")
+        check_text(params.stop, "stop")
+        check_text(response_format, "response_format")
+        check_text(tools, "tools")
+        check_text(tool_choice, "tool_choice")
         grammar = compile_constraint(
             self.tokenizer, self.model_info.vocab_size, response_format=response_format,
             tools=list(tools) if tools else None, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
@@ -226,23 +290,36 @@ class Engine:
                 "(at least one token must be left to generate)",
                 param="prompt",
             )
-        if params.max_tokens is None:
-            params.max_tokens = ctx - len(ids)
+        room = ctx - len(ids)
+        if params.max_tokens is None or params.max_tokens > room:
+            # Never more than the context leaves (a copy: a caller's ``params`` may serve other prompts).
+            params = dataclasses.replace(params, max_tokens=room)
         with self._lock:
-            if self._stats.in_flight + self._pending >= self.max_queue:
+            # Requests a caller has aborted no longer count, though the engine thread frees them only
+            # between steps: their slots are free again at once.
+            if self._stats.in_flight + self._pending - len(self._aborting) >= self.max_queue:
                 self._stats.requests_rejected += 1
                 raise QueueFullError(
                     f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
                 )
             self._pending += 1
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
-                      tools=list(tools) if tools else None)
+                      tools=list(tools) if tools else None, priority=priority)
         self._commands.put(("add", req))
         self._wake.set()
         return RequestHandle(self, req)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request: str | Request) -> None:
+        """Abort a request (its id, or the ``Request``; ``RequestHandle.abort`` passes the latter). The
+        engine frees its memory between steps; given the ``Request``, its queue slot is free at once."""
+        if isinstance(request, Request):
+            with self._lock:
+                if not request.finished:
+                    self._aborting.add(request.id)
+            request = request.id
+        self._commands.put(("abort", request))
         self._wake.set()
 
     # -- high-level API -------------------------------------------------------------------------
@@ -314,22 +391,39 @@ class Engine:
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Engine-wide counters and gauges. Safe from any thread while the engine runs: the queue lengths
+        and the prefix-cache figures are the snapshot the engine thread published after its last step (or
+        command), never read from the live structures it mutates."""
         snap = self._stats.snapshot()
-        sched = self._scheduler
-        snap["waiting"] = len(sched.waiting) + self._pending
-        snap["prefilling"] = len(sched.prefilling)
+        snap.update(self._stats.published)
+        snap["waiting"] = snap.get("waiting", 0) + self._pending
         snap["model"] = self.model_name
-        if sched.radix is not None:
-            snap["prefix_cache"] = sched.radix.stats()
         return snap
+
+    def _publish_stats(self) -> None:
+        """Engine thread only (between steps): publish what :meth:`stats` may not walk from another thread.
+        Read defensively: a monitoring snapshot must never stop the engine."""
+        sched = self._scheduler
+        gauges: dict[str, Any] = {"waiting": len(getattr(sched, "waiting", ())),
+                                  "prefilling": len(getattr(sched, "prefilling", ()))}
+        cache = getattr(sched, "prefix_cache", None)
+        if cache is not None:
+            try:
+                gauges["prefix_cache"] = cache.stats()
+            except Exception:  # noqa: BLE001
+                if not getattr(self, "_stats_warned", False):
+                    self._stats_warned = True
+                    logger.warning("could not read the prefix cache's stats", exc_info=True)
+        gauges["memory"] = sched.memory_stats()
+        self._stats.publish(gauges)
 
     def reset_peaks(self) -> None:
         self._stats.reset_peaks()
 
     def clear_prefix_cache(self) -> int:
         """Drop every prefix the radix tree holds that no running request uses; returns bytes freed."""
-        radix = self._scheduler.radix
-        return self.run_on_engine_thread(radix.clear_unpinned) if radix is not None else 0
+        cache = self._scheduler.prefix_cache
+        return self.run_on_engine_thread(cache.clear_unpinned) if cache is not None else 0
 
     # -- the engine thread ----------------------------------------------------------------------
     def _drain_commands(self) -> None:
@@ -341,14 +435,14 @@ class Engine:
             if cmd == "add":
                 with self._lock:
                     self._pending -= 1
-                if arg.cancelled.is_set():
-                    continue
                 try:
                     self._scheduler.add(arg)
                 except Exception as exc:  # one bad request fails alone; the engine keeps serving
                     logger.exception("could not start request %s", arg.id)
                     self._scheduler.reject(arg, exc)
             elif cmd == "abort":
+                with self._lock:  # counted as in flight again until the scheduler has dropped it
+                    self._aborting.discard(arg)
                 self._scheduler.abort(arg)
             elif cmd == "call":
                 fn, box, done = arg
@@ -356,6 +450,7 @@ class Engine:
                     box.append(fn())
                 except BaseException as exc:  # handed back to the caller
                     box.append(exc)
+                self._publish_stats()  # what the call changed (e.g. a cleared prefix cache) shows at once
                 done.set()
 
     def run_on_engine_thread(self, fn, timeout: float | None = None):
@@ -381,6 +476,7 @@ class Engine:
         sched = self._scheduler
         while not self._stop:
             self._drain_commands()
+            self._publish_stats()
             if not sched.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -392,6 +488,7 @@ class Engine:
                 logger.exception("engine step failed; failing the requests in flight")
                 sched.fail_all(exc)
             self._stats.busy_time += time.monotonic() - t0
+            self._publish_stats()
         sched.fail_all(EngineDeadError("engine was shut down"))
         # MLX keeps per-thread streams whose destructors abort the process at exit unless the owning
         # thread destroys them itself (mlx issue #3126 / PR #4110: call clear_streams per thread).

@@ -132,6 +132,83 @@ def ensure_converted(gguf_path: str | os.PathLike, cache_dir: Path | None = None
     return out
 
 
+#: GGUF metadata value types (gguf spec) -> struct format; 8 = string, 9 = array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_metadata(gguf_path: str | os.PathLike, want=lambda key: True) -> dict:
+    """The scalar and string metadata of a GGUF file whose keys ``want`` accepts (arrays are skipped).
+
+    Pure Python over the header only (no mlx, no tensors), so it is cheap enough to call at construction
+    time. Raises :class:`ModelLoadError` for a file that is not GGUF."""
+    import mmap
+    import struct
+
+    out: dict = {}
+    with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ModelLoadError(f"{gguf_path} is not a GGUF file")
+        version = struct.unpack_from("<I", buf, 4)[0]
+        count_fmt = "<I" if version == 1 else "<Q"
+        size = struct.calcsize(count_fmt)
+        pos = 8 + size  # magic, version, tensor count
+        (n_kv,) = struct.unpack_from(count_fmt, buf, pos)
+        pos += size
+
+        def string(pos):
+            (n,) = struct.unpack_from(count_fmt, buf, pos)
+            pos += size
+            return bytes(buf[pos:pos + n]).decode("utf-8", errors="replace"), pos + n
+
+        def skip(vtype, pos):
+            if vtype in _GGUF_SCALARS:
+                return pos + struct.calcsize(_GGUF_SCALARS[vtype])
+            if vtype == 8:
+                (n,) = struct.unpack_from(count_fmt, buf, pos)
+                return pos + size + n
+            if vtype == 9:
+                etype, n = struct.unpack_from("<I" + count_fmt[1], buf, pos)
+                pos += 4 + size
+                if etype in _GGUF_SCALARS:
+                    return pos + n * struct.calcsize(_GGUF_SCALARS[etype])
+                for _ in range(n):
+                    pos = skip(etype, pos)
+                return pos
+            raise ModelLoadError(f"{gguf_path}: unknown GGUF metadata type {vtype}")
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if want(key) and vtype in _GGUF_SCALARS:
+                out[key] = struct.unpack_from("<" + _GGUF_SCALARS[vtype], buf, pos)[0]
+            elif want(key) and vtype == 8:
+                out[key] = string(pos)[0]
+            pos = skip(vtype, pos)
+    return out
+
+
+#: llama.cpp's ``general.sampling.*`` metadata keys (written by convert_hf_to_gguf from the model's
+#: generation_config.json) -> ParaLLM's sampling names; the later spellings are other tools'.
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.temperature": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+    "general.sampling.repeat_penalty": "repetition_penalty",
+    "general.sampling.repetition_penalty": "repetition_penalty",
+}
+
+
+def gguf_sampling_defaults(gguf_path: str | os.PathLike) -> dict:
+    """The sampling settings a GGUF file recommends in its metadata (empty if it has none)."""
+    meta = read_gguf_metadata(gguf_path, want=lambda key: key in GGUF_SAMPLING_KEYS)
+    # Floats are stored as float32: 0.2 reads back as 0.20000000298..., so round to float32 precision.
+    return {GGUF_SAMPLING_KEYS[k]: round(v, 6) if isinstance(v, float) else v for k, v in meta.items()}
+
+
 def _unpermute_rows(x, n_head: int):
     """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `permute`)."""
     rows = x.shape[0]

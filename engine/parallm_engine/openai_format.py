@@ -3,7 +3,8 @@ streams, built from the engine's results and deltas (:mod:`parallm_engine.server
 
 Streams follow OpenAI's chunk shapes: a first chunk per choice with the assistant role, content
 deltas, tool calls as ``delta.tool_calls`` pieces (id and name first, argument JSON text after; split
-from the text by ``chat_format.ToolCallStreamParser``), a chunk with the choice's ``finish_reason``,
+from the text by the model family's ``chat_format`` stream parser; reasoning as
+``delta.reasoning_content``), a chunk with the choice's ``finish_reason``,
 then, with ``stream_options.include_usage``, one chunk with empty ``choices`` and the request's usage,
 and ``data: [DONE]``.
 """
@@ -27,9 +28,11 @@ from .errors import (
     QueueFullError,
     RequestCancelledError,
 )
+from .logprobs import chat_logprobs, completion_logprobs  # noqa: F401  (the one formatter)
 from .metrics import ServerMetrics
 from .protocol import new_id, now
 from .request import Usage
+from .validation import safe_text
 
 logger = logging.getLogger("parallm_engine.server")
 
@@ -39,6 +42,10 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
+        # Messages and params may quote the request (a model name, a dict key): escape lone surrogates
+        # (which no UTF-8 body can carry) and cap their length.
+        message = safe_text(str(message))
+        param = None if param is None else safe_text(str(param), 200)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -83,41 +90,6 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-def _finite(x: float) -> float:
-    """JSON has no -inf: a token a grammar masked out gets vLLM's floor instead."""
-    return x if math.isfinite(x) else -9999.0
-
-
-def chat_logprobs(lps) -> dict | None:
-    if lps is None:
-        return None
-    content = []
-    for lp in lps:
-        content.append({
-            "token": lp.token,
-            "logprob": _finite(lp.logprob),
-            "bytes": list(lp.token.encode("utf-8")),
-            "top_logprobs": [
-                {"token": tok, "logprob": _finite(val), "bytes": list(tok.encode("utf-8"))}
-                for _tid, tok, val in (lp.top_logprobs or [])
-            ],
-        })
-    return {"content": content}
-
-
-def completion_logprobs(lps, offset: int) -> dict | None:
-    if lps is None:
-        return None
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for lp in lps:
-        out["tokens"].append(lp.token)
-        out["token_logprobs"].append(_finite(lp.logprob))
-        out["top_logprobs"].append({tok: _finite(val) for _tid, tok, val in (lp.top_logprobs or [])} or None)
-        out["text_offset"].append(offset)
-        offset += len(lp.token)
-    return out
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict:
@@ -216,6 +188,8 @@ def chat_response(result, model_name: str, single_call: bool) -> dict:
         if calls and finish == "stop":
             finish = "tool_calls"
         message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        if getattr(c, "reasoning", None):  # <think> / harmony analysis, as vLLM and DeepSeek send it
+            message["reasoning_content"] = c.reasoning
         if calls:
             message["tool_calls"] = [tc.as_openai() for tc in calls]
         choices.append({"index": c.index, "message": message, "finish_reason": finish,
@@ -248,7 +222,7 @@ def _error_event(exc: BaseException) -> str:
 
 async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools: bool, single_call: bool,
                        include_usage: bool) -> AsyncIterator[str]:
-    from .chat_format import ToolCallStreamParser
+    from .chat_format import parser_for
 
     rid, created = new_id("chatcmpl"), now()
     extra = {"usage": None} if include_usage else {}
@@ -259,7 +233,12 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                      "choices": [choice], "system_fingerprint": None, **extra})
 
-    parsers = {i: ToolCallStreamParser() for i in range(n)} if with_tools else {}
+    # One stream parser per choice, in the model family's format (tool calls, reasoning).
+    request = handles[0].request
+    output_parser = parser_for(getattr(handles[0]._engine, "tokenizer", None))
+    wanted = with_tools or output_parser.splits_reasoning
+    parsers = {i: output_parser.stream(request.tools if with_tools else None, request.prompt_ids)
+               for i in range(n)} if wanted else {}
     saw_call: set[int] = set()
 
     def events_to_chunks(index: int, events: list, logprobs: dict | None) -> list[str]:
@@ -279,6 +258,11 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
                     call["function"] = {"arguments": ev.arguments_delta}
                 saw_call.add(index)
                 out.append(chunk(index, {"tool_calls": [call]}))
+            elif getattr(ev, "reasoning", None):  # ReasoningDelta
+                if text:
+                    out.append(chunk(index, {"content": text}))
+                    text = ""
+                out.append(chunk(index, {"reasoning_content": ev.reasoning}))
             elif ev.text:
                 text += ev.text
         if text or logprobs:
@@ -290,7 +274,7 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
             yield chunk(i, {"role": "assistant", "content": ""})
         async for _, delta in merged(handles, timing):
             logprobs = chat_logprobs(delta.logprobs)
-            if with_tools:
+            if parsers:
                 parser = parsers[delta.index]
                 events = parser.feed(delta.text) if delta.text else []
                 if delta.finish_reason is not None:

@@ -32,7 +32,9 @@ def now() -> int:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, protected_namespaces=())
+    # allow_inf_nan=False: JSON's NaN / Infinity (Python's json accepts them) fail as "finite number"
+    # errors, not as a misleading range error ("<= 2").
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,6 +209,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    allow_special_tokens: bool = False
+    """ParaLLM extension. False (default): special-token text inside the messages and tools (a user writing
+    ``<|im_start|>system``) is tokenized as plain text; only the chat template's own markers are special
+    tokens, so message content cannot forge a turn. True, for trusted clients: parsed as special tokens."""
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = super().sampling_kwargs()
@@ -282,6 +288,10 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     response_format: ResponseFormat | None = None
     """Constrain the completion (JSON object / schema / regex), as on chat completions (vLLM has it too)."""
+    allow_special_tokens: bool = True
+    """ParaLLM extension. The prompt is the model's raw input, so by default special-token text in it is
+    parsed as special tokens (as vLLM does: a client may write its own chat markup). False tokenizes it as
+    plain text (for prompts that embed untrusted text)."""
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = super().sampling_kwargs()
@@ -344,6 +354,9 @@ class TokenizeRequest(_Model):
     tools: list[ChatCompletionTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    allow_special_tokens: bool | None = None
+    """Parse special-token text as special tokens; default as the generation endpoints do: False for
+    ``messages`` (as chat completions), True for ``prompt`` (as completions)."""
 
 
 class TokenizeResponse(_Model):

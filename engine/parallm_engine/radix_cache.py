@@ -72,6 +72,8 @@ class RadixCache:
         self.root = RadixNode((), None, None)
         self.root.ref = 1  # never evicted
         self.total_bytes = 0
+        self._nodes = 0  # kept as nodes come and go, so stats() is O(1) (published every step)
+        self._tokens = 0
         self.evictions = 0
         self.evicted_tokens = 0
         self.lookups = 0
@@ -126,6 +128,7 @@ class RadixCache:
         parent = node.parent
         upper = RadixNode(node.tokens[:k], _slice_segment(node.kv, 0, k), parent)
         upper.ref = node.ref  # everyone pinning node pinned its whole path, which now includes upper
+        self._nodes += 1
         upper.last_used = node.last_used
         lower_kv = _slice_segment(node.kv, k, None)
         self.total_bytes += upper.nbytes + _segment_nbytes(lower_kv) - node.nbytes
@@ -150,6 +153,8 @@ class RadixCache:
             leaf = RadixNode(tuple(tokens[m.length :]), seg, m.node)
             m.node.children[leaf.tokens[0]] = leaf
             self.total_bytes += leaf.nbytes
+            self._nodes += 1
+            self._tokens += len(leaf.tokens)
             m = PrefixMatch(leaf, len(tokens), held=m.length)
         self.evict_to_budget()
         return m
@@ -187,6 +192,8 @@ class RadixCache:
     def _remove_leaf(self, leaf: RadixNode) -> int:
         del leaf.parent.children[leaf.tokens[0]]
         self.total_bytes -= leaf.nbytes
+        self._nodes -= 1
+        self._tokens -= len(leaf.tokens)
         self.evictions += 1
         self.evicted_tokens += len(leaf.tokens)
         freed = leaf.nbytes
@@ -226,8 +233,8 @@ class RadixCache:
         return {
             "bytes": self.total_bytes,
             "max_bytes": self.max_bytes,
-            "nodes": self.num_nodes(),
-            "tokens": self.num_tokens(),
+            "nodes": self._nodes,
+            "tokens": self._tokens,
             "evictions": self.evictions,
             "evicted_tokens": self.evicted_tokens,
             "lookups": self.lookups,

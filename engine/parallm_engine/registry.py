@@ -1,12 +1,17 @@
-"""One engine per (model, settings) per process: every ChatParaLLM / LlamaIndex object shares it."""
+"""One engine per (model, settings) per process: every ChatParaLLM / LlamaIndex object shares it.
+
+``peek`` asks without creating anything (and without importing MLX when no engine was ever created),
+so a front end can read a running engine's facts, e.g. its context window, at construction time."""
 
 from __future__ import annotations
 
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .engine import Engine
+if TYPE_CHECKING:
+    from .engine import Engine
 
 _engines: dict[tuple, Engine] = {}
 _lock = threading.Lock()
@@ -21,14 +26,24 @@ def _key(model, config: dict) -> tuple:
 
 def get_engine(model: str | os.PathLike | None = None, **config) -> Engine:
     """Return the process-wide engine for this model and settings, loading it on first use."""
+    from .engine import Engine
+
     key = _key(model, config)
     with _lock:
         eng = _engines.get(key)
-        if eng is not None and eng._dead is None:
+        if eng is not None and eng.is_alive:
             return eng
         eng = Engine(model, **config)
         _engines[key] = eng
         return eng
+
+
+def peek(model: str | os.PathLike | None = None, **config) -> Engine | None:
+    """The running engine :func:`get_engine` would return for this model and settings, or None when there
+    is none (never created, or shut down). Creates and loads nothing."""
+    with _lock:
+        eng = _engines.get(_key(model, config))
+    return eng if eng is not None and eng.is_alive else None
 
 
 def shutdown_all() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,7 +168,6 @@ class Request:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.cancelled = threading.Event()
         self.finished = False
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.remaining_choices = params.n
@@ -220,7 +218,3 @@ class RequestHandle:
 
     def __aiter__(self):
         return self.__aiter_impl()
-
-
-def cancelled_error(request: Request) -> RequestCancelledError:
-    return RequestCancelledError(f"request {request.id} was cancelled")

@@ -210,6 +210,7 @@ class Scheduler:
 
     def fail_all(self, error: BaseException) -> None:
         for req in list(self.out.requests.values()):
+            self.stats.on_abort(req)  # no longer in flight: its queue slot is free again
             self.out.end(req, error)
         for s in list(self.prefilling):
             self._release_prefill(s)

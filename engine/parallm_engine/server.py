@@ -12,9 +12,19 @@ events), ``GET /v1/models[/{id}]``, ``POST /tokenize`` and ``/detokenize`` (vLLM
 ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``.
 
 Behaviour:
-- Binds to 127.0.0.1 unless told otherwise. With an API key, every ``/v1/*`` and tokenizer request must
-  carry ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``), else 401; ``/health`` and ``/metrics``
-  stay open for load balancers and scrapers (as in vLLM).
+- Binds to 127.0.0.1 unless told otherwise. With API keys (one or several), every ``/v1/*`` and tokenizer
+  request must carry one as ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``), else 401, and so must
+  ``/docs``, ``/redoc`` and ``/openapi.json`` unless ``expose_docs``; ``/health`` and ``/metrics`` stay
+  open for load balancers and scrapers (as in vLLM).
+- Fair shares of the engine queue (:mod:`parallm_engine.queue_shares`), counted in sequences (prompts x
+  ``n``): one request may take at most ``max_request_share`` of ``max_queue`` (else 400,
+  ``too_many_sequences``), and with several keys one key at most ``max_key_share`` (else 429 with
+  ``Retry-After`` while the other keys are served).
+- Every string in a request is checked before it reaches the tokenizer, the grammar compiler or an
+  error message: lone UTF-16 surrogates (``"\\ud800"``) are refused with 400. Special-token text in chat
+  messages is tokenized as plain text unless the request sets ``allow_special_tokens`` (the chat
+  template's own markers are the only special tokens); a ``/v1/completions`` prompt is raw model input and
+  has special tokens parsed unless it sets ``allow_special_tokens: false``.
 - Every request is one engine request (``n`` choices sampled in the same batch); concurrent HTTP
   requests are decoded together. A client that disconnects (streaming or not) aborts its engine
   request, freeing its KV at the next engine step.
@@ -35,7 +45,7 @@ import os
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,6 +66,8 @@ from .openai_format import (
     merged,
     sum_usage,
 )
+from .queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, Lease, QueueShares
+from .validation import check_text, safe_text
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics, render as render_metrics
 from .protocol import (
@@ -86,7 +98,7 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
-    429: {"model": ErrorResponse, "description": "Engine queue full (see Retry-After)"},
+    429: {"model": ErrorResponse, "description": "Engine queue full, or this key's share of it (see Retry-After)"},
     503: {"model": ErrorResponse, "description": "Engine not running"},
 }
 
@@ -122,12 +134,18 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 class ServerState:
     """What the endpoints share: the engine, the names it answers to, the key, the metrics."""
 
-    def __init__(self, engine, model, api_key: str | None, served_model_name: str | list[str] | None,
-                 engine_config: dict[str, Any]):
+    def __init__(self, engine, model, api_key: str | Sequence[str] | None, served_model_name: str | list[str] | None,
+                 engine_config: dict[str, Any], max_request_share: float = DEFAULT_REQUEST_SHARE,
+                 max_key_share: float = DEFAULT_KEY_SHARE):
         self.engine = engine
         self.model_arg = model
         self.engine_config = engine_config
-        self.api_key = api_key or None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.api_keys = [k for k in dict.fromkeys(keys) if k]
+        self.api_key = self.api_keys[0] if self.api_keys else None
+        # Keys are told apart for fairness only when there are several (one key is one client).
+        self.shares = QueueShares(lambda: self.engine.max_queue, max_request_share, max_key_share,
+                                  by_key=len(self.api_keys) > 1)
         self.served_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
         self.metrics = ServerMetrics()
         self.created = now()
@@ -159,7 +177,8 @@ class ServerState:
     def check_model(self, name: str | None) -> str:
         if name in (None, "") or name in self.accepted_names():
             return self.model_name
-        raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+        shown = safe_text(name, 200)  # a name can be anything: escaped and cut short
+        raise APIError(404, f"The model `{shown}` does not exist. This server serves `{self.model_name}`.",
                        param="model", code="model_not_found")
 
     def healthy(self) -> bool:
@@ -217,10 +236,12 @@ class _EngineStream(StreamingResponse):
     """A streaming response that aborts its engine requests however the response ends (finished,
     client gone, send failed, never started)."""
 
-    def __init__(self, content, handles: list, on_close: Callable[[bool], None] | None = None):
+    def __init__(self, content, handles: list, on_close: Callable[[bool], None] | None = None,
+                 lease: Lease | None = None):
         super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
         self._handles = handles
         self._on_close = on_close
+        self._lease = lease
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -228,6 +249,8 @@ class _EngineStream(StreamingResponse):
         finally:
             aborted = any(not h.request.finished for h in self._handles)
             abort_all(self._handles)
+            if self._lease is not None:
+                self._lease.release()
             if self._on_close is not None:
                 self._on_close(aborted)
 
@@ -314,13 +337,20 @@ def _http_error_response(exc: StarletteHTTPException) -> JSONResponse:
                     headers=getattr(exc, "headers", None)).response()
 
 
-def create_app(engine=None, model=None, api_key: str | None = None, *, served_model_name: str | list[str] | None = None,
-               engine_config: dict[str, Any] | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
+def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = None, *,
+               served_model_name: str | list[str] | None = None, engine_config: dict[str, Any] | None = None,
+               max_body_bytes: int = 32 << 20, expose_docs: bool = False,
+               max_request_share: float = DEFAULT_REQUEST_SHARE, max_key_share: float = DEFAULT_KEY_SHARE) -> FastAPI:
     """The FastAPI app serving ``engine`` (or, when None, the shared engine for ``model`` and
-    ``engine_config``, loaded at startup). ``api_key``: require it on ``/v1/*`` and the tokenizer
-    endpoints. ``served_model_name``: the name(s) clients use (default: the engine's model name).
-    ``max_body_bytes``: larger request bodies are refused with 413."""
-    state = ServerState(engine, model, api_key, served_model_name, dict(engine_config or {}))
+    ``engine_config``, loaded at startup). ``api_key``: a key, or several, one of which ``/v1/*``, the
+    tokenizer endpoints and (unless ``expose_docs``) ``/docs``, ``/redoc`` and ``/openapi.json`` require.
+    ``served_model_name``: the name(s) clients use (default: the engine's model name).
+    ``max_body_bytes``: larger request bodies are refused with 413. ``max_request_share`` /
+    ``max_key_share``: the most of the engine's ``max_queue``, in sequences (prompts x n), that one
+    request / one key (with several keys) may hold (see :mod:`parallm_engine.queue_shares`)."""
+    state = ServerState(engine, model, api_key, served_model_name, dict(engine_config or {}),
+                        max_request_share=max_request_share, max_key_share=max_key_share)
+    docs_behind_key = bool(state.api_keys) and not expose_docs
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -328,8 +358,9 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
             await asyncio.to_thread(state.load_engine)
         yield
 
+    hidden = {"openapi_url": None, "docs_url": None, "redoc_url": None} if docs_behind_key else {}
     app = FastAPI(title="ParaLLM", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API on ParaLLM's continuous-batching engine.")
+                  description="OpenAI-compatible API on ParaLLM's continuous-batching engine.", **hidden)
     app.state.parallm = state
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.add_middleware(_HTTPCounter, metrics=state.metrics)
@@ -358,15 +389,44 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
 
     # -- auth ---------------------------------------------------------------------------------------
     async def require_key(request: Request) -> None:
-        if state.api_key is None:
+        if not state.api_keys:
             return
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not token or not hmac.compare_digest(token.encode(), state.api_key.encode()):
+        # Headers arrive as latin-1 text: compare bytes, every key (no early exit on a match).
+        raw = token.encode("latin-1", "replace")
+        matches = [hmac.compare_digest(raw, key.encode()) for key in state.api_keys]
+        if not token or not any(matches):
             raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        request.state.parallm_key = matches.index(True)  # which client, for its share of the queue
+
+    async def require_valid_text(request: Request) -> None:
+        """400 for a body with a string that is not valid Unicode (a lone UTF-16 surrogate, which JSON can
+        carry), anywhere in it: before anything tokenizes it, compiles it or quotes it in an error."""
+        try:
+            body = await request.json()  # parsed once: FastAPI has already read it (and cached it)
+        except Exception:  # not JSON: FastAPI's validation answers it
+            return
+        check_text(body, "")
 
     auth = [Depends(require_key)]
+    checked = [Depends(require_key), Depends(require_valid_text)]  # in this order: 401 before 400
+
+    if docs_behind_key:  # the schema and its viewers need a key too (a browser can't send one: --expose-docs)
+        from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+        async def openapi_schema():
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False, dependencies=auth)
+        async def swagger_docs():
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="ParaLLM - Swagger UI")
+
+        @app.get("/redoc", include_in_schema=False, dependencies=auth)
+        async def redoc_docs():
+            return get_redoc_html(openapi_url="/openapi.json", title="ParaLLM - ReDoc")
 
     # -- info endpoints ------------------------------------------------------------------------------
     @app.get("/health", response_model=HealthResponse, responses={503: _ERROR_RESPONSES[503]})
@@ -401,7 +461,7 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
         return _card()
 
     # -- tokenizer ------------------------------------------------------------------------------------
-    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth,
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=checked,
               responses={k: _ERROR_RESPONSES[k] for k in (400, 401, 404)})
     async def tokenize(req: TokenizeRequest):
         state.check_model(req.model)
@@ -411,12 +471,14 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
         if req.messages is not None:
             msgs = [_message_dict(m) for m in req.messages]
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = list(eng.apply_chat_template(msgs, tools=tools, add_generation_prompt=req.add_generation_prompt))
+            ids = list(eng.apply_chat_template(msgs, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                                               allow_special_tokens=bool(req.allow_special_tokens)))
         else:
-            ids = eng.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            allow = True if req.allow_special_tokens is None else req.allow_special_tokens
+            ids = eng.encode(req.prompt, add_special_tokens=req.add_special_tokens, allow_special_tokens=allow)
         return TokenizeResponse(count=len(ids), max_model_len=eng.context_window, tokens=ids)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=auth,
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=checked,
               responses={k: _ERROR_RESPONSES[k] for k in (400, 401, 404)})
     async def detokenize(req: DetokenizeRequest):
         state.check_model(req.model)
@@ -455,6 +517,14 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
         state.metrics.count_outcome(endpoint, "finished")
         return results
 
+    def reserve(request: Request, cost: int, endpoint: str, param: str) -> Lease:
+        """This request's share of the queue (400 / 429 when over a limit); released when it ends."""
+        try:
+            return state.shares.acquire(getattr(request.state, "parallm_key", None), cost, param=param)
+        except APIError:
+            state.metrics.count_outcome(endpoint, "rejected")
+            raise
+
     async def submit(prompts: list, kwargs: dict, endpoint: str, offload: bool) -> list:
         eng = state.engine_or_503()
         loop = asyncio.get_running_loop()
@@ -479,7 +549,7 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
                     state.metrics.count_outcome(endpoint, "error")
         return on_close
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=checked,
               responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         model_name = state.check_model(req.model)
@@ -502,17 +572,23 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
         if response_format is not None:
             kwargs["response_format"] = response_format
         constrained = response_format is not None or (tools and tool_choice not in (None, "auto"))
-        prompt = eng.apply_chat_template(messages, tools=tools)
+        prompt = eng.apply_chat_template(messages, tools=tools, allow_special_tokens=req.allow_special_tokens)
         timing = Timing(state.metrics)
-        handles = await submit([prompt], kwargs, "chat", offload=bool(constrained))
-        single_call = req.parallel_tool_calls is False
-        if req.stream:
-            gen = chat_stream(handles, timing, model_name, tools is not None, single_call, req.include_usage)
-            return _EngineStream(gen, handles, stream_closed("chat", timing, handles))
-        result = (await run_to_completion(request, handles, timing, "chat"))[0]
+        lease = reserve(request, req.n or 1, "chat", "n")
+        try:
+            handles = await submit([prompt], kwargs, "chat", offload=bool(constrained))
+            single_call = req.parallel_tool_calls is False
+            if req.stream:
+                gen = chat_stream(handles, timing, model_name, tools is not None, single_call, req.include_usage)
+                stream, lease = _EngineStream(gen, handles, stream_closed("chat", timing, handles), lease), None
+                return stream  # the stream gives the lease back when it ends
+            result = (await run_to_completion(request, handles, timing, "chat"))[0]
+        finally:
+            if lease is not None:
+                lease.release()
         return JSONResponse(chat_response(result, model_name, single_call))
 
-    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth,
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=checked,
               responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def completions(req: CompletionRequest, request: Request):
         model_name = state.check_model(req.model)
@@ -528,17 +604,26 @@ def create_app(engine=None, model=None, api_key: str | None = None, *, served_mo
             kwargs["response_format"] = response_format
         n = req.n or 1
         timing = Timing(state.metrics)
-        handles = await submit(prompts, kwargs, "completions", offload=response_format is not None)
-        try:  # after submit, which has checked token ids are in the vocabulary
-            echoes = [(p if isinstance(p, str) else eng.decode(p)) if req.echo else "" for p in prompts]
-        except BaseException:
-            abort_all(handles)
-            raise
-        if req.stream:
-            gen = completion_stream(handles, timing, model_name, n, echoes, req.logprobs is not None,
-                                     req.include_usage)
-            return _EngineStream(gen, handles, stream_closed("completions", timing, handles))
-        results = await run_to_completion(request, handles, timing, "completions")
+        lease = reserve(request, len(prompts) * n, "completions", "prompt")
+        try:
+            # Plain-text tokenizing of text prompts when asked (the engine itself parses special tokens).
+            engine_prompts = prompts if req.allow_special_tokens else [
+                eng.encode(p, allow_special_tokens=False) if isinstance(p, str) else p for p in prompts]
+            handles = await submit(engine_prompts, kwargs, "completions", offload=response_format is not None)
+            try:  # after submit, which has checked token ids are in the vocabulary
+                echoes = [(p if isinstance(p, str) else eng.decode(p)) if req.echo else "" for p in prompts]
+            except BaseException:
+                abort_all(handles)
+                raise
+            if req.stream:
+                gen = completion_stream(handles, timing, model_name, n, echoes, req.logprobs is not None,
+                                         req.include_usage)
+                stream, lease = _EngineStream(gen, handles, stream_closed("completions", timing, handles), lease), None
+                return stream  # the stream gives the lease back when it ends
+            results = await run_to_completion(request, handles, timing, "completions")
+        finally:
+            if lease is not None:
+                lease.release()
         return JSONResponse(completion_response(results, model_name, n, echoes, req.logprobs is not None))
 
     return app
@@ -570,26 +655,41 @@ def _completion_prompts(prompt) -> list:
 # ----------------------------------------------------------------------------------------------
 
 
-def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
-          served_model_name: str | list[str] | None = None, log_level: str = "info", **engine_config) -> None:
+def api_keys_from_env() -> list[str]:
+    """Keys from ``$PARALLM_API_KEYS`` (comma-separated) and ``$PARALLM_API_KEY``."""
+    keys = [k.strip() for k in os.environ.get("PARALLM_API_KEYS", "").split(",")]
+    keys.append(os.environ.get("PARALLM_API_KEY", "").strip())
+    return [k for k in dict.fromkeys(keys) if k]
+
+
+def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | Sequence[str] | None = None, *,
+          served_model_name: str | list[str] | None = None, log_level: str = "info", expose_docs: bool = False,
+          max_request_share: float = DEFAULT_REQUEST_SHARE, max_key_share: float = DEFAULT_KEY_SHARE,
+          **engine_config) -> None:
     """Load the model (the process-wide shared engine) and serve it until interrupted.
 
-    ``api_key`` defaults to ``$PARALLM_API_KEY``; ``engine_config`` goes to :func:`get_engine`
-    (``max_batch_size``, ``max_queue``, ``enable_prefix_cache``, ...).
+    ``api_key`` (one key or several) defaults to ``$PARALLM_API_KEYS`` (comma-separated) and
+    ``$PARALLM_API_KEY``; ``expose_docs``, ``max_request_share`` and ``max_key_share`` are
+    :func:`create_app`'s; ``engine_config`` goes to :func:`get_engine` (``max_batch_size``, ``max_queue``,
+    ``enable_prefix_cache``, ...).
     """
     import uvicorn
 
     from .registry import get_engine
 
-    api_key = api_key or os.environ.get("PARALLM_API_KEY") or None
+    keys = ([api_key] if isinstance(api_key, str) else list(api_key or [])) or api_keys_from_env()
     engine = get_engine(model, **engine_config)
-    app = create_app(engine=engine, model=model, api_key=api_key, served_model_name=served_model_name)
-    if host not in LOOPBACK_HOSTS and api_key is None:
+    app = create_app(engine=engine, model=model, api_key=keys, served_model_name=served_model_name,
+                     expose_docs=expose_docs, max_request_share=max_request_share, max_key_share=max_key_share)
+    if host not in LOOPBACK_HOSTS and not keys:
         logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
                        "(pass --api-key to require one)", host)
     shown = f"[{host}]" if ":" in host else host
     print(f"ParaLLM serving {app.state.parallm.model_name} at http://{shown}:{port}/v1"
-          f"{' (API key required)' if api_key else ''}", flush=True)
+          f"{' (API key required)' if keys else ''}", flush=True)
+    shares = app.state.parallm.shares
+    print(f"Queue shares: one request at most {shares.request_limit()} sequences (prompts x n)"
+          + (f", one key at most {shares.key_limit()}" if shares.key_limit() else ""), flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 

@@ -40,17 +40,25 @@ class EngineBackend:
 
     tool_markup_in_text = True
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, allow_special_tokens: bool = False):
         self.engine = engine
+        self.allow_special_tokens = allow_special_tokens  # parse special-token text in messages (trusted only)
 
     @property
     def model_name(self) -> str:
         return self.engine.model_name
 
+    @property
+    def output_parser(self):
+        """The model family's tool-call / reasoning format, to split the raw text of stream deltas."""
+        from parallm_engine.chat_format import parser_for
+
+        return parser_for(getattr(self.engine, "tokenizer", None))
+
     def _engine_prompt(self, prompt: list[dict[str, Any]] | str, req: EngineRequest) -> list[int] | str:
         if isinstance(prompt, str):
             return prompt
-        return self.engine.apply_chat_template(prompt, tools=req.tools)
+        return self.engine.apply_chat_template(prompt, tools=req.tools, allow_special_tokens=self.allow_special_tokens)
 
     def run(self, prompt: list[dict[str, Any]] | str, req: EngineRequest):
         call = EngineCall(self.engine, self._engine_prompt(prompt, req), req)
@@ -96,9 +104,10 @@ class RemoteBackend:
 
     tool_markup_in_text = False
 
-    def __init__(self, client: Any, model: str | None):
+    def __init__(self, client: Any, model: str | None, allow_special_tokens: bool = False):
         self.client = client
         self.model = model
+        self.allow_special_tokens = allow_special_tokens
 
     @property
     def model_name(self) -> str:
@@ -111,6 +120,8 @@ class RemoteBackend:
             kw["timeout"] = req.timeout
         if req.response_format is not None:
             kw["response_format"] = req.response_format
+        if chat and self.allow_special_tokens:  # a ParaLLM extension, sent only when not the default
+            kw["allow_special_tokens"] = True
         if chat and req.tools:
             # The tools as shown to the model; the server constrains decoding itself (parallm serve closes
             # the argument schemas as the in-process engine does).

@@ -1,17 +1,18 @@
 """Engine-shaped results -> LlamaIndex responses.
 
-Both backends (``_backends``: the in-process engine and an OpenAI-compatible server) give
-``GenerationResult``s and ``StreamDelta``s, so the ``ChatResponse`` / ``CompletionResponse`` objects are
-built here once. The one difference is where tool calls are found: the engine's stream carries the
-model's raw text, tool-call markup included, which is parsed here; a server has parsed it already and
-sends ``tool_calls`` deltas (``RemoteDelta.tool_calls``) and content without the markup.
+Both backends (``_backends``: the in-process engine and an OpenAI-compatible server) give results and
+deltas with the engine's fields (``GenerationResult`` / ``StreamDelta``; a server's are ``RemoteResult`` /
+``RemoteDelta``), so the ``ChatResponse`` / ``CompletionResponse`` objects are built here once. Finished
+results carry the tool calls the engine (or the server) parsed; nothing is re-parsed here. The one
+difference is in streams: the engine's deltas carry the model's raw text, tool-call markup included,
+split here by the engine's own stream parser (``chat_format.ToolCallStreamParser``); a server has split
+it already and sends ``tool_calls`` deltas (``RemoteDelta.tool_calls``) and content without the markup.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -21,8 +22,11 @@ from llama_index.core.base.llms.types import (
     LogProb,
     MessageRole,
     TextBlock,
+    ThinkingBlock,
     ToolCallBlock,
 )
+
+from parallm_integrations._messages import logprobs_to_openai, token_usage_dict
 
 from ._messages import call_to_openai
 
@@ -41,22 +45,27 @@ def raw_dict(request_id: str, model: str, finish_reason: str | None, usage: Any,
     """A response's ``raw``: OpenAI-shaped id, model, finish_reason, usage and tool calls."""
     raw: dict[str, Any] = {"id": request_id, "model": model, "finish_reason": finish_reason}
     if usage is not None:
-        raw["usage"] = usage.as_dict()
+        raw["usage"] = token_usage_dict(usage)
     if tool_calls:
         raw["tool_calls"] = tool_calls
     return raw
 
 
-def logprobs_lists(logprobs: Sequence[Any] | None) -> list[list[LogProb]] | None:
-    """Engine token logprobs -> LlamaIndex's per-position lists (the chosen token, then alternatives)."""
-    if not logprobs:
+def logprobs_lists(logprobs: Any) -> list[list[LogProb]] | None:
+    """A result's logprobs (the engine's, or the OpenAI dict a server sent) -> LlamaIndex's per-position
+    lists (the chosen token, then the alternatives), read from the one OpenAI-shaped formatting
+    (``_messages.logprobs_to_openai``: -inf is -9999.0 here as in LangChain metadata)."""
+    formatted = logprobs_to_openai(logprobs)
+    if not formatted:
         return None
     out = []
-    for lp in logprobs:
-        row = [LogProb(token=lp.token, logprob=float(lp.logprob), bytes=list(lp.token.encode("utf-8")))]
-        for _tid, tok, val in lp.top_logprobs or []:
-            if tok != lp.token:
-                row.append(LogProb(token=tok, logprob=float(val), bytes=list(tok.encode("utf-8"))))
+    for entry in formatted["content"]:
+        token = entry["token"]
+        row = [LogProb(token=token, logprob=float(entry["logprob"]), bytes=list(token.encode("utf-8")))]
+        for alt in entry.get("top_logprobs") or []:
+            if alt["token"] != token:
+                row.append(LogProb(token=alt["token"], logprob=float(alt["logprob"]),
+                                   bytes=list(alt["token"].encode("utf-8"))))
         out.append(row)
     return out
 
@@ -75,11 +84,13 @@ class ToolCalls:
         return [call_to_openai(c["id"], c["name"], c["args"]) for c in self.items]
 
 
-def assistant_message(content: str, calls: ToolCalls) -> ChatMessage:
+def assistant_message(content: str, calls: ToolCalls, reasoning: str | None = None) -> ChatMessage:
+    """The answer; reasoning (``<think>`` / harmony analysis) as a ``ThinkingBlock``, never in the text."""
     kwargs: dict[str, Any] = {}
     if calls.items:
         kwargs["tool_calls"] = calls.openai()
-    return ChatMessage(role=MessageRole.ASSISTANT, blocks=[TextBlock(text=content), *calls.blocks()],
+    thinking = [ThinkingBlock(content=reasoning)] if reasoning else []
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=[*thinking, TextBlock(text=content), *calls.blocks()],
                        additional_kwargs=kwargs)
 
 
@@ -89,34 +100,42 @@ class ChatStream:
     ``parse_markup``: the deltas carry the model's raw text (in-process), so tool calls are parsed out of
     it; otherwise they come as the deltas' own ``tool_calls`` (a server parsed them)."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None, single_call: bool, parse_markup: bool = True):
+    def __init__(self, tools: list[dict[str, Any]] | None, single_call: bool, parse_markup: bool = True,
+                 output_parser: Any = None):
         self.single = single_call
         self.content = ""
+        self.reasoning = ""  # cumulative; ``reasoning_delta`` is the last update's part
+        self.reasoning_delta = ""
         self.calls = ToolCalls()
         self._parser = None
         self._by_index: dict[int, dict[str, Any]] = {}
         self._finished = False
-        if tools and parse_markup:
-            from parallm_engine.chat_format import ToolCallStreamParser
+        if parse_markup:
+            # The model family's format (``chat_format.parser_for(engine.tokenizer)``), one per request.
+            from parallm_engine.chat_format import default_parser
 
-            self._parser = ToolCallStreamParser()
+            output_parser = output_parser or default_parser()
+            if tools or output_parser.splits_reasoning:
+                self._parser = output_parser.stream(tools)
 
     def update(self, delta: Any) -> str | None:
         """Feed one delta; returns the content delta of the chunk to emit, or None when nothing changed
         (no text, no tool-call progress, no usage). The delta that ends the choice completes the calls."""
+        self.reasoning_delta = ""
         text, changed = self.feed(delta)
         if delta.usage is not None or delta.finish_reason is not None:
             tail, changed2 = self.finish()
             text, changed = text + tail, changed or changed2
+        changed = changed or bool(self.reasoning_delta)
         return text if (text or changed or delta.usage is not None) else None
 
     def feed(self, delta: Any) -> tuple[str, bool]:
         """Returns (content delta, whether the tool calls changed)."""
         if self._parser is not None:
             return self._apply(self._parser.feed(delta.text))
-        from parallm_engine.chat_format import ContentDelta
-
-        events: list[Any] = [ContentDelta(delta.text)] if delta.text else []
+        events: list[Any] = [_Reasoning(delta.reasoning)] if getattr(delta, "reasoning", None) else []
+        if delta.text:
+            events.append(_Text(delta.text))
         events.extend(getattr(delta, "tool_calls", None) or [])
         return self._apply(events)
 
@@ -148,13 +167,16 @@ class ChatStream:
         return delta, before != [(c["id"], c["args"]) for c in self.calls.items]
 
     def _apply(self, events: list) -> tuple[str, bool]:
-        from parallm_engine.chat_format import ContentDelta, ToolCallDelta
-
+        """Events are content (``.text``) or tool-call pieces (``.index``, ``.id``, ``.name``,
+        ``.arguments_delta``): the engine parser's ``ContentDelta`` / ``ToolCallDelta``, or a server's."""
         delta, changed = [], False
         for ev in events:
-            if isinstance(ev, ContentDelta):
+            if getattr(ev, "reasoning", None):  # chat_format.ReasoningDelta
+                self.reasoning += ev.reasoning
+                self.reasoning_delta += ev.reasoning
+            elif not hasattr(ev, "arguments_delta"):
                 delta.append(ev.text)
-            elif isinstance(ev, ToolCallDelta):
+            else:
                 if self.single and ev.index > 0:
                     continue
                 call = self._by_index.get(ev.index)
@@ -170,6 +192,24 @@ class ChatStream:
         return text, changed
 
 
+class _Text:
+    """A content event (what ``chat_format.ContentDelta`` is to the engine's stream parser)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+class _Reasoning:
+    """A server's reasoning_content piece (what ``chat_format.ReasoningDelta`` is to the stream parser)."""
+
+    __slots__ = ("reasoning",)
+
+    def __init__(self, reasoning: str):
+        self.reasoning = reasoning
+
+
 # --------------------------------------------------------------------------------------------
 # Whole responses and stream chunks
 # --------------------------------------------------------------------------------------------
@@ -180,21 +220,16 @@ def chat_response(result: Any, tools: list[dict[str, Any]] | None, single_call: 
     """A finished chat request (its first choice) as a ``ChatResponse``."""
     choice = result.choices[0]
     calls = ToolCalls()
-    content = choice.text
+    content = choice.content if choice.content is not None else choice.text
     if tools:
-        if choice.content is not None:  # the engine / the server split content and calls already
-            content, parsed = choice.content, list(choice.tool_calls)
-        else:
-            from parallm_engine.chat_format import parse_tool_calls
-
-            content, parsed = parse_tool_calls(choice.text, tools)
-        parsed = [c for c in parsed if not getattr(c, "error", None)]  # a server's unparsable arguments
+        # The engine (given the tools) or the server parsed the calls once; nothing is re-parsed here.
+        parsed = [c for c in choice.tool_calls if not getattr(c, "error", None)]  # unparsable arguments
         if single_call:
             parsed = parsed[:1]
         calls.items = [{"id": c.id, "name": c.name, "args": dict(c.arguments)} for c in parsed]
     finish = "tool_calls" if calls.items and choice.finish_reason == "stop" else choice.finish_reason
     return ChatResponse(
-        message=assistant_message(content, calls),
+        message=assistant_message(content, calls, getattr(choice, "reasoning", None)),
         raw=raw_dict(result.request_id, model_name, finish, result.usage, calls.openai()),
         additional_kwargs=usage_kwargs(result.usage),
         logprobs=logprobs_lists(choice.logprobs),
@@ -220,12 +255,13 @@ def chat_chunk(state: ChatStream, delta_text: str, item: Any, model_name: str) -
         finish = item.finish_reason
         raw["finish_reason"] = "tool_calls" if state.calls.items and finish == "stop" else finish
     if usage is not None:
-        raw["usage"] = usage.as_dict()
+        raw["usage"] = token_usage_dict(usage)
+    extra = {"thinking_delta": state.reasoning_delta} if state.reasoning_delta else {}
     return ChatResponse(
-        message=assistant_message(state.content, state.calls),
+        message=assistant_message(state.content, state.calls, state.reasoning),
         delta=delta_text,
         raw=raw,
-        additional_kwargs=usage_kwargs(usage),
+        additional_kwargs={**usage_kwargs(usage), **extra},
         logprobs=logprobs_lists(getattr(item, "logprobs", None)),
     )
 
@@ -236,7 +272,7 @@ def completion_chunk(text: str, item: Any, model_name: str) -> CompletionRespons
     if item.finish_reason:
         raw["finish_reason"] = item.finish_reason
     if item.usage is not None:
-        raw["usage"] = item.usage.as_dict()
+        raw["usage"] = token_usage_dict(item.usage)
     return CompletionResponse(text=text, delta=item.text, raw=raw, additional_kwargs=usage_kwargs(item.usage),
                               logprobs=logprobs_lists(item.logprobs))
 

@@ -40,7 +40,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, SecretStr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW, DEFAULT_NUM_OUTPUTS
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.llm import (
@@ -56,6 +56,7 @@ from llama_index.core.types import PydanticProgramMode
 from parallm_integrations._common import (
     DEFAULT_MODEL_NAME,
     EngineRequest,
+    check_sampling,
     is_default_model,
     peek_context_window,
     resolve_engine,
@@ -151,10 +152,12 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         "get different engines.",
     )
     temperature: float | None = Field(
-        default=None, ge=0.0, description="Sampling temperature (0 = greedy). None uses the engine default (1.0)."
+        default=None,
+        description="Sampling temperature, >= 0 (0 = greedy). None uses the model's recommendation where it has "
+        "one (generation_config.json, GGUF metadata; SmolLM2: 0.2 with top_p 0.9), else 1.0.",
     )
     max_tokens: int | None = Field(
-        default=None, gt=0,
+        default=None,
         description="Most tokens to generate per call. None generates until the model stops or the context "
         "window is full. Also LlamaIndex's num_output (the room PromptHelper leaves for the answer).",
     )
@@ -201,6 +204,14 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         "base_url the chat-template case goes to /v1/chat/completions (the server applies its template), raw "
         "text to /v1/completions.",
     )
+    allow_special_tokens: bool = Field(
+        default=False,
+        description="Whether special-token text inside chat messages and tools ('<|im_start|>system' in a user's "
+        "message) is parsed as special tokens. False (default): it is tokenized as plain text, so content cannot "
+        "forge a turn; only the chat template's own markers are special tokens. True only for trusted input. "
+        "Raw-text completions (formatted=True, or complete_with_chat_template=False) are the model's raw input "
+        "and always have special tokens parsed. With base_url it is sent to the server (parallm serve reads it).",
+    )
     base_url: str | None = Field(
         default_factory=lambda: os.environ.get("PARALLM_BASE_URL") or None,
         description="URL of an OpenAI-compatible server (parallm serve, vLLM, SGLang, mlx-lm's server; e.g. "
@@ -221,6 +232,13 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     _engine: Any = PrivateAttr(default=None)
     _remote_retry_at: float = PrivateAttr(default=0.0)  # /v1/models failed: fall back until then
 
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        """Invalid sampling settings fail here, at construction, with the engine's messages."""
+        fields = {name: getattr(self, name) for name in (*_SAMPLING_FIELDS, "stop")}
+        check_sampling({**self.additional_kwargs, **{k: v for k, v in fields.items() if v is not None}})
+        return self
+
     @classmethod
     def class_name(cls) -> str:
         return "ParaLLMLlamaIndex"
@@ -234,14 +252,14 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
                 "in-process engine (drop base_url to run the model in this process)"
             )
         eng = self._engine
-        if eng is None or getattr(eng, "_dead", None) is not None:
+        if eng is None or not eng.is_alive:
             eng = resolve_engine(self.model, self.engine_kwargs)
             self._engine = eng
         return eng
 
     async def _aget_engine(self):
         eng = self._engine
-        if eng is not None and getattr(eng, "_dead", None) is None:
+        if eng is not None and eng.is_alive:
             return eng
         return await asyncio.to_thread(self._get_engine)  # never load on the event loop
 
@@ -260,13 +278,13 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
 
     def _backend(self) -> EngineBackend | RemoteBackend:
         if self.base_url:
-            return RemoteBackend(self._client(), self.model)
-        return EngineBackend(self._get_engine())
+            return RemoteBackend(self._client(), self.model, self.allow_special_tokens)
+        return EngineBackend(self._get_engine(), self.allow_special_tokens)
 
     async def _abackend(self) -> EngineBackend | RemoteBackend:
         if self.base_url:
-            return RemoteBackend(self._client(), self.model)
-        return EngineBackend(await self._aget_engine())
+            return RemoteBackend(self._client(), self.model, self.allow_special_tokens)
+        return EngineBackend(await self._aget_engine(), self.allow_special_tokens)
 
     @staticmethod
     def _model_name(backend: EngineBackend | RemoteBackend, item: Any) -> str:
@@ -406,7 +424,8 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         deltas = backend.stream(messages_to_dicts(messages), req)
 
         def gen() -> ChatResponseGen:
-            state = ChatStream(req.tools, req.parallel_tool_calls is False, backend.tool_markup_in_text)
+            state = ChatStream(req.tools, req.parallel_tool_calls is False, backend.tool_markup_in_text,
+                               getattr(backend, "output_parser", None))
             try:
                 for item in deltas:
                     text = state.update(item)
@@ -425,7 +444,8 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         deltas = backend.astream(messages_to_dicts(messages), req)
 
         async def gen() -> ChatResponseAsyncGen:
-            state = ChatStream(req.tools, req.parallel_tool_calls is False, backend.tool_markup_in_text)
+            state = ChatStream(req.tools, req.parallel_tool_calls is False, backend.tool_markup_in_text,
+                               getattr(backend, "output_parser", None))
             try:
                 async for item in deltas:
                     text = state.update(item)

@@ -1,0 +1,89 @@
+"""ParaLLM's typed errors, importable whether or not the in-process engine is installed.
+
+With the engine installed these ARE ``parallm_engine.errors``' classes (a plain-Python module: importing
+it loads no MLX), so ``except parallm_engine.InvalidRequestError`` catches an error from the in-process
+engine and from a server (``base_url=``) alike. Without it (``pip install parallm-integrations``, the
+``engine`` extra left out, for ``base_url=`` only) the same hierarchy is defined here; the test suite
+checks the two match (``tests/test_remote_without_mlx.py``).
+
+:class:`EngineNotInstalledError` is the one error of this package's own: an in-process model was asked for
+where the engine (``parallm-engine``, with MLX) cannot be imported.
+
+This module is imported only when one of its errors is raised or caught by name: importing
+``parallm_integrations`` does not import it (nor anything of ``parallm_engine``).
+"""
+
+from __future__ import annotations
+
+try:
+    from parallm_engine.errors import (
+        ContextLengthExceededError,
+        EngineDeadError,
+        GrammarError,
+        InvalidRequestError,
+        ModelLoadError,
+        ParaLLMError,
+        QueueFullError,
+        RequestCancelledError,
+        UnsupportedModelError,
+    )
+except ImportError:  # the engine is not installed: the same classes, for the base_url= path
+
+    class ParaLLMError(Exception):  # type: ignore[no-redef]
+        """Base class of every error raised by parallm_engine."""
+
+    class InvalidRequestError(ParaLLMError, ValueError):  # type: ignore[no-redef]
+        """A request argument is out of range or of the wrong type (HTTP 400)."""
+
+        def __init__(self, message: str, param: str | None = None):
+            super().__init__(message)
+            self.param = param
+
+    class ContextLengthExceededError(InvalidRequestError):  # type: ignore[no-redef]
+        """The prompt (plus max_tokens where it was given) does not fit the model's context window."""
+
+    class ModelLoadError(ParaLLMError):  # type: ignore[no-redef]
+        """The model path does not exist or cannot be loaded."""
+
+    class QueueFullError(ParaLLMError):  # type: ignore[no-redef]
+        """The engine's waiting queue is at its bound; retry later (HTTP 429)."""
+
+        def __init__(self, message: str, retry_after: float = 1.0):
+            super().__init__(message)
+            self.retry_after = retry_after
+
+    class RequestCancelledError(ParaLLMError):  # type: ignore[no-redef]
+        """The request was aborted before it finished (caller cancelled, iterator closed, timeout)."""
+
+    class GrammarError(InvalidRequestError):  # type: ignore[no-redef]
+        """A response_format / schema / regex the grammar engine rejects."""
+
+    class EngineDeadError(ParaLLMError):  # type: ignore[no-redef]
+        """The engine thread stopped (shut down or crashed); no new requests are accepted."""
+
+    class UnsupportedModelError(ModelLoadError):  # type: ignore[no-redef]
+        """The model loads, but the engine cannot run its family correctly (refused at load, never run wrong)."""
+
+
+#: The modules whose absence means "the engine is not installed" (not, say, a model family mlx-lm lacks).
+ENGINE_MODULES = frozenset({"parallm_engine", "mlx", "mlx.core", "mlx.nn", "mlx_lm"})
+
+
+class EngineNotInstalledError(ImportError):
+    """An in-process model was asked for, but the engine cannot be imported here."""
+
+    def __init__(self, what: str, missing: str | None = None):
+        super().__init__(
+            f"{what} runs the model in-process on the ParaLLM engine, which is not installed here"
+            f"{f' (no module named {missing!r})' if missing else ''}. Install it with "
+            "`pip install 'parallm-integrations[engine]'`, or pass base_url= to use a ParaLLM / "
+            "OpenAI-compatible server (`parallm serve`, vLLM, SGLang) instead.",
+            name=missing,
+        )
+
+
+__all__ = [
+    "ContextLengthExceededError", "EngineDeadError", "EngineNotInstalledError", "GrammarError",
+    "InvalidRequestError", "ModelLoadError", "ParaLLMError", "QueueFullError", "RequestCancelledError",
+    "UnsupportedModelError",
+]

@@ -336,29 +336,31 @@ def _env_off(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
 
 
+def _queried_size(mx, module: str, keys: tuple[str, ...]) -> int | None:
+    """A size from MLX's ``device_info()`` (top level or under ``mx.<module>``), guarded: None when the
+    build has no such query or it fails."""
+    for query in (getattr(mx, "device_info", None), getattr(getattr(mx, module, None), "device_info", None)):
+        try:
+            info = query() if query is not None else None
+        except Exception:
+            info = None
+        for key in keys:
+            if info and info.get(key):
+                return int(info[key])
+    return None
+
+
 def device_memory(device: str, mx=None) -> tuple[int, str]:
     """(bytes, where they were read) for ``device``: Metal's recommended working set, CUDA's device
-    memory, or physical RAM. Each query is guarded: an MLX build without it falls back to RAM."""
+    memory, or physical RAM (also where an MLX build lacks the query)."""
     if mx is not None and device == "gpu":
-        for query in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
-            try:
-                info = query() if query is not None else None
-            except Exception:
-                info = None
-            if info:
-                size = info.get("max_recommended_working_set_size") or info.get("memory_size")
-                if size:
-                    return int(size), "metal working set"
+        size = _queried_size(mx, "metal", ("max_recommended_working_set_size", "memory_size"))
+        if size:
+            return size, "metal working set"
     if mx is not None and device == "cuda":
-        for query in (getattr(mx, "device_info", None), getattr(getattr(mx, "cuda", None), "device_info", None)):
-            try:
-                info = query() if query is not None else None
-            except Exception:
-                info = None
-            if info:
-                size = info.get("total_memory") or info.get("memory_size")
-                if size:
-                    return int(size), "cuda device memory"
+        size = _queried_size(mx, "cuda", ("total_memory", "memory_size"))
+        if size:
+            return size, "cuda device memory"
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "system RAM"
     except (ValueError, OSError, AttributeError):

@@ -104,16 +104,21 @@ def copy_caches(caches: list) -> list:
     return [copy_cache(c) for c in caches]
 
 
-def cache_arrays(caches: list) -> list[mx.array]:
-    """Every array the caches hold (to evaluate them, or count their bytes)."""
+def cache_arrays(caches: list, valid_only: bool = False) -> list[mx.array]:
+    """Every array the caches hold (to evaluate them, or count their bytes). ``valid_only``: KV sliced
+    to the tokens it holds, not its step-rounded allocation."""
     out = []
     for c in caches:
         if isinstance(c, CacheList):
-            out += cache_arrays(list(c.caches))
+            out += cache_arrays(list(c.caches), valid_only)
         elif isinstance(c, ArraysCache):
             out += [a for a in c.cache if a is not None]
-        else:
-            out += [a for a in (getattr(c, "keys", None), getattr(c, "values", None)) if a is not None]
+        elif getattr(c, "keys", None) is not None:
+            if valid_only and isinstance(c.offset, int):
+                n = min(c.offset, c.keys.shape[2])
+                out += [c.keys[..., :n, :], c.values[..., :n, :]]
+            else:
+                out += [c.keys, c.values]
     return out
 
 

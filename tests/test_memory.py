@@ -210,3 +210,48 @@ def test_snapshot_cache_accounting_under_any_operation_sequence(ops, budget):
         assert all(p.tokens in held for p in pinned)
         unpinned_bytes = sum(s.nbytes for d in cache._by_len.values() for s in d.values() if s.ref == 0)
         assert cache.total_bytes <= budget or unpinned_bytes == 0 or op != "insert"
+
+
+def test_admission_takes_turns_across_groups(tiny_model_dir):
+    """One caller's 40 prompts (one group) queued first do not lock out another caller's 2: with 4
+    slots, the 2 are admitted as soon as slots free, before most of the 40 (first-come-first-served
+    would finish all 40 first)."""
+    from parallm_engine import Engine
+
+    eng = Engine(str(tiny_model_dir), max_batch_size=4, decode_lanes=1)
+    try:
+        vocab = eng.model_info.vocab_size
+        args = dict(max_tokens=8, temperature=0, ignore_eos=True)
+        big = [eng.submit(prompt_ids(10, vocab, seed=i), group="big", **args) for i in range(40)]
+        small = [eng.submit(prompt_ids(10, vocab, seed=100 + i), group="small", **args) for i in range(2)]
+        results = [eng._collect(h) for h in big + small]
+        assert all(len(r.token_ids) == 8 for r in results)
+        small_done = max(h.request.finish_time for h in small)
+        assert sum(h.request.finish_time > small_done for h in big) >= 30
+    finally:
+        eng.shutdown()
+
+
+def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
+    """Prefill tokens per step follow the measured rate and the step-time target (so aborts, arrivals
+    and running streams wait about one target at most), never below the minimum progress."""
+    from parallm_engine import Engine
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_budget=2048)
+    try:
+        sched = eng._scheduler
+
+        def budget(rate, other):
+            sched._prefill_rate, sched._other_step_s = rate, other
+            return sched.prefill_token_budget()
+
+        assert eng.run_on_engine_thread(lambda: budget(1000.0, 0.05)) == 200
+        assert eng.run_on_engine_thread(lambda: budget(100.0, 0.5)) == sched.config.min_prefill_tokens
+        assert eng.run_on_engine_thread(lambda: budget(1e6, 0.0)) == 2048
+        # A long prompt at a slow measured rate is prefilled over many steps, decode moving in between.
+        eng.run_on_engine_thread(lambda: budget(1000.0, 0.05))
+        forwards = eng.stats()["prefill_forwards"]
+        eng.generate([prompt_ids(450, eng.model_info.vocab_size, seed=5)], max_tokens=2, temperature=0)
+        assert eng.stats()["prefill_forwards"] - forwards >= 2
+    finally:
+        eng.shutdown()

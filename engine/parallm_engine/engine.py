@@ -248,12 +248,15 @@ class Engine:
         parallel_tool_calls: bool | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        group=None,
         **sampling: Any,
     ) -> RequestHandle:
         """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
 
         ``priority``: smaller runs first and is preempted last when memory runs short (vLLM's
-        convention; default 0, FIFO among equals).
+        convention; default 0, FIFO among equals). ``group`` (any hashable; default: the request
+        itself): admission takes turns across groups, so one caller's thousand prompts do not lock
+        out another's two (``generate``/``agenerate`` put one call's prompts in one group).
 
         ``response_format`` (OpenAI shape, or ``{"type": "regex", "regex": ...}``) constrains decoding
         with a grammar; so do ``tools`` (OpenAI tool dicts): "required" / named ``tool_choice`` forces a
@@ -306,7 +309,7 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
-                      tools=list(tools) if tools else None, priority=priority)
+                      tools=list(tools) if tools else None, priority=priority, group=group)
         self._commands.put(("add", req))
         self._wake.set()
         return RequestHandle(self, req)
@@ -327,8 +330,9 @@ class Engine:
         """All prompts in flight at once; results in input order. A bare string gives a one-item list."""
         handles: list[RequestHandle] = []
         try:
+            group = sampling.pop("group", None) or object()  # one call's prompts: one fairness group
             for p in self._as_list(prompts):
-                handles.append(self.submit(p, **sampling))
+                handles.append(self.submit(p, group=group, **sampling))
             return [self._collect(h) for h in handles]
         finally:
             for h in handles:
@@ -339,8 +343,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         handles: list[RequestHandle] = []
         try:
+            group = sampling.pop("group", None) or object()
             for p in self._as_list(prompts):
-                handles.append(self.submit(p, loop=loop, **sampling))
+                handles.append(self.submit(p, loop=loop, group=group, **sampling))
             return list(await asyncio.gather(*(self._acollect(h) for h in handles)))
         finally:
             for h in handles:

@@ -157,6 +157,7 @@ class Request:
         request_id: str | None = None,
         priority: int = 0,
         tools: list[dict] | None = None,
+        group=None,
     ):
         self.id = request_id or f"req-{next(_req_ids)}"
         self.prompt_ids = prompt_ids
@@ -165,6 +166,8 @@ class Request:
         self.grammar = grammar  # compiled constraint factory, or None
         self.tools = tools  # OpenAI tool dicts: tool calls are parsed from the output
         self.priority = priority
+        # Admission is fair across groups (one HTTP request, one caller's batch): see Scheduler._next_fair.
+        self.group = group if group is not None else self.id
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -23,6 +23,7 @@ the engine's own KV (``kv_cache``, ``decode_batch``, radix tree, shared prefix);
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -58,6 +59,10 @@ class SchedulerConfig:
     decode_lanes: int = 1  # parallel decode lanes (CPU cores; see decode_batch)
     cpu_kernels: bool = False  # faster attention/SwiGLU on MLX's CPU backend (see cpu_kernels)
     watermark_tokens: int = 16  # decode steps of growth every running row must have room for
+    # A step's target duration: prefill tokens per step are cut to what fits next to the decode step at
+    # the measured prefill rate, so aborts, arrivals and running streams wait at most about this long.
+    step_time_target_s: float = 0.25
+    min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
 
 
 class Sequence:
@@ -153,6 +158,9 @@ class Scheduler:
         self._mask_5d = model_type == "gemma2"
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
         self._pending: tuple | None = None
+        # Measured, for the step-time bound: prefill tokens per second and the rest of a step's time.
+        self._prefill_rate: float | None = None
+        self._other_step_s = 0.0
 
     @property
     def running(self) -> list[Sequence]:
@@ -254,17 +262,40 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
+        t0 = time.perf_counter()
         self._make_room()
         self._admit()
         with cpu_kernels.enabled(self._cpu_kernels):
-            joined = self._prefill()
+            joined, prefill_s = self._timed_prefill()
             if joined:
                 self._join(joined)
             if self.running:
                 self._decode()
             elif self._pending is not None:
                 self._flush_pending()
+        other = time.perf_counter() - t0 - prefill_s
+        self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
         self.stats.on_step(len(self.running), self.batch_kv_bytes())
+
+    def _timed_prefill(self) -> tuple[list[Sequence], float]:
+        t0 = time.perf_counter()
+        before = self.stats.prefill_tokens
+        joined = self._prefill()
+        elapsed = time.perf_counter() - t0
+        done = self.stats.prefill_tokens - before
+        if done >= self.config.min_prefill_tokens and elapsed > 0:
+            rate = done / elapsed
+            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+        return joined, elapsed
+
+    def prefill_token_budget(self) -> int:
+        """Prefill tokens this step may spend: what fits in the step-time target next to the rest of
+        the step (decode, sampling, delivery) at the measured rate; ``prefill_budget`` until measured."""
+        if self._prefill_rate is None or not self.config.step_time_target_s:
+            return self.config.prefill_budget
+        room = max(0.0, self.config.step_time_target_s - self._other_step_s)
+        fit = int(room * self._prefill_rate)
+        return max(self.config.min_prefill_tokens, min(self.config.prefill_budget, fit))
 
     def _admit(self) -> None:
         """Admit by what a sequence takes now (its context plus the watermark), not by its max_tokens:
@@ -272,16 +303,37 @@ class Scheduler:
         active = len(self.running) + len(self.prefilling)
         used = self._running_footprint(self.config.watermark_tokens)
         used += sum(self._context_bytes(s) for s in self.prefilling)
+        groups: dict = {}
+        for s in list(self.running) + list(self.prefilling):
+            groups[s.request.group] = groups.get(s.request.group, 0) + 1
         while self.waiting and active < self.config.max_batch_size:
-            seq = self.waiting[0]
+            seq = self._next_fair(groups)
             need = self._context_bytes(seq)
             # Always admit when idle, so one oversized request still runs rather than waiting forever.
             if active and used + need > self.config.kv_budget_bytes:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.prefilling.append(seq)
+            groups[seq.request.group] = groups.get(seq.request.group, 0) + 1
             active += 1
             used += need
+
+    def _next_fair(self, groups: dict) -> Sequence:
+        """The next sequence to admit: the most urgent priority first; within it, round-robin over
+        groups (one HTTP request, or one caller's batch): the waiting sequence whose group has the
+        fewest sequences admitted, the earliest first. A 1,000-prompt request cannot lock out a
+        2-prompt one that arrives after it."""
+        best_priority = self.waiting[0].request.priority
+        best, best_count = None, None
+        for s in self.waiting:
+            if s.request.priority != best_priority:
+                break
+            n = groups.get(s.request.group, 0)
+            if best is None or n < best_count:
+                best, best_count = s, n
+                if n == 0:
+                    break
+        return best
 
     def _start_prefill(self, seq: Sequence) -> None:
         """Look the context up in the prefix cache and pin what matched until the prefill is done."""
@@ -345,8 +397,8 @@ class Scheduler:
         prefilled alone, chunk by chunk, across steps; shorter ones (attention layout) together in
         forward passes (groups) of at most one chunk of tokens, except those whose uncached prefix a
         group member is computing. Sequences whose context is all cached need no forward."""
-        budget = self.config.prefill_budget
-        chunk = self.config.prefill_chunk
+        budget = self.prefill_token_budget()
+        chunk = min(self.config.prefill_chunk, budget)
         done: list[Sequence] = []
         while self.prefilling and budget > 0:
             head = self.prefilling[0]

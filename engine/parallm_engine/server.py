@@ -256,11 +256,13 @@ class _EngineStream(StreamingResponse):
 
 
 def _submit_all(engine, prompts: list, loop, kwargs: dict) -> list:
-    """Submit every prompt; if one is refused, abort the ones already queued and re-raise."""
+    """Submit every prompt as one fairness group (the scheduler takes turns across HTTP requests); if
+    one is refused, abort the ones already queued and re-raise."""
     handles = []
+    group = object()
     try:
         for p in prompts:
-            handles.append(engine.submit(p, loop=loop, **kwargs))
+            handles.append(engine.submit(p, loop=loop, group=group, **kwargs))
     except BaseException:
         abort_all(handles)
         raise

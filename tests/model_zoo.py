@@ -559,6 +559,7 @@ def build(
     group_size: int = 64,
     verify: bool = True,
     overrides: dict | None = None,
+    quant_mode: str = "affine",
 ) -> Path:
     """Write a tiny random-weight ``family`` model to ``out_dir`` and return the directory.
 
@@ -597,7 +598,7 @@ def build(
 
     if quantize_bits is not None:
         with redirect_stdout(io.StringIO()):  # quantize_model prints bits-per-weight
-            model, config = quantize_model(model, config, group_size, quantize_bits)
+            model, config = quantize_model(model, config, group_size, quantize_bits, mode=quant_mode)
 
     weights = dict(tree_flatten(model.parameters()))
     for prefix in _DROP_MODULES.get(family, ()):

@@ -57,11 +57,11 @@ def _reference_model(path, engine):
     return model
 
 
-def _check_family(family: str, tmp_path, tokenizer_dir, quantize_bits=None):
+def _check_family(family: str, tmp_path, tokenizer_dir, quantize_bits=None, **build_kwargs):
     import mlx.core as mx
 
     tok_dir, vocab = tokenizer_dir
-    path = build(family, tmp_path / family, tok_dir, vocab, quantize_bits=quantize_bits)
+    path = build(family, tmp_path / family, tok_dir, vocab, quantize_bits=quantize_bits, **build_kwargs)
     eng = _engine(path)
     try:
         ref = _reference_model(path, eng)
@@ -123,6 +123,12 @@ def test_family_matches_mlx_lm(family, tmp_path, tokenizer_dir):
 @pytest.mark.parametrize("family", QUANTIZED)
 def test_quantized_family_matches_mlx_lm(family, tmp_path, tokenizer_dir):
     _check_family(family, tmp_path, tokenizer_dir, quantize_bits=4)
+
+
+def test_mxfp4_gpt_oss_matches_mlx_lm(tmp_path, tokenizer_dir):
+    """gpt-oss as it ships: mxfp4 weights (group 32). The KV size is the activations' dtype's."""
+    eng = _check_family("gpt_oss", tmp_path, tokenizer_dir, quantize_bits=4, quant_mode="mxfp4", group_size=32)
+    assert eng.model_info.dtype in ("float32", "bfloat16", "float16")
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

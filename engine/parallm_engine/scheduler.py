@@ -32,16 +32,16 @@ import mlx.core as mx
 from . import cpu_kernels
 from .constrained import apply_constraints
 from .decode_batch import DecodeBatch
-from .detokenizer import IncrementalDetokenizer
 from .errors import RequestCancelledError
 from .kv_cache import PrefillBatchKV, SequenceKV, prefill_layout
-from .model_caches import MixedDecodeBatch, cache_arrays, cache_layout, caches_nbytes, make_cache
+from .model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
 from .output_processor import OutputProcessor
 from .prefix_sharing import shared_prefix_flags
-from .radix_cache import PrefixMatch, RadixCache
+from .radix_cache import RadixCache
 from .request import Request
-from .sampling import SeqSampler, sample_batch
-from .snapshot_cache import Snapshot, SnapshotCache
+from .sampling import sample_batch
+from .sequence import Sequence, common_prefix_len, next_inputs
+from .snapshot_cache import SnapshotCache
 from .stats import EngineStats
 
 logger = logging.getLogger("parallm_engine")
@@ -63,56 +63,6 @@ class SchedulerConfig:
     # the measured prefill rate, so aborts, arrivals and running streams wait at most about this long.
     step_time_target_s: float = 0.25
     min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
-
-
-class Sequence:
-    """One generated choice of a request."""
-
-    def __init__(self, request: Request, index: int, tokenizer, eos_ids: set[int]):
-        p = request.params
-        self.request = request
-        self.index = index
-        self.prompt_ids = request.prompt_ids
-        self.sampler = SeqSampler(p, request.prompt_ids, seed_offset=index)
-        self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.include_stop_str_in_output)
-        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
-        self.output_ids: list[int] = []
-        self.logprobs = [] if p.logprobs else None
-        self.max_new = p.max_tokens
-        self.constraint = request.grammar() if request.grammar is not None else None
-        self.finish_reason: str | None = None
-        self.stop_reason = None
-        self.preemptions = 0
-        self._reset_prefill()
-
-    def _reset_prefill(self) -> None:
-        self.cache = None  # per-layer caches while prefilling
-        self.pos = 0  # context tokens prefilled so far
-        self.match: PrefixMatch | Snapshot | None = None  # pinned prefix-cache hit during prefill
-        self.cached_tokens = 0
-        self.tree_tokens = 0  # leading tokens whose KV is bitwise the radix tree's copy
-        self.started = False  # looked up in the prefix cache (and pinned) yet?
-        self.prefix_kv = None  # the matched prefix's KV until the prefill uses it
-        self.split = 0  # mixed layout: stop the first chunk here and snapshot (a shared prefix's end)
-        self.consumed = 0  # context tokens the sequence's caches have taken in (the forwards built)
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def prefill_ids(self) -> list[int]:
-        """The context tokens the prefill covers: all but the last, which the next decode step runs."""
-        return (self.prompt_ids + self.output_ids)[:-1]
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
-    def urgency(self) -> tuple:
-        """Sort key: smaller runs first and is preempted last (vLLM's convention for priority)."""
-        return (self.request.priority, self.request.arrival, self.index)
 
 
 class Scheduler:
@@ -257,8 +207,10 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.stats.preemptions = self.preemptions
-        self.waiting.appendleft(seq) if not self.waiting or seq.urgency <= self.waiting[0].urgency \
-            else self._enqueue([seq])
+        if not self.waiting or seq.urgency <= self.waiting[0].urgency:
+            self.waiting.appendleft(seq)  # it resumes first among equals: it arrived earlier
+        else:
+            self._enqueue([seq])
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
@@ -362,7 +314,7 @@ class Scheduler:
         for other in list(self.waiting) + list(self.prefilling):
             if other is seq:
                 continue
-            best = max(best, _common_prefix_len(ids, other.prefill_ids))
+            best = max(best, common_prefix_len(ids, other.prefill_ids))
         return best if seq.cached_tokens + 8 < best < len(ids) else 0
 
     def _cached_len(self, seq: Sequence) -> int:
@@ -377,7 +329,7 @@ class Scheduler:
         if self.radix is None:
             return False
         ids = seq.prefill_ids
-        return any(_common_prefix_len(ids, g.prefill_ids) > cached + 8 for g in group)
+        return any(common_prefix_len(ids, g.prefill_ids) > cached + 8 for g in group)
 
     def _release_prefill(self, seq: Sequence) -> None:
         self._unpin_match(seq)
@@ -590,7 +542,7 @@ class Scheduler:
                 return
         running = self.running
         if self._pending is not None:
-            inputs = _next_inputs(running, self._pending[0], self._pending[1])
+            inputs = next_inputs(running, self._pending[0], self._pending[1])
         else:
             inputs = mx.array([s.last_token for s in running])
         logits = self.batch.forward(self.model, inputs)
@@ -693,14 +645,6 @@ class Scheduler:
         }
 
 
-def _common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _split_balanced(items: list, weights: list[int], n: int) -> list[list]:
     """At most ``n`` non-empty shares of ``items`` with near-equal total weight (largest first into
     the lightest share), each keeping the items' original order."""
@@ -714,19 +658,3 @@ def _split_balanced(items: list, weights: list[int], n: int) -> list[list]:
         owner[i] = g
     shares = [[x for x, o in zip(items, owner) if o == g] for g in range(n)]
     return [share for share in shares if share]
-
-
-def _next_inputs(running: list[Sequence], prev_seqs: list[Sequence], prev_toks: mx.array) -> mx.array:
-    """The next decode step's input tokens in ``running``'s row order: the pipelined step's tokens
-    (still being computed) for the sequences it covered, the last context token for those that
-    joined since."""
-    pos = {id(s): i for i, s in enumerate(prev_seqs)}
-    joined = [s for s in running if id(s) not in pos]
-    if not joined and len(prev_seqs) == len(running) and all(a is b for a, b in zip(prev_seqs, running)):
-        return prev_toks
-    n = len(prev_seqs)
-    extra = {id(s): n + j for j, s in enumerate(joined)}
-    order = mx.array([pos[id(s)] if id(s) in pos else extra[id(s)] for s in running])
-    pool = mx.concatenate([prev_toks, mx.array([s.last_token for s in joined], dtype=prev_toks.dtype)]) \
-        if joined else prev_toks
-    return pool[order]

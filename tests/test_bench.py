@@ -28,7 +28,7 @@ def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
     assert work["throughput"]["mlx_lm_batch"]["tokens"] == q.n * q.new_tokens
     assert work["fanout"]["parallm"]["tokens"] == q.n * q.fan_new
     # Each workload starts with an empty prefix cache: the throughput prompts are all computed.
-    assert work["throughput"]["parallm"]["prefill_tokens"] == sum(q.prompt_len - (i % 7) for i in range(q.n))
+    assert work["throughput"]["parallm"]["prefill_tokens"] == sum(q.prompt_len - (i % 7) - 1 for i in range(q.n))
     assert len(work["single"]["parallm"]["runs_tok_s"]) == q.single_reps
     # The shared prefix is computed once with the radix cache, once per request without it.
     fan = work["fanout"]

@@ -235,7 +235,7 @@ class Scheduler:
         joined = self._prefill()
         elapsed = time.perf_counter() - t0
         done = self.stats.prefill_tokens - before
-        if done >= self.config.min_prefill_tokens and elapsed > 0:
+        if done >= 16 and elapsed > 0:
             rate = done / elapsed
             self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
         return joined, elapsed
@@ -243,8 +243,10 @@ class Scheduler:
     def prefill_token_budget(self) -> int:
         """Prefill tokens this step may spend: what fits in the step-time target next to the rest of
         the step (decode, sampling, delivery) at the measured rate; ``prefill_budget`` until measured."""
-        if self._prefill_rate is None or not self.config.step_time_target_s:
+        if not self.config.step_time_target_s:
             return self.config.prefill_budget
+        if self._prefill_rate is None:  # not measured yet: one chunk, then the rate is known
+            return min(self.config.prefill_budget, self.config.prefill_chunk)
         room = max(0.0, self.config.step_time_target_s - self._other_step_s)
         fit = int(room * self._prefill_rate)
         return max(self.config.min_prefill_tokens, min(self.config.prefill_budget, fit))
@@ -352,7 +354,10 @@ class Scheduler:
         budget = self.prefill_token_budget()
         chunk = min(self.config.prefill_chunk, budget)
         done: list[Sequence] = []
-        while self.prefilling and budget > 0:
+        # The token budget follows the measured rate; the clock also stops the step's prefill once the
+        # target has passed (a rate measured on an idle machine may not hold on a busy one).
+        deadline = time.perf_counter() + self.config.step_time_target_s if self.config.step_time_target_s else None
+        while self.prefilling and budget > 0 and (deadline is None or time.perf_counter() < deadline):
             head = self.prefilling[0]
             if not head.started:
                 self._start_prefill(head)

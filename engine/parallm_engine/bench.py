@@ -15,6 +15,11 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
               prompts as `throughput` (only when torch is installed: ``pip install torch==2.13.0``).
 - roofline:   decode-step FLOP/s at batch 64 vs numpy fp32 GEMM FLOP/s, and weight bytes/s at batch 1 vs
               measured memory bandwidth, all in this run.
+- llamacpp:   llama.cpp's llama-server vs `parallm serve` on the same GGUF, same client, 1/8/32 concurrent
+              (``bench_llamacpp``; skipped with the way to build it when llama-server is absent).
+- agents:     simulated ReAct agents with Poisson arrivals vs mlx-lm BatchGenerator + its prompt cache and
+              llama-server (``bench_agents``; sizes: ``AgentSizes``).
+- longctx:    16 questions over one 8,000-token document: cold vs cached TTFT, KV bytes (``bench_longctx``).
 
 JSON (``--json PATH``)::
 
@@ -31,7 +36,8 @@ and reports its per-stream rate; ``ratios.vs_sequential`` compares aggregate tok
 ``peer`` has ``transformers_fp32`` / ``transformers_bf16`` entries and
 ``ratios.vs_transformers_fp32`` / ``vs_transformers_bf16`` (transformers runs in a process of its
 own: ``peer_worker``). ``roofline`` has ``decode_b64_gflops``, ``gemm_gflops``, ``flops_fraction``,
-``decode_b1_weight_gbps``, ``memory_gbps``, ``bandwidth_fraction``.
+``decode_b1_weight_gbps``, ``memory_gbps``, ``bandwidth_fraction``. ``llamacpp``, ``agents`` and
+``longctx`` have the shapes their modules' docstrings give (p99 latencies, ``ratios`` as above).
 """
 
 from __future__ import annotations
@@ -46,7 +52,6 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 
 @dataclass
@@ -272,91 +277,6 @@ def _hf_dir_with_fp32(engine, tmpdir) -> str:
     return str(out)
 
 
-# -- roofline --------------------------------------------------------------------------------------
-
-def _numpy_gemm_gflops(n: int = 2048, reps: int = 3) -> float:
-    a = np.random.rand(n, n).astype(np.float32)
-    b = np.random.rand(n, n).astype(np.float32)
-    a @ b
-    best = 1e9
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
-
-
-def _memory_gbps(nbytes: int = 512 << 20, reps: int = 3) -> float:
-    src = np.ones(nbytes // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    best = 1e9
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best / 1e9  # read + write
-
-
-def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float:
-    """Seconds per decode step of the engine's own batch path (its lanes and kernels) at this batch
-    size and context."""
-    from . import cpu_kernels
-    from .decode_batch import DecodeBatch
-    from .kv_cache import SequenceKV
-
-    class _Row:  # what DecodeBatch.join reads of a sequence: its per-layer prefill cache
-        def __init__(self, cache):
-            self.cache = cache
-
-    def work():
-        model = engine.model
-        n_layers = len(model.layers)
-        rng = random.Random(batch)
-        seq = [SequenceKV() for _ in range(n_layers)]
-        model(mx.array([[rng.randrange(200, 40000) for _ in range(context)]]), cache=seq)
-        mx.eval([c.keys for c in seq])
-        rows = DecodeBatch(n_layers, engine.config.decode_lanes)
-        rows.join([_Row(list(seq)) for _ in range(batch)])
-        toks = mx.array([5] * batch)
-        best = 1e9
-        with cpu_kernels.enabled(bool(engine._scheduler._cpu_kernels)):
-            for i in range(steps + 2):
-                t = time.perf_counter()
-                y = mx.argmax(rows.forward(model, toks), axis=-1)
-                mx.eval(y)
-                y.tolist()
-                if i >= 2:
-                    best = min(best, time.perf_counter() - t)
-        return best
-
-    return engine.run_on_engine_thread(work)
-
-
-def run_roofline(engine, batch: int) -> dict:
-    from mlx.utils import tree_flatten
-
-    params = sum(v.size for _, v in tree_flatten(engine.model.parameters()))
-    nbytes = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
-    t64 = _decode_step_time(engine, batch, 128)
-    t1 = _decode_step_time(engine, 1, 128)
-    gemm = _numpy_gemm_gflops()
-    bw = _memory_gbps()
-    flops = 2 * params * batch / t64 / 1e9
-    wbps = nbytes / t1 / 1e9
-    return {
-        "params": params,
-        "weight_bytes": nbytes,
-        f"decode_b{batch}_step_s": round(t64, 4),
-        f"decode_b{batch}_gflops": round(flops, 1),
-        "gemm_gflops": round(gemm, 1),
-        "flops_fraction": round(flops / gemm, 3),
-        "decode_b1_step_s": round(t1, 4),
-        "decode_b1_weight_gbps": round(wbps, 2),
-        "memory_gbps": round(bw, 2),
-        "bandwidth_fraction": round(wbps / bw, 3),
-    }
-
-
 # -- driver ----------------------------------------------------------------------------------------
 
 def _ratios(entry: dict) -> dict:
@@ -378,7 +298,8 @@ def _ratios(entry: dict) -> dict:
     return out
 
 
-def run_bench(engine, workloads: list[str], quick: bool = False, progress=None) -> dict:
+def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, agent_sizes=None,
+              longctx_sizes=None) -> dict:
     sz = QUICK if quick else FULL
     vocab = engine.model_info.vocab_size
     rng = random.Random(1234)
@@ -462,8 +383,39 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None) 
     result.pop("_throughput_prompts", None)
 
     if "roofline" in workloads:
+        from .bench_roofline import run_roofline
+
         tick("roofline")
         result["workloads"]["roofline"] = run_roofline(engine, sz.roof_batch)
+
+    if "llamacpp" in workloads:
+        from .bench_llamacpp import run_llamacpp_workload
+
+        result["workloads"]["llamacpp"] = run_llamacpp_workload(engine, sz.prompt_len, sz.new_tokens, tick=tick)
+    if "agents" in workloads:
+        from . import bench_agents as ba
+
+        agent_sizes = agent_sizes or (ba.QUICK_AGENTS if quick else ba.FULL_AGENTS)
+        result["workloads"]["agents"] = ba.run_agents_workload(engine, agent_sizes, tick, lambda f: _on_engine(engine, f))
+    if "longctx" in workloads:
+        from . import bench_longctx as bl
+
+        tick("longctx: parallm")
+        longctx_sizes = longctx_sizes or (bl.QUICK_LONGCTX if quick else bl.FULL_LONGCTX)
+        result["workloads"]["longctx"] = bl.run_longctx(engine, longctx_sizes)
+    if "paths" in workloads:
+        from . import bench_paths as bp
+
+        tick("paths: fan-out on the native and the pure-MLX path")
+        n, prefix, new = (8, 128, 8) if quick else (32, 512, 32)
+        result["workloads"]["paths"] = bp.run_paths(engine.model_info.source, engine.model_info.vocab_size,
+                                                    n=n, prefix_len=prefix, new_tokens=new)
+    if "arrival" in workloads:
+        from . import bench_paths as bp
+
+        tick("arrival: streams while a long prompt arrives")
+        streams, long_prompt, new = (2, 600, 40) if quick else (8, 6000, 160)
+        result["workloads"]["arrival"] = bp.run_arrival(engine, streams, long_prompt, new)
     return result
 
 
@@ -515,6 +467,10 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+_OWN_FORMAT = {"llamacpp": "bench_llamacpp", "agents": "bench_agents", "longctx": "bench_longctx",
+               "paths": "bench_paths", "arrival": "bench_paths"}
+
+
 def format_table(result: dict) -> str:
     from io import StringIO
 
@@ -528,7 +484,7 @@ def format_table(result: dict) -> str:
                 "prefill tok", "peak MB"):
         table.add_column(col, justify="right")
     for name, entry in result["workloads"].items():
-        if name == "roofline" or "skipped" in entry:
+        if name in ("roofline", *_OWN_FORMAT) or "skipped" in entry:
             continue
         for system, s in entry.items():
             if system == "ratios" or not s:
@@ -536,7 +492,14 @@ def format_table(result: dict) -> str:
             table.add_row(name, system, str(s["requests"]), f"{s['tok_s']:.1f}", f"{s['wall_s']:.1f}",
                           f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p95_s']:.3f}", f"{s['itl_p50_s']:.3f}",
                           f"{s['itl_p95_s']:.3f}", str(s["prefill_tokens"]), f"{s['peak_mem_mb']:.0f}")
-    console.print(table)
+    if table.row_count:
+        console.print(table)
+    for name, module in _OWN_FORMAT.items():  # workloads with shapes of their own: a few lines each
+        if name in result["workloads"] and "skipped" not in result["workloads"][name]:
+            import importlib
+
+            for line in importlib.import_module(f".{module}", __package__).format_lines(result["workloads"][name]):
+                console.print(line, highlight=False, soft_wrap=True)
     for name, entry in result["workloads"].items():
         if entry.get("ratios"):  # below the table: a row would truncate them
             console.print(f"{name} ratios: " + ", ".join(f"{k}={v}x" for k, v in entry["ratios"].items()))
@@ -562,17 +525,23 @@ def main(args) -> int:
     cfg = {}
     if getattr(args, "max_batch_size", None):
         cfg["max_batch_size"] = args.max_batch_size
+    if getattr(args, "path", "native") == "mlx":
+        cfg["backend"] = "cpu-mlx"  # every workload on MLX's own ops (the path Metal and CUDA take)
+        if "paths" not in workloads:
+            workloads.append("paths")
     engine = get_engine(args.model, **cfg)
     engine.generate([[300, 301, 302]], max_tokens=2, temperature=0)  # warm-up
     reps = (QUICK if args.quick else FULL).single_reps
-    steps = sum({"throughput": 3, "fanout": 4, "single": 2 * reps, "peer": 3, "roofline": 1}.get(w, 0)
-                for w in workloads)
+    steps = sum({"throughput": 3, "fanout": 4, "single": 2 * reps, "peer": 3, "roofline": 1, "llamacpp": 6,
+                 "agents": 3, "longctx": 1, "paths": 1, "arrival": 1}.get(w, 0) for w in workloads)
+    agent_sizes, longctx_sizes = _sizes_from_args(args)
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def tick(msg):
             bar.set_postfix_str(msg)
             bar.update(1)
 
-        result = run_bench(engine, workloads, quick=args.quick, progress=tick)
+        result = run_bench(engine, workloads, quick=args.quick, progress=tick, agent_sizes=agent_sizes,
+                           longctx_sizes=longctx_sizes)
     print(format_table(result))
     if args.json_path:
         with open(args.json_path, "w") as fh:
@@ -580,3 +549,20 @@ def main(args) -> int:
         print(f"wrote {args.json_path}")
     return 0
 
+
+
+def _sizes_from_args(args):
+    """The agents / longctx sizes: the full or quick defaults with what the command line overrides."""
+    from dataclasses import replace
+
+    from .bench_agents import FULL_AGENTS, QUICK_AGENTS
+    from .bench_longctx import FULL_LONGCTX, QUICK_LONGCTX
+
+    agents = QUICK_AGENTS if args.quick else FULL_AGENTS
+    over = {k: getattr(args, a) for k, a in (("agents", "agents"), ("rate", "agent_rate"),
+                                             ("reply_tokens", "agent_reply_tokens"), ("seed", "seed"))
+            if getattr(args, a, None) is not None}
+    longctx = QUICK_LONGCTX if args.quick else FULL_LONGCTX
+    if getattr(args, "longctx_tokens", None):
+        longctx = replace(longctx, doc_tokens=args.longctx_tokens)
+    return replace(agents, **over), longctx

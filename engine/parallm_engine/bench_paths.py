@@ -104,3 +104,21 @@ def run_arrival(engine, streams: int = 8, long_prompt: int = 6000, new_tokens: i
         "itl_during_max_s": max(during) if during else 0.0,
         "step_time_target_s": engine.config.step_time_target_s,
     }
+
+
+def format_lines(entry: dict) -> list[str]:
+    """The bench table's lines for a ``paths`` or an ``arrival`` result."""
+    if "mlx_vs_native_wall" in entry:
+        nat, mlx = entry["cpu-native"], entry["cpu-mlx"]
+        return [
+            f"paths: fan-out of {entry['requests']} on a {entry['prefix_len']}-token prefix: native "
+            f"{nat['wall_s']:.2f} s ({nat['tok_s']:.1f} tok/s, peak KV {nat['peak_kv_bytes'] / 2**20:.1f} MiB), "
+            f"pure-MLX {mlx['wall_s']:.2f} s ({mlx['tok_s']:.1f} tok/s, peak KV {mlx['peak_kv_bytes'] / 2**20:.1f} MiB); "
+            f"pure-MLX / native wall {entry['mlx_vs_native_wall']:.2f}x; same tokens: {entry['same_tokens']}",
+        ]
+    return [
+        f"arrival: {entry['streams']} streams while a {entry['long_prompt_tokens']}-token prompt arrives: ITL "
+        f"p50/p99 {entry['itl_before_p50_s']:.3f}/{entry['itl_before_p99_s']:.3f} s before, "
+        f"{entry['itl_during_p50_s']:.3f}/{entry['itl_during_p99_s']:.3f} s during its prefill "
+        f"(step target {entry['step_time_target_s']} s); its TTFT {entry['long_ttft_s'] or 0:.2f} s",
+    ]

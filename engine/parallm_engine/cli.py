@@ -236,9 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmark against mlx-lm (and transformers) in one run")
     add_model(sp)
-    sp.add_argument("--workloads", default="throughput,fanout,single,peer,roofline")
+    sp.add_argument("--workloads", default="throughput,fanout,single,peer,roofline,paths,arrival",
+                    help="comma-separated; also llamacpp, agents, longctx (long runs). llamacpp (and agents' "
+                         "llama.cpp system) need llama-server: python -m parallm_engine.bench_llamacpp build")
+    sp.add_argument("--path", choices=("native", "mlx"), default="native",
+                    help="mlx: run on MLX's own ops (backend cpu-mlx, the path Metal and CUDA take) and "
+                         "compare the fan-out with the native path (the 'paths' workload)")
     sp.add_argument("--quick", action="store_true", help="small sizes, < 3 minutes")
     sp.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
+    sp.add_argument("--agents", type=int, default=None, help="agents: how many simulated agents (default 16)")
+    sp.add_argument("--agent-rate", type=float, default=None, help="agents: Poisson arrivals per second (default 1)")
+    sp.add_argument("--agent-reply-tokens", type=int, default=None, help="agents: tokens per reply (default 24)")
+    sp.add_argument("--seed", type=int, default=None, help="agents: the trace's seed (default 2024)")
+    sp.add_argument("--longctx-tokens", type=int, default=None, help="longctx: document tokens (default 8000)")
     sp.set_defaults(fn=cmd_bench)
     return p
 

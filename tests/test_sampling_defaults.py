@@ -301,3 +301,20 @@ def test_validation_and_peeking_load_no_mlx():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.splitlines() == ["top_p must be <= 1.0, got 2", "{'temperature': 0.2, 'top_p': 0.9}", "False"]
+
+
+def test_parallm_generate_uses_the_model_defaults_unless_given(engine_03, model_dir_03, monkeypatch, capsys):
+    from parallm_engine.cli import main
+
+    submitted = []
+    real_submit = engine_03.submit
+
+    def recording_submit(*args, **kwargs):  # the real submit; keep the handle to read its settings
+        submitted.append(real_submit(*args, **kwargs))
+        return submitted[-1]
+
+    monkeypatch.setattr(engine_03, "submit", recording_submit)
+    assert main(["generate", "--model", str(model_dir_03), "--max-tokens", "2", "Hi"]) == 0
+    assert main(["generate", "--model", str(model_dir_03), "--max-tokens", "2", "--temperature", "0", "Hi"]) == 0
+    capsys.readouterr()
+    assert [h.request.params.temperature for h in submitted] == [0.3, 0.0]

@@ -239,6 +239,16 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
     return net, tokenizer, minfo
 
 
+def _silence_length_warning(tokenizer) -> None:
+    """The engine checks every prompt against the context window itself (ContextLengthExceededError, a
+    clear message); transformers' "Token indices sequence length is longer than the specified maximum"
+    warning would only come first and say less. Mark it as already given on this tokenizer."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    warned = getattr(hf, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
 def _activation_dtype(net):
     """The dtype activations (and so the KV cache) run in: the embedding's output dtype, which for a
     quantized checkpoint is its scales' dtype, not the packed uint32 weights'."""
@@ -253,12 +263,12 @@ def _measure_kv_bytes_per_token(net) -> int:
     is what KV memory a sequence costs (window and recurrent layers add nothing past their size)."""
     import mlx.core as mx
 
-    from .model_caches import make_cache
+    from .model_caches import cache_arrays, make_cache
 
     def held(n: int) -> int:
         caches = make_cache(net)
         net(mx.zeros((1, n), dtype=mx.int32), cache=caches)
-        valid = _cache_arrays_valid(caches)  # what holds tokens, not the step-rounded allocation
+        valid = cache_arrays(caches, valid_only=True)  # what holds tokens, not the step-rounded allocation
         mx.eval(valid)
         return sum(a.nbytes for a in valid)
 
@@ -267,32 +277,6 @@ def _measure_kv_bytes_per_token(net) -> int:
     except Exception as exc:  # a model whose forward needs more than tokens: the estimate stays
         logger.debug("could not measure KV bytes per token: %s", exc)
         return 0
-
-
-def _cache_arrays_valid(caches) -> list:
-    """Per cache, the arrays that hold valid tokens (KV sliced to its offset) or state."""
-    from mlx_lm.models.cache import ArraysCache, CacheList
-
-    out = []
-    for c in caches:
-        if isinstance(c, CacheList):
-            out += _cache_arrays_valid(list(c.caches))
-        elif isinstance(c, ArraysCache):
-            out += [a for a in c.cache if a is not None]
-        elif getattr(c, "keys", None) is not None:
-            n = min(int(c.offset), c.keys.shape[2]) if isinstance(c.offset, int) else c.keys.shape[2]
-            out += [c.keys[..., :n, :], c.values[..., :n, :]]
-    return out
-
-
-def _silence_length_warning(tokenizer) -> None:
-    """The engine checks every prompt against the context window itself (ContextLengthExceededError, a
-    clear message); transformers' "Token indices sequence length is longer than the specified maximum"
-    warning would only come first and say less. Mark it as already given on this tokenizer."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    warned = getattr(hf, "deprecation_warnings", None)
-    if isinstance(warned, dict):
-        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
 
 
 def _leaves(tree):

@@ -107,7 +107,8 @@ def sample_batch(logits: mx.array, samplers: list[SeqSampler]):
         scaled = logits[mx.array(plain)] / _temperatures(rows, logits.dtype)[:, None]
         parts.append(mx.argmax(scaled + _row_noise(rows, len(plain), V), axis=-1).astype(argmax.dtype))
     if truncated:
-        parts.append(mx.array(_sample_truncated(logits, [samplers[i] for i in truncated], truncated), dtype=argmax.dtype))
+        picked = _sample_truncated(logits, [samplers[i] for i in truncated], truncated)
+        parts.append(mx.array(picked, dtype=argmax.dtype))
     # Reassemble in row order.
     order = [i for i in range(B) if greedy[i]] + plain + truncated
     tokens = mx.concatenate(parts)[mx.array(np.argsort(np.array(order)))]
@@ -154,7 +155,9 @@ def _sample_truncated(logits: mx.array, samplers: list[SeqSampler], rows: list[i
     temps = np.array([s.params.temperature if s.params.temperature > 0 else 1.0 for s in samplers], np.float32)
     scaled = np.array(logits[mx.array(rows)].astype(mx.float32)) / temps[:, None]
     seeded = [j for j, s in enumerate(samplers) if s.key is not None]
-    own = np.array(mx.stack([mx.random.gumbel(shape=(V,), key=samplers[j].next_key()) for j in seeded])) if seeded else None
+    own = None  # seeded rows: a full-width draw from each row's own key
+    if seeded:
+        own = np.array(mx.stack([mx.random.gumbel(shape=(V,), key=samplers[j].next_key()) for j in seeded]))
     kept_rows = []
     for j, s in enumerate(samplers):
         p = s.params

@@ -29,7 +29,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
-    "n", "include_stop_str_in_output",
+    "n", "include_stop_str_in_output", "speculative",
 )
 #: Sampling settings the model may recommend (the engine uses its recommendation for those left unset).
 _MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -105,6 +105,12 @@ def check_sampling(values: dict[str, Any]) -> None:
     except ImportError:
         return
     check_sampling_fields({k: v for k, v in values.items() if k in (*SAMPLING_FIELDS, "stop")})
+
+
+def check_priority(priority: Any) -> None:
+    """A per-call ``priority`` must be an integer (the field's own check runs at construction)."""
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise ValueError(f"priority must be an integer, got {type(priority).__name__}")
 
 
 @lru_cache(maxsize=64)
@@ -400,6 +406,15 @@ class ParaLLMParams(BaseModel):
     n: int | None = None
     """Number of completions per prompt (all sampled in the same batch)."""
 
+    speculative: dict[str, Any] | str | bool | None = None
+    """Speculative decoding, e.g. ``{"method": "ngram", "num_tokens": 4}`` (prompt lookup: drafts copied
+    from the prompt and output, verified inside the running batch; the output is unchanged). None uses the
+    engine's default, False turns it off."""
+
+    priority: int | None = Field(default=None, strict=True)
+    """Scheduling priority (vLLM's convention): smaller runs first and is preempted last when memory runs
+    short; None = 0. A per-call ``priority=`` overrides it (e.g. an agent's planner ahead of its workers)."""
+
     streaming: bool = False
     """Stream tokens from ``invoke`` too (token callbacks fire as tokens arrive)."""
 
@@ -471,7 +486,8 @@ class ParaLLMParams(BaseModel):
         params: dict[str, Any] = {"model": self._model_display_name}
         for name in ("temperature", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
-                     "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n"):
+                     "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n", "priority",
+                     "speculative"):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
@@ -527,7 +543,10 @@ class ParaLLMParams(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 sampling[name] = value
+        if self.priority is not None:
+            sampling["priority"] = self.priority
         merged = {**self.model_kwargs, **kw}
+        check_priority(merged.get("priority"))
         stop_value = stop if stop is not None else merged.pop("stop", None)
         merged.pop("stop", None)
         if stop_value is None:

@@ -66,6 +66,42 @@ def content_to_text(content: str | list[Any], *, role: str, skip: tuple[str, ...
     return "".join(parts)
 
 
+_IMAGE_BLOCK_TYPES = ("image_url", "image", "input_image")
+
+
+def _image_block(block: Mapping[str, Any]) -> dict[str, Any]:
+    """A LangChain image block (v0 ``source_type``/``data``, v1 ``base64``/``url``, OpenAI ``image_url``) as
+    an OpenAI ``image_url`` part: the shape both the local engine and a ParaLLM / OpenAI server read."""
+    btype = block.get("type")
+    if btype in ("image_url", "input_image"):
+        ref = block.get("image_url")
+        url = ref.get("url") if isinstance(ref, Mapping) else (ref or block.get("url"))
+    else:
+        mime = block.get("mime_type") or "image/png"
+        data = block.get("base64")
+        if data is None and block.get("source_type", "base64") == "base64":
+            data = block.get("data")
+        url = f"data:{mime};base64,{data}" if data is not None else block.get("url")
+    if not isinstance(url, str):
+        raise ValueError(f"image content block without base64 data or a url: keys {sorted(block)}")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user_content(content: str | list[Any], *, role: str) -> str | list[dict[str, Any]]:
+    """A user (or system) message's content: plain text, or, when it carries images, OpenAI content
+    parts (text parts and ``image_url`` parts, in order) for a vision-language model."""
+    if isinstance(content, str) or not any(
+            isinstance(b, Mapping) and b.get("type") in _IMAGE_BLOCK_TYPES for b in content):
+        return content_to_text(content, role=role)
+    parts: list[dict[str, Any]] = []
+    for block in content:
+        if isinstance(block, Mapping) and block.get("type") in _IMAGE_BLOCK_TYPES:
+            parts.append(_image_block(block))
+        else:
+            parts.append({"type": "text", "text": content_to_text([block], role=role)})
+    return parts
+
+
 def _tool_content_to_text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
@@ -101,7 +137,7 @@ def message_to_dict(message: BaseMessage) -> dict[str, Any]:
     if isinstance(message, SystemMessage):
         return {"role": "system", "content": content_to_text(message.content, role="system")}
     if isinstance(message, HumanMessage):
-        return {"role": "user", "content": content_to_text(message.content, role="user")}
+        return {"role": "user", "content": user_content(message.content, role="user")}
     if isinstance(message, AIMessage):
         out: dict[str, Any] = {
             "role": "assistant",
@@ -304,13 +340,17 @@ def usage_metadata(usage: Any) -> dict[str, Any] | None:
 
 
 def token_usage_dict(usage: Any) -> dict[str, Any]:
-    """Engine ``Usage`` in OpenAI's ``usage`` shape (for ``llm_output["token_usage"]``)."""
-    return {
+    """Engine ``Usage`` in OpenAI's ``usage`` shape (for ``llm_output["token_usage"]``), with ParaLLM's
+    ``speculative`` extension (drafted / accepted tokens) when speculative decoding ran."""
+    out = {
         "prompt_tokens": int(usage.prompt_tokens),
         "completion_tokens": int(usage.completion_tokens),
         "total_tokens": int(usage.prompt_tokens + usage.completion_tokens),
         "prompt_tokens_details": {"cached_tokens": int(usage.cached_tokens)},
     }
+    if getattr(usage, "spec_proposed_tokens", 0):
+        out["speculative"] = usage.speculative_dict()
+    return out
 
 
 def logprobs_to_openai(logprobs: Any) -> dict[str, Any] | None:

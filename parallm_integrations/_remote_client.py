@@ -46,6 +46,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the server served from its prefix cache (0 when it does not say)
+    spec_proposed_tokens: int = 0  # speculative decoding (ParaLLM's ``usage.speculative`` extension)
+    spec_accepted_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -147,8 +149,12 @@ def _usage(u) -> Usage | None:
         return None
     details = getattr(u, "prompt_tokens_details", None)
     cached = getattr(details, "cached_tokens", None) if details is not None else None
+    spec = getattr(u, "speculative", None) or {}  # openai's types keep unknown fields as attributes
+    if not isinstance(spec, dict):
+        spec = getattr(spec, "__dict__", {}) or {}
     return Usage(prompt_tokens=int(u.prompt_tokens or 0), completion_tokens=int(u.completion_tokens or 0),
-                 cached_tokens=int(cached or 0))
+                 cached_tokens=int(cached or 0), spec_proposed_tokens=int(spec.get("proposed_tokens") or 0),
+                 spec_accepted_tokens=int(spec.get("accepted_tokens") or 0))
 
 
 def _tool_call(tc) -> RemoteToolCall:
@@ -244,7 +250,8 @@ def _translate(exc: BaseException) -> BaseException:
     """An ``openai`` exception -> the error the in-process engine raises for the same problem."""
     import openai
 
-    from .errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError, QueueFullError
+    from .errors import (ContextLengthExceededError, InvalidRequestError, ModelLoadError, OutOfMemoryError,
+                         QueueFullError)
 
     if isinstance(exc, openai.APITimeoutError):
         return TimeoutError(f"ParaLLM request to the server timed out ({exc})")
@@ -275,6 +282,8 @@ def _translate(exc: BaseException) -> BaseException:
         message, param, code = _error_fields(exc)
         if code == "model_not_found" or param == "model" or "model" in message.lower():
             return ModelLoadError(message)
+    if isinstance(exc, openai.APIStatusError) and _error_fields(exc)[2] == "out_of_memory":
+        return OutOfMemoryError(_error_fields(exc)[0])
     if isinstance(exc, openai.APIError) and not isinstance(exc, openai.APIStatusError):
         # An error event inside a stream (``data: {"error": ...}``).
         message, param, code = _error_fields(exc)
@@ -331,6 +340,17 @@ def _chat_kwargs(messages: list[dict], model: str, tools, tool_choice, response_
     kwargs["model"] = model
     kwargs["messages"] = messages
     return kwargs
+
+
+#: Most sequences (prompts x n) one completions request carries: ``parallm serve`` refuses a request over
+#: a quarter of its queue (256 of the default 1,024) with 400 ``too_many_sequences``, and vLLM's server
+#: has no such cap; larger batches go as several concurrent requests.
+MAX_SEQUENCES_PER_REQUEST = 64
+
+
+def _prompt_chunks(prompts: list[str], n: int) -> list[list[str]]:
+    size = max(1, MAX_SEQUENCES_PER_REQUEST // max(1, n))
+    return [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
 
 def _completion_kwargs(prompt, model: str, response_format, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -555,27 +575,48 @@ class RemoteClient:
     # -- text completions ------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str], *, model: str | None = None, response_format=None,
                  timeout: float | None = None, **sampling: Any) -> list[RemoteResult]:
+        """All prompts at once: in requests of at most :data:`MAX_SEQUENCES_PER_REQUEST` sequences
+        (a server caps one request's share of its queue), sent concurrently; results in input order."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             return []
-        kwargs = _completion_kwargs(prompts, self.resolve_model(model), response_format, sampling)
-        try:
-            resp = self.sync_client.completions.create(**kwargs, **_timeout(timeout))
-        except Exception as exc:
-            _raise(exc)
-        return _completion_results(resp, len(prompts), int(sampling.get("n") or 1))
+        n = int(sampling.get("n") or 1)
+        model_name = self.resolve_model(model)
+
+        def one(chunk: list[str]) -> list[RemoteResult]:
+            kwargs = _completion_kwargs(chunk, model_name, response_format, sampling)
+            try:
+                resp = self.sync_client.completions.create(**kwargs, **_timeout(timeout))
+            except Exception as exc:
+                _raise(exc)
+            return _completion_results(resp, len(chunk), n)
+
+        chunks = _prompt_chunks(prompts, n)
+        if len(chunks) == 1:
+            return one(chunks[0])
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(chunks), 16)) as pool:
+            return [r for part in pool.map(one, chunks) for r in part]
 
     async def agenerate(self, prompts: str | list[str], *, model: str | None = None, response_format=None,
                         timeout: float | None = None, **sampling: Any) -> list[RemoteResult]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             return []
-        kwargs = _completion_kwargs(prompts, await self.aresolve_model(model), response_format, sampling)
-        try:
-            resp = await self.async_client.completions.create(**kwargs, **_timeout(timeout))
-        except Exception as exc:
-            _raise(exc)
-        return _completion_results(resp, len(prompts), int(sampling.get("n") or 1))
+        n = int(sampling.get("n") or 1)
+        model_name = await self.aresolve_model(model)
+
+        async def one(chunk: list[str]) -> list[RemoteResult]:
+            kwargs = _completion_kwargs(chunk, model_name, response_format, sampling)
+            try:
+                resp = await self.async_client.completions.create(**kwargs, **_timeout(timeout))
+            except Exception as exc:
+                _raise(exc)
+            return _completion_results(resp, len(chunk), n)
+
+        parts = await asyncio.gather(*(one(c) for c in _prompt_chunks(prompts, n)))
+        return [r for part in parts for r in part]
 
     def stream(self, prompt: str, *, model: str | None = None, response_format=None, timeout: float | None = None,
                **sampling: Any) -> Iterator[RemoteDelta]:

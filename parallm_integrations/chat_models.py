@@ -237,6 +237,11 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
     cannot forge a turn; only the chat template's own markers are special tokens. True only for trusted
     input. With ``base_url`` it is sent to the server (``parallm serve`` reads it)."""
 
+    allow_remote_images: bool = False
+    """Whether image blocks may be http(s) URLs that the local engine fetches. False (the default): the
+    engine is offline-first and such images are refused (send base64 / data URLs). Images need a
+    vision-language model (``parallm-engine[vision]``: LLaVA, SmolVLM / Idefics3)."""
+
     # -- identity --------------------------------------------------------------------------------
     @property
     def _llm_type(self) -> str:
@@ -307,9 +312,13 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         req.response_format = normalize_response_format(req.response_format)
         return req
 
-    def _prompt(self, engine, messages: list[BaseMessage], req: EngineRequest) -> list[int]:
-        return engine.apply_chat_template(messages_to_dicts(messages), tools=req.tools,
-                                          allow_special_tokens=self.allow_special_tokens)
+    def _prompt(self, engine, messages: list[BaseMessage], req: EngineRequest):
+        dicts = messages_to_dicts(messages)
+        if any(isinstance(m.get("content"), list) for m in dicts):  # images: a vision-language prompt
+            from parallm_engine.vision_chat import chat_prompt
+
+            return chat_prompt(engine, dicts, req.tools, {"allow_remote_images": self.allow_remote_images})
+        return engine.apply_chat_template(dicts, tools=req.tools, allow_special_tokens=self.allow_special_tokens)
 
     def _remote_params(self, req: EngineRequest) -> dict[str, Any]:
         params = super()._remote_params(req)

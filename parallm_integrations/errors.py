@@ -20,8 +20,10 @@ try:
         ContextLengthExceededError,
         EngineDeadError,
         GrammarError,
+        ImageInputError,
         InvalidRequestError,
         ModelLoadError,
+        OutOfMemoryError,
         ParaLLMError,
         QueueFullError,
         RequestCancelledError,
@@ -63,6 +65,13 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
 
     class UnsupportedModelError(ModelLoadError):  # type: ignore[no-redef]
         """The model loads, but the engine cannot run its family correctly (refused at load, never run wrong)."""
+
+    class ImageInputError(InvalidRequestError):  # type: ignore[no-redef]
+        """An image in the request cannot be used (undecodable, unsupported, too large, remote without
+        opt-in, or a model without vision) (HTTP 400)."""
+
+    class OutOfMemoryError(ParaLLMError):  # type: ignore[no-redef]
+        """The device ran out of memory for this request even with nothing else running beside it (HTTP 507)."""
 
 
 #: The modules whose absence means "the engine is not installed" (not, say, a model family mlx-lm lacks).

@@ -205,3 +205,180 @@ def test_paths_and_arrival_workloads(tiny_engine, tiny_model_dir):
     lines = bench_paths.format_lines(paths) + bench_paths.format_lines(arrival)
     assert "pure-MLX / native wall" in lines[0] and "during its prefill" in lines[1]
     assert "paths" in bench._OWN_FORMAT and "arrival" in bench._OWN_FORMAT
+
+
+# -- --shape, --plot, memory (issue 20) ------------------------------------------------------------------
+
+def _lazy_model(cfg):
+    """mlx-lm's own model class for ``cfg``: parameters are lazy arrays, never evaluated here."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(cfg)
+    return model_class(args_class.from_dict(cfg))
+
+
+def test_shape_configs_are_the_published_architectures():
+    from mlx.utils import tree_flatten
+
+    from parallm_engine import bench_shapes as bs
+
+    q = bs.shape_config("qwen3-4b")
+    assert (q["num_hidden_layers"], q["hidden_size"], q["num_attention_heads"], q["num_key_value_heads"],
+            q["head_dim"], q["intermediate_size"], q["vocab_size"], q["max_position_embeddings"]) == \
+        (36, 2560, 32, 8, 128, 9728, 151936, 40960)
+    assert q["rope_theta"] == 1e6 and q["tie_word_embeddings"] is True
+    l3 = bs.shape_config("llama3-8b")
+    assert (l3["hidden_size"], l3["num_attention_heads"], l3["num_key_value_heads"], l3["intermediate_size"],
+            l3["vocab_size"], l3["rope_scaling"]["rope_type"]) == (4096, 32, 8, 14336, 128256, "llama3")
+    g = bs.shape_config("gemma3-4b")
+    assert (g["num_hidden_layers"], g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"],
+            g["sliding_window"], g["sliding_window_pattern"], g["vocab_size"]) == (34, 8, 4, 256, 1024, 6, 262208)
+
+    # Built through mlx-lm's classes (one layer; lazy), the shapes are the real ones: qwen3's q/k norms and
+    # GQA projections, gemma3's pattern (layer 6 of each group global), the parameter count we plan with.
+    model = _lazy_model(bs.shape_config("qwen3-4b", 1))
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.shape == (8 * 128, 2560) and attn.q_proj.weight.shape == (32 * 128, 2560)
+    assert attn.q_norm.weight.shape == (128,) and attn.k_norm.weight.shape == (128,)
+    for name in bs.SHAPES:
+        plan = bs.plan(name, layers=1)
+        params = dict(tree_flatten(_lazy_model(bs.shape_config(name, 1)).parameters()))
+        untied_head = params.pop("lm_head.weight", None) if name == "gemma3-4b" else None  # saved tied
+        assert untied_head is None or untied_head.shape == (262208, 2560)
+        assert sum(v.size for v in params.values()) == plan.total_params(), name
+    assert round(bs.plan("qwen3-4b", layers=36).total_params() / 1e9, 2) == 4.02  # Qwen3-4B: "4.0B"
+    assert round(bs.plan("llama3-8b", layers=32).total_params() / 1e9, 2) == 8.03
+    gemma = _lazy_model(bs.shape_config("gemma3-4b", 6))
+    assert [layer.self_attn.is_sliding for layer in gemma.model.layers] == [True] * 5 + [False]
+
+
+def test_shape_layers_fit_the_budget_and_bad_sizes_are_typed_errors():
+    import pytest
+
+    from parallm_engine import bench_shapes as bs
+    from parallm_engine.errors import InvalidRequestError
+
+    small, large = bs.plan("qwen3-4b", budget_gb=2.5), bs.plan("qwen3-4b", budget_gb=6.0)
+    assert 2 <= small.layers_kept < large.layers_kept < 36
+    assert large.step_weight_bytes() <= 6.0e9 < large.step_weight_bytes(large.layers_kept + 1)
+    assert bs.plan("qwen3-4b", budget_gb=1000).layers_kept == 36
+    # Gemma 3 keeps whole groups of 5 sliding + 1 global layers.
+    assert bs.plan("gemma3-4b", budget_gb=0.1).layers_kept == 6 and bs.plan("gemma3-4b", budget_gb=9).layers_kept % 6 == 0
+    assert "3 of 36 layers kept" in bs.plan("qwen3-4b", layers=3).describe()
+    for bad in (dict(name="qwen9"), dict(name="qwen3-4b", layers=37), dict(name="qwen3-4b", layers=0),
+                dict(name="qwen3-4b", budget_gb=-1)):
+        with pytest.raises(InvalidRequestError):
+            bs.plan(**bad)
+
+
+def test_shape_model_loads_through_the_engine_with_a_padded_tokenizer(engine, tmp_path):
+    """The build path at toy dimensions: qwen3 with a vocab larger than the tokenizer's. Encoding is the
+    default model's; ids past its vocabulary (which a random model generates) decode to placeholders."""
+    from parallm_engine import Engine, bench_shapes as bs
+
+    plan = bs.plan("qwen3-4b", layers=2)
+    toy = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               vocab_size=engine.model_info.vocab_size + 300, max_position_embeddings=1024)
+    path = bs.build_shape_model(plan, engine.model_info.path, tmp_path / "q3", overrides=toy)
+    eng = Engine(str(path))
+    try:
+        assert eng.model_info.vocab_size == toy["vocab_size"] and eng.model_info.num_layers == 2
+        text = "The shapes keep the default model's tokenizer."
+        assert eng.encode(text) == engine.encode(text)
+        pad_id = engine.model_info.vocab_size + 7
+        assert eng.tokenizer.decode([pad_id]) == bs.PAD_TOKEN.format(pad_id)
+        out = eng.generate([eng.encode(text)], max_tokens=6, temperature=0, ignore_eos=True)[0]
+        assert len(out.token_ids) == 6 and isinstance(out.text, str)
+    finally:
+        eng.shutdown()
+
+
+def _fake_result() -> dict:
+    sys_level = lambda tok_s: {"tok_s": tok_s, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2}
+    return {
+        "env": {"model": "fake", "shape": {"name": "qwen3-4b", "layers_kept": 3, "layers_full": 36}},
+        "workloads": {
+            "throughput": {"parallm": {"tok_s": 40.0}, "ratios": {"vs_mlx_lm_batch": 2.1, "vs_sequential": 9.0}},
+            "llamacpp": {"levels": {str(c): {"parallm": sys_level(10.0 * c), "llama_cpp": sys_level(8.0 * c),
+                                             "ratios": {"tok_s": 1.25}} for c in (1, 8, 32)},
+                         "ratios": {"tok_s_vs_llama_cpp_at_32": 1.25}},
+            "agents": {"parallm": {"ttfts_s": [0.1, 0.3, 0.2]}, "mlx_lm_batch": {"ttfts_s": [0.5, 0.9]},
+                       "llama_cpp": {"skipped": "no GGUF"}, "ratios": {"goodput_vs_mlx_lm_batch": 1.4}},
+            "memory": {"parallm": {"peak_kv_bytes": 2**20, "peak_rss_after_load_mb": 900.0, "rss_after_load_mb": 800.0},
+                       "mlx_lm_batch": {"peak_kv_bytes": 5 * 2**20, "peak_rss_after_load_mb": 1200.0,
+                                        "rss_after_load_mb": 800.0},
+                       "kv_bound_bytes": 2 * 2**20, "ratios": {"kv_mlx_lm_vs_parallm": 5.0}},
+            "peer": {"skipped": "torch is not installed"},
+            "spec": {"new_tokens": 8, "batch_1": {"plain_tok_s": 9.0, "ngram_tok_s": 14.0},
+                     "batch_8": {"plain_tok_s": 40.0, "ngram_tok_s": 52.0}},
+        },
+    }
+
+
+def test_plot_writes_a_png_per_workload(tmp_path):
+    import pytest
+
+    import matplotlib  # noqa: F401  (the test extra installs it)
+    from parallm_engine import bench_plot
+
+    result_path = tmp_path / "result.json"
+    result_path.write_text(json.dumps(_fake_result()))
+    assert bench_plot.main([str(result_path), str(tmp_path / "plots")]) == 0
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["agents_ratios.png", "agents_ttft_cdf.png", "llamacpp_tok_s.png", "memory.png",
+                     "spec_tok_s.png", "throughput_ratios.png"]
+    for name in names:
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
+    import sys
+
+    import pytest
+
+    from parallm_engine import bench_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is absent
+    with pytest.raises(bench_plot.PlotUnavailableError, match="pip install matplotlib"):
+        bench_plot.write_plots(_fake_result(), tmp_path)
+
+
+def test_bench_cli_takes_the_new_options_and_rejects_unknown_workloads():
+    import pytest
+
+    from parallm_engine import cli
+    from parallm_engine.errors import ParaLLMError
+
+    args = cli.build_parser().parse_args(["bench", "--shape", "gemma3-4b", "--shape-layers", "6", "--plot", "d",
+                                          "--workloads", "memory"])
+    assert (args.shape, args.shape_layers, args.plot, args.workloads) == ("gemma3-4b", 6, "d", "memory")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--shape", "qwen9"])
+    bad = cli.build_parser().parse_args(["bench", "--workloads", "throughput,nonsense"])
+    with pytest.raises(ParaLLMError, match="nonsense"):
+        bench.main(bad)
+
+
+def test_memory_workload_runs_each_system_in_its_own_process(tiny_engine):
+    from parallm_engine.bench_memory import MemorySizes
+
+    sz = MemorySizes(requests=3, prefix_tokens=96, suffix_tokens=4, new_tokens=3)
+    result = bench.run_bench(tiny_engine, ["memory"], memory_sizes=sz)
+    entry = result["workloads"]["memory"]
+    p, m = entry["parallm"], entry["mlx_lm_batch"]
+    for s in (p, m):
+        assert s["tokens"] == 3 * 3 and s["peak_kv_bytes"] > 0 and s["peak_rss_after_load_mb"] > 0, s
+    # Greedy on the same fp32 weights: the same tokens, so the same work was measured.
+    assert entry["same_tokens"]
+    # The prefix was computed once: 96 tokens + 4 own per request (less the last token, run by decode).
+    assert p["prefill_tokens"] < 3 * (96 + 4)
+    per_token = entry["bytes_per_token"]
+    assert entry["kv_bound_bytes"] == int(1.2 * (96 + 3 * (4 + 3)) * per_token)
+    assert entry["ratios"]["kv_vs_bound"] == round(p["peak_kv_bytes"] / entry["kv_bound_bytes"], 3)
+    assert entry["ratios"]["kv_mlx_lm_vs_parallm"] > 0
+    if p.get("peak_kv_bytes_held"):  # the engine's gauge of running + prefix cache, each byte once
+        assert entry["ratios"]["kv_held_vs_bound"] == round(p["peak_kv_bytes_held"] / entry["kv_bound_bytes"], 3)
+    lines = bench.format_table(result)
+    assert "memory: 3 requests over a 96-token shared prefix" in lines and "KV bound 1.2 x" in lines
+    json.dumps(result)

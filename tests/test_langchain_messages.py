@@ -72,8 +72,12 @@ def test_history_renders_through_the_chat_template(engine):
 
 
 def test_non_text_inputs_are_rejected_not_dropped():
+    # Images travel as OpenAI image_url parts (a vision model reads them; a text model's engine refuses them
+    # with ImageInputError: tests/test_vision.py); other attachments are refused here.
+    assert messages_to_dicts([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])[0]["content"] == [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
     with pytest.raises(ValueError, match="text only"):
-        messages_to_dicts([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
+        messages_to_dicts([HumanMessage([{"type": "audio", "url": "http://x/y.wav"}])])
 
 
 def test_tool_choice_spellings():

@@ -107,8 +107,14 @@ def test_message_conversion_for_tool_history():
     assert message_to_dict(ChatMessage(role=MessageRole.DEVELOPER, content="x"))["role"] == "system"
     from llama_index.core.base.llms.types import ImageBlock
 
+    # Images become OpenAI image_url parts (the engine decides whether it can use them: tests/test_vision.py);
+    # other non-text blocks are still refused.
+    assert message_to_dict(ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(url="http://x/y.png")])) == {
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+    from llama_index.core.base.llms.types import AudioBlock
+
     with pytest.raises(ValueError, match="text only"):
-        message_to_dict(ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(url="http://x/y.png")]))
+        message_to_dict(ChatMessage(role=MessageRole.USER, blocks=[AudioBlock(url="http://x/y.wav")]))
 
 
 def test_completion_prompt_modes(engine):

@@ -20,8 +20,10 @@ from .errors import (  # noqa: E402  (plain Python: no MLX)
     ContextLengthExceededError,
     EngineDeadError,
     GrammarError,
+    ImageInputError,
     InvalidRequestError,
     ModelLoadError,
+    OutOfMemoryError,
     ParaLLMError,
     QueueFullError,
     RequestCancelledError,
@@ -68,5 +70,5 @@ __all__ = [
     "Engine", "get_engine", "shutdown_all", "SamplingParams", "GenerationResult", "Choice", "StreamDelta",
     "TokenLogprob", "Usage", "RequestHandle", "ParaLLMError", "InvalidRequestError",
     "ContextLengthExceededError", "ModelLoadError", "QueueFullError", "RequestCancelledError",
-    "GrammarError", "EngineDeadError", "UnsupportedModelError",
+    "GrammarError", "EngineDeadError", "UnsupportedModelError", "ImageInputError", "OutOfMemoryError",
 ]

@@ -20,6 +20,14 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
 - agents:     simulated ReAct agents with Poisson arrivals vs mlx-lm BatchGenerator + its prompt cache and
               llama-server (``bench_agents``; sizes: ``AgentSizes``).
 - longctx:    16 questions over one 8,000-token document: cold vs cached TTFT, KV bytes (``bench_longctx``).
+- spec:       copy-heavy prompts (edit a JSON block, quote a tool result), greedy, with and without n-gram
+              speculative decoding at 1 / 8 / 32 concurrent: tok/s, same tokens, acceptance (``bench_spec``).
+- memory:     the fan-out (32 requests on a 2,000-token shared prefix) on ParaLLM and mlx-lm BatchGenerator,
+              each in a process of its own: peak KV bytes and peak RSS, KV held vs 1.2 x the ideal
+              (``bench_memory``).
+
+``--shape qwen3-4b|llama3-8b|gemma3-4b`` runs the workloads on a random-weight model of that architecture
+(layers cut to a budget; ``bench_shapes``); ``--plot DIR`` writes matplotlib PNGs (``bench_plot``).
 
 JSON (``--json PATH``)::
 
@@ -36,8 +44,9 @@ and reports its per-stream rate; ``ratios.vs_sequential`` compares aggregate tok
 ``peer`` has ``transformers_fp32`` / ``transformers_bf16`` entries and
 ``ratios.vs_transformers_fp32`` / ``vs_transformers_bf16`` (transformers runs in a process of its
 own: ``peer_worker``). ``roofline`` has ``decode_b64_gflops``, ``gemm_gflops``, ``flops_fraction``,
-``decode_b1_weight_gbps``, ``memory_gbps``, ``bandwidth_fraction``. ``llamacpp``, ``agents`` and
-``longctx`` have the shapes their modules' docstrings give (p99 latencies, ``ratios`` as above).
+``decode_b1_weight_gbps``, ``memory_gbps``, ``bandwidth_fraction``. ``llamacpp``, ``agents``,
+``longctx`` and ``memory`` have the shapes their modules' docstrings give (p99 latencies, ``ratios`` as
+above). With ``--shape``, ``env.shape`` says which shape and how many of its layers were kept.
 """
 
 from __future__ import annotations
@@ -71,6 +80,13 @@ class Sizes:
 
 FULL = Sizes(32, 100, 128, 512, 32, 64, 128, 256, 3, 64, 3)
 QUICK = Sizes(8, 64, 24, 256, 16, 16, 64, 48, 2, 32, 1)
+
+DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
+#: With --shape: the workloads whose cost the shape changes; each extra engine of paths / peer would hold
+#: another copy of a multi-GB model.
+SHAPE_WORKLOADS = "throughput,fanout,single"
+ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
+                 "arrival", "memory", "spec")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -299,7 +315,7 @@ def _ratios(entry: dict) -> dict:
 
 
 def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, agent_sizes=None,
-              longctx_sizes=None) -> dict:
+              longctx_sizes=None, memory_sizes=None) -> dict:
     sz = QUICK if quick else FULL
     vocab = engine.model_info.vocab_size
     rng = random.Random(1234)
@@ -416,6 +432,15 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
         tick("arrival: streams while a long prompt arrives")
         streams, long_prompt, new = (2, 600, 40) if quick else (8, 6000, 160)
         result["workloads"]["arrival"] = bp.run_arrival(engine, streams, long_prompt, new)
+    if "memory" in workloads:
+        from . import bench_memory as bm
+
+        result["workloads"]["memory"] = bm.run_memory_workload(
+            engine, memory_sizes or (bm.QUICK_MEMORY if quick else bm.FULL_MEMORY), tick)
+    if "spec" in workloads:
+        from . import bench_spec as bs
+
+        result["workloads"]["spec"] = bs.run_spec(engine, bs.QUICK_SPEC if quick else bs.FULL_SPEC, tick)
     return result
 
 
@@ -468,7 +493,8 @@ def _cpu_model() -> str:
 
 
 _OWN_FORMAT = {"llamacpp": "bench_llamacpp", "agents": "bench_agents", "longctx": "bench_longctx",
-               "paths": "bench_paths", "arrival": "bench_paths"}
+               "paths": "bench_paths", "arrival": "bench_paths", "memory": "bench_memory",
+               "spec": "bench_spec"}
 
 
 def format_table(result: dict) -> str:
@@ -479,6 +505,10 @@ def format_table(result: dict) -> str:
 
     buf = StringIO()
     console = Console(file=buf, width=140)
+    shape = result.get("env", {}).get("shape")
+    if shape:
+        console.print(f"model: the {shape['name']} shape, random weights, {shape['layers_kept']} of "
+                      f"{shape['layers_full']} layers kept", highlight=False)
     table = Table(title="parallm bench (aggregate tok/s; ratios = ParaLLM / baseline, same run)")
     for col in ("workload", "system", "reqs", "tok/s", "wall s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95",
                 "prefill tok", "peak MB"):
@@ -517,52 +547,7 @@ def format_table(result: dict) -> str:
 
 
 def main(args) -> int:
-    from tqdm import tqdm
+    """`parallm bench` (the command line's options: ``bench_cli``)."""
+    from .bench_cli import main as bench_main
 
-    from .registry import get_engine
-
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    cfg = {}
-    if getattr(args, "max_batch_size", None):
-        cfg["max_batch_size"] = args.max_batch_size
-    if getattr(args, "path", "native") == "mlx":
-        cfg["backend"] = "cpu-mlx"  # every workload on MLX's own ops (the path Metal and CUDA take)
-        if "paths" not in workloads:
-            workloads.append("paths")
-    engine = get_engine(args.model, **cfg)
-    engine.generate([[300, 301, 302]], max_tokens=2, temperature=0)  # warm-up
-    reps = (QUICK if args.quick else FULL).single_reps
-    steps = sum({"throughput": 3, "fanout": 4, "single": 2 * reps, "peer": 3, "roofline": 1, "llamacpp": 6,
-                 "agents": 3, "longctx": 1, "paths": 1, "arrival": 1}.get(w, 0) for w in workloads)
-    agent_sizes, longctx_sizes = _sizes_from_args(args)
-    with tqdm(total=steps, desc="bench", unit="run") as bar:
-        def tick(msg):
-            bar.set_postfix_str(msg)
-            bar.update(1)
-
-        result = run_bench(engine, workloads, quick=args.quick, progress=tick, agent_sizes=agent_sizes,
-                           longctx_sizes=longctx_sizes)
-    print(format_table(result))
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(result, fh, indent=2)
-        print(f"wrote {args.json_path}")
-    return 0
-
-
-
-def _sizes_from_args(args):
-    """The agents / longctx sizes: the full or quick defaults with what the command line overrides."""
-    from dataclasses import replace
-
-    from .bench_agents import FULL_AGENTS, QUICK_AGENTS
-    from .bench_longctx import FULL_LONGCTX, QUICK_LONGCTX
-
-    agents = QUICK_AGENTS if args.quick else FULL_AGENTS
-    over = {k: getattr(args, a) for k, a in (("agents", "agents"), ("rate", "agent_rate"),
-                                             ("reply_tokens", "agent_reply_tokens"), ("seed", "seed"))
-            if getattr(args, a, None) is not None}
-    longctx = QUICK_LONGCTX if args.quick else FULL_LONGCTX
-    if getattr(args, "longctx_tokens", None):
-        longctx = replace(longctx, doc_tokens=args.longctx_tokens)
-    return replace(agents, **over), longctx
+    return bench_main(args)

@@ -27,7 +27,8 @@ Each entry: ``goodput_runs_per_min`` (completed agent runs / the time from the f
 last completion x 60), ``makespan_s``, ``agent_latency_p50_s`` / ``_p99_s`` (arrival to last token),
 ``ttft_p50_s`` / ``_p99_s`` (each turn, from its request to its first token), ``itl_p50_s`` /
 ``_p99_s``, ``prefix_hit_rate`` (prompt tokens served from a cache / prompt tokens), ``prompt_tokens``,
-``prefill_tokens``, ``tokens``, ``requests``, ``peak_mem_mb`` (MLX, in-process systems).
+``prefill_tokens``, ``tokens``, ``requests``, ``peak_mem_mb`` (MLX, in-process systems), ``ttfts_s`` (every
+turn's TTFT, in completion order: the TTFT CDF of ``parallm bench --plot``).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ class _Recorder:
             "prefill_tokens": self.prompt_tokens - self.cached_tokens,
             "prefix_hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
             "peak_mem_mb": round(peak_mem / 2**20, 1), "outputs_digest": digest.hexdigest()[:16],
+            "ttfts_s": [round(t, 4) for t in self.ttfts],  # every turn's, for the TTFT CDF (--plot)
         }
 
 
@@ -378,8 +380,12 @@ def run_agents_workload(engine, sz: AgentSizes, tick=None, on_engine=None, with_
         ctx = -(-(trace.max_conversation() + 64) // 256) * 256
         with tempfile.TemporaryDirectory(prefix="parallm-bench-") as logs, \
                 lc.llama_server(binary, gguf, len(trace.arrivals), ctx, f"{logs}/llama.log") as srv:
-            entry["llama_cpp"] = run_http_agents(srv.url, trace)
-            entry["llama_cpp"]["dtype"] = lc.gguf_dtype(gguf)
+            try:
+                entry["llama_cpp"] = run_http_agents(srv.url, trace)
+                entry["llama_cpp"]["dtype"] = lc.gguf_dtype(gguf)
+            except Exception as exc:  # the peer failing mid-trace must not discard the other systems' results
+                entry["llama_cpp"] = {"skipped": f"llama-server failed during the trace ({type(exc).__name__}: "
+                                                 f"{exc}); its log ends: {srv.log_tail(600)!r}"}
     entry["ratios"] = agent_ratios(entry)
     return entry
 

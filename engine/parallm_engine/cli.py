@@ -31,6 +31,9 @@ def cmd_info(args) -> int:
     engine_backend = choose_backend()
     out = {"backend": info.as_dict(), "engine_backend": engine_backend.as_dict(),
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
+    kv_budget = engine_backend.kv_budget()
+    out["memory"] = {"device_bytes": engine_backend.memory_bytes, "source": engine_backend.memory_source,
+                     "kv_budget_bytes": kv_budget, "prefix_cache_bytes": kv_budget // 2}
     if out["cpu_kernels"]:
         from . import native
 
@@ -61,6 +64,10 @@ def cmd_info(args) -> int:
     print(f"blas    : {b.blas}")
     print(f"engine  : {engine_backend.summary()}")
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
+    mem = out["memory"]
+    print(f"memory  : {mem['device_bytes'] / 2**30:.1f} GiB ({mem['source']}); KV budget "
+          f"{mem['kv_budget_bytes'] / 2**30:.1f} GiB, prefix cache {mem['prefix_cache_bytes'] / 2**30:.1f} GiB "
+          "(Engine(kv_budget_bytes=, prefix_cache_bytes=))")
     if "native_kernels" in out:
         nk = out["native_kernels"]
         detail = f"{nk['path']} ({nk['threads']} threads)" if nk["available"] else f"unavailable: {nk['reason']}"
@@ -236,9 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", help="benchmark against mlx-lm (and transformers) in one run")
     add_model(sp)
-    sp.add_argument("--workloads", default="throughput,fanout,single,peer,roofline,paths,arrival",
-                    help="comma-separated; also llamacpp, agents, longctx (long runs). llamacpp (and agents' "
-                         "llama.cpp system) need llama-server: python -m parallm_engine.bench_llamacpp build")
+    sp.add_argument("--workloads", default=None,
+                    help="comma-separated (default throughput,fanout,single,peer,roofline,paths,arrival; with "
+                         "--shape throughput,fanout,single); also llamacpp, agents, longctx, memory (long runs), spec (speculative decoding). "
+                         "llamacpp (and agents' llama.cpp system) need llama-server: "
+                         "python -m parallm_engine.bench_llamacpp build")
     sp.add_argument("--path", choices=("native", "mlx"), default="native",
                     help="mlx: run on MLX's own ops (backend cpu-mlx, the path Metal and CUDA take) and "
                          "compare the fan-out with the native path (the 'paths' workload)")
@@ -249,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--agent-reply-tokens", type=int, default=None, help="agents: tokens per reply (default 24)")
     sp.add_argument("--seed", type=int, default=None, help="agents: the trace's seed (default 2024)")
     sp.add_argument("--longctx-tokens", type=int, default=None, help="longctx: document tokens (default 8000)")
+    sp.add_argument("--shape", choices=("qwen3-4b", "llama3-8b", "gemma3-4b"), default=None,
+                    help="run on a random-weight model with this architecture's exact config (layers cut to "
+                         "fit --shape-budget-gb; see parallm_engine/bench_shapes.py)")
+    sp.add_argument("--shape-layers", type=int, default=None, help="--shape: keep this many layers")
+    sp.add_argument("--shape-budget-gb", type=float, default=None,
+                    help="--shape: fp32 weight GB a decode step may read, which sets the layers kept (default 3)")
+    sp.add_argument("--plot", default=None, metavar="DIR",
+                    help="write matplotlib PNGs of the results here (pip install matplotlib)")
     sp.set_defaults(fn=cmd_bench)
     return p
 

@@ -115,6 +115,16 @@ class DecodeBatch:
                 s.cache = None
             lane.seqs.extend(group)
 
+    def adopt_shared(self, seqs: set[int]) -> None:
+        """Running sequences (``id()`` in ``seqs``) that joined with their whole KV and continue the
+        shared prefix just set (bitwise) read it from now on: their own copy of it is dropped."""
+        for lane in self.lanes:
+            rows = [i for i, s in enumerate(lane.seqs) if id(s) in seqs]
+            if rows:
+                with lane.context():
+                    for layer in lane.kv:
+                        layer.share_rows(rows)
+
     def drop(self, seqs: set[int]) -> None:
         """Remove the sequences whose ``id()`` is in ``seqs``."""
         for lane in self.lanes:
@@ -139,6 +149,15 @@ class DecodeBatch:
     def forward(self, model, tokens: mx.array) -> mx.array:
         """Lazy float32 logits, one row per running sequence, for ``tokens`` (one per row): the
         model's own forward (final norm, soft-caps and logit scaling included)."""
+        return self._per_lane(model, tokens[:, None], last_only=True)
+
+    def forward_block(self, model, tokens: mx.array) -> mx.array:
+        """Lazy float32 logits (B, W, V) for ``tokens`` (B, W): W positions per row in one forward
+        (speculative verification); :meth:`rollback` then drops the positions past what every row keeps."""
+        return self._per_lane(model, tokens, last_only=False)
+
+    def _per_lane(self, model, tokens: mx.array, last_only: bool) -> mx.array:
+        """Each lane's rows through the model on the lane's stream; the lanes' logits in row order."""
         parts = []
         start = 0
         for lane in self.lanes:
@@ -147,9 +166,18 @@ class DecodeBatch:
                 continue
             with lane.context():
                 rows = tokens if n == len(tokens) else tokens[start : start + n]
-                parts.append(model(rows[:, None], cache=lane.kv)[:, -1, :].astype(mx.float32))
+                logits = model(rows, cache=lane.kv)
+                parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def rollback(self, n: int) -> None:
+        """After :meth:`forward_block`, forget the last ``n`` positions of every row."""
+        for lane in self.lanes:
+            if lane.seqs:
+                with lane.context():
+                    for layer in lane.kv:
+                        layer.rollback(n)
 
     # -- KV access ------------------------------------------------------------------------------
     def row_segments(self, seq):
@@ -172,3 +200,9 @@ class DecodeBatch:
         """KV bytes of the batch: every row's own storage, and the shared prefix once."""
         own = sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)
         return own + (self.shared.nbytes() if self.shared is not None else 0)
+
+    def held_nbytes(self) -> int:
+        """KV bytes only the batch keeps alive: :meth:`nbytes` less a shared prefix that is the radix
+        tree's own arrays (counted there)."""
+        own = sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)
+        return own + (self.shared.held_nbytes() if self.shared is not None else 0)

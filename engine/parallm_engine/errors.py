@@ -46,3 +46,13 @@ class EngineDeadError(ParaLLMError):
 
 class UnsupportedModelError(ModelLoadError):
     """The model loads, but the engine cannot run its family correctly (refused at load, never run wrong)."""
+
+
+class ImageInputError(InvalidRequestError):
+    """An image in the request cannot be used: undecodable or unsupported format, over the pixel limit, a
+    remote URL without ``allow_remote_images``, or a model without a vision tower (HTTP 400)."""
+
+
+class OutOfMemoryError(ParaLLMError):
+    """The device ran out of memory for this request even with nothing else running beside it (HTTP 507).
+    Other requests in flight are not failed by an allocation failure: they are preempted and resume."""

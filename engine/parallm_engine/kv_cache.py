@@ -17,11 +17,16 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-STEP = 256  # capacity grows in steps, as in mlx-lm, so appends rarely reallocate
+STEP = 256  # the largest capacity step (mlx-lm grows every cache by 256)
+MIN_STEP = 32
 
 
 def _round_up(n: int) -> int:
-    return ((n + STEP - 1) // STEP) * STEP
+    """Capacity for ``n`` columns: the step grows with the length (32 up to 256 columns, then an
+    eighth of the length, at most 256), so appends reallocate rarely while a batch of short rows, e.g.
+    a fan-out's own tokens after a shared prefix, does not hold 256 columns per row."""
+    step = min(STEP, max(MIN_STEP, 1 << max(0, n.bit_length() - 3)))
+    return ((n + step - 1) // step) * step
 
 
 def _shape(mask, five_d: bool):
@@ -97,13 +102,17 @@ class SequenceKV:
 class SharedPrefix:
     """A prefix held once for every batch row that continues it: its tokens and, per layer, its
     (1, H, P, D) keys and values. ``release`` is called once when the batch stops using it (the
-    scheduler unpins the radix node the KV came from, so the tree cannot evict and recompute it)."""
+    scheduler unpins the radix node the KV came from, so the tree cannot evict and recompute it).
+    ``tree_owned``: the arrays are the radix node's own (not a concatenation), so holding them costs
+    no memory beyond the tree's."""
 
-    def __init__(self, tokens: list[int], kv: list[tuple[mx.array, mx.array]], release=None):
+    def __init__(self, tokens: list[int], kv: list[tuple[mx.array, mx.array]], release=None,
+                 tree_owned: bool = False):
         self.tokens = list(tokens)
         self.kv = kv
         self.length = len(self.tokens)
         self._release = release
+        self.tree_owned = tree_owned
 
     def continues(self, prompt_ids: list[int]) -> bool:
         return len(prompt_ids) > self.length and prompt_ids[: self.length] == self.tokens
@@ -115,6 +124,10 @@ class SharedPrefix:
 
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv)
+
+    def held_nbytes(self) -> int:
+        """Bytes this object alone keeps alive (0 when they are the radix tree's)."""
+        return 0 if self.tree_owned else self.nbytes()
 
 
 class BatchKV:
@@ -225,6 +238,30 @@ class BatchKV:
         self.idx = new_idx
         self._sync()
 
+    def share_rows(self, indices: list[int]) -> None:
+        """Rows ``indices``, which hold their whole context and whose first ``shared_len`` tokens are
+        bitwise the shared prefix, drop those columns and read the shared prefix instead. The storage is
+        rebuilt once as long as the longest remaining row (a row that joined before the prefix was set
+        no longer makes every row as long as itself)."""
+        P = self.shared_len
+        assert P and self.keys is not None and not any(self.shared_rows[i] for i in indices)
+        share = set(indices)
+        lengths = [self.idx - lp - (P if i in share else 0) for i, lp in enumerate(self.left_pad)]
+        assert min(lengths) >= 0, "a row is shorter than the prefix it would share"
+        new_idx = max(lengths)
+        B, H, _, Dk = self.keys.shape
+        keys = mx.zeros((B, H, _round_up(new_idx + 1), Dk), self.keys.dtype)
+        values = mx.zeros((B, H, keys.shape[2], self.values.shape[3]), self.values.dtype)
+        for i, L in enumerate(lengths):
+            if L:
+                keys[i : i + 1, :, new_idx - L : new_idx, :] = self.keys[i : i + 1, :, self.idx - L : self.idx, :]
+                values[i : i + 1, :, new_idx - L : new_idx, :] = self.values[i : i + 1, :, self.idx - L : self.idx, :]
+        self.keys, self.values = keys, values
+        self.left_pad = [new_idx - L for L in lengths]
+        self.shared_rows = [u or i in share for i, u in enumerate(self.shared_rows)]
+        self.idx = new_idx
+        self._sync()
+
     def keep(self, indices: list[int]) -> None:
         """Keep only these rows (in this order), then trim padding every row shares."""
         if not indices:
@@ -247,6 +284,13 @@ class BatchKV:
             self.idx -= trim
             self.left_pad = [lp - trim for lp in self.left_pad]
         self._sync()
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` columns of every row (speculative verification wrote positions that were
+        rejected, or that are recomputed next step): nothing reads them again, the next write reuses them."""
+        if n:
+            self.idx -= n
+            self._sync()
 
     def row(self, i: int, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Row i's tokens [start, end) (counted from the sequence's first token, the shared prefix

@@ -184,10 +184,15 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
     path, name = resolve_model(model)
     info = backend_info()
     warn_if_slow_blas(info)
-    try:
-        net, tokenizer = mlx_load(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from exc
+    from .vision import load_vision_model, vision_family
+
+    if vision_family(path):  # a vision-language model: mlx-vlm loads it (the `vision` extra)
+        net, tokenizer = load_vision_model(path)
+    else:
+        try:
+            net, tokenizer = mlx_load(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from exc
     _silence_length_warning(tokenizer)
 
     want = dtype or info.dtype

@@ -153,7 +153,18 @@ _ENGINE_METRICS = (
     ("mean_batch_occupancy", "batch_occupancy_mean", "gauge", "Mean decode batch size over all engine steps."),
     ("kv_bytes", "kv_cache_bytes", "gauge", "Bytes of KV cache held by running sequences."),
     ("peak_kv_bytes", "kv_cache_bytes_peak", "gauge", "Most bytes of running KV cache so far."),
+    ("kv_bytes_held", "kv_held_bytes", "gauge",
+     "Bytes of KV the engine keeps alive, each once: running batch, shared prefix and prefix cache."),
+    ("peak_kv_bytes_held", "kv_held_bytes_peak", "gauge", "Most bytes of KV held at once so far."),
+    ("preemptions", "preemptions_total", "counter",
+     "Running sequences preempted to make room (their KV kept in the prefix cache, resumed later)."),
+    ("allocation_failures", "allocation_failures_total", "counter",
+     "Steps that failed to allocate memory; their sequences were preempted and resumed."),
     ("cache_hit_rate", "prefix_cache_hit_rate", "gauge", "Fraction of prompt tokens served from the prefix cache."),
+    ("spec_steps", "spec_decode_steps_total", "counter", "Decode steps that verified speculative drafts."),
+    ("spec_proposed_tokens", "spec_proposed_tokens_total", "counter", "Speculative draft tokens verified."),
+    ("spec_accepted_tokens", "spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted."),
+    ("spec_acceptance_rate", "spec_acceptance_rate", "gauge", "Accepted / proposed speculative draft tokens."),
     ("generation_tps_busy", "generation_tokens_per_busy_second", "gauge",
      "Generated tokens per second of engine busy time."),
     ("ttft_p50_s", "engine_ttft_p50_seconds", "gauge", "Median time to first token (engine, recent window)."),
@@ -185,6 +196,9 @@ def render_engine_stats(stats: dict, model: str) -> list[str]:
     out: list[str] = []
     for key, suffix, kind, help in _ENGINE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, stats.get(key), labels)
+    memory = stats.get("memory") or {}
+    out += _gauge_lines(f"{PREFIX}_kv_budget_bytes", "gauge", "The KV memory budget (running batch and shared "
+                        "prefixes; the prefix cache has its own share).", memory.get("kv_budget_bytes"), labels)
     cache = stats.get("prefix_cache") or {}
     for key, suffix, kind, help in _PREFIX_CACHE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, cache.get(key), labels)

@@ -254,6 +254,9 @@ class MixedDecodeBatch:
     def nbytes(self) -> int:
         return caches_nbytes(self.caches) if self.caches is not None else 0
 
+    def held_nbytes(self) -> int:  # nothing is shared with the snapshot cache: every byte is the batch's
+        return self.nbytes()
+
     def footprint(self, extra: int, bytes_per_token: int) -> int:
         """Bytes after ``extra`` more decode steps (an upper bound: window layers stop growing)."""
         return self.nbytes() + len(self.running) * extra * bytes_per_token

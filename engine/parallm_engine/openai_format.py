@@ -24,6 +24,7 @@ from .errors import (
     ContextLengthExceededError,
     EngineDeadError,
     InvalidRequestError,
+    OutOfMemoryError,
     ParaLLMError,
     QueueFullError,
     RequestCancelledError,
@@ -72,6 +73,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, RequestCancelledError):
         return APIError(503, str(exc), type="server_error", code="request_cancelled")
+    if isinstance(exc, OutOfMemoryError):
+        return APIError(507, str(exc), type="server_error", code="out_of_memory")
     if isinstance(exc, ParaLLMError):
         return APIError(500, str(exc), type="server_error")
     return APIError(500, f"internal error ({type(exc).__name__}); see the server log", type="server_error")
@@ -174,6 +177,8 @@ def sum_usage(results) -> Usage:
         total.prompt_tokens += r.usage.prompt_tokens
         total.completion_tokens += r.usage.completion_tokens
         total.cached_tokens += r.usage.cached_tokens
+        total.spec_proposed_tokens += r.usage.spec_proposed_tokens
+        total.spec_accepted_tokens += r.usage.spec_accepted_tokens
     return total
 
 
@@ -196,7 +201,7 @@ def chat_response(result, model_name: str, single_call: bool) -> dict:
                         "logprobs": chat_logprobs(c.logprobs)})
     u = result.usage
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": model_name,
-            "choices": choices, "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            "choices": choices, "usage": u.as_dict(),
             "system_fingerprint": None}
 
 
@@ -209,7 +214,7 @@ def completion_response(results, model_name: str, n: int, echoes: list[str], wan
             choices.append({"index": pi * n + c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp})
     u = sum_usage(results)
     return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model_name,
-            "choices": choices, "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            "choices": choices, "usage": u.as_dict(),
             "system_fingerprint": None}
 
 
@@ -292,7 +297,7 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
             u = sum_usage([h.request.result for h in handles])
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                         "choices": [], "system_fingerprint": None,
-                        "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)})
+                        "usage": u.as_dict()})
     except Exception as exc:  # the response has started: report in-band
         yield _error_event(exc)
     yield SSE_DONE
@@ -334,7 +339,7 @@ async def completion_stream(handles: list, timing: Timing, model_name: str, n: i
             u = sum_usage([h.request.result for h in handles])
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                         "choices": [], "system_fingerprint": None,
-                        "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)})
+                        "usage": u.as_dict()})
     except Exception as exc:
         yield _error_event(exc)
     yield SSE_DONE

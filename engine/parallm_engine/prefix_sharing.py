@@ -25,11 +25,14 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
     one first if the batch holds none (None: no sequence shares one)."""
     if batch.shared is None:
         cands = [s for s in seqs if s.tree_tokens >= MIN_SHARED_PREFIX]
-        if len(cands) < 2:
+        if not cands:
             return None
         first = cands[0].prompt_ids
         head = first[:MIN_SHARED_PREFIX]
-        group = [s for s in cands[1:] if s.prompt_ids[:MIN_SHARED_PREFIX] == head]
+        # Running rows count too: the first of a fan-out often joins alone (the others wait for its
+        # prefix to be cached) and would otherwise keep every later row as long as itself.
+        running = [s for s in batch.running if s.tree_tokens >= MIN_SHARED_PREFIX]
+        group = [s for s in [*cands[1:], *running] if s.prompt_ids[:MIN_SHARED_PREFIX] == head]
         if not group:
             return None
         length = min(s.tree_tokens for s in [cands[0], *group])
@@ -40,9 +43,18 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
             return None
         node = match.node
         radix.pin(node)
-        batch.set_shared(SharedPrefix(first[:length], radix.gather(match), release=lambda: radix.unpin(node)))
+        batch.set_shared(SharedPrefix(first[:length], radix.gather(match), release=lambda: radix.unpin(node),
+                                      tree_owned=len(match.nodes()) == 1))
+        adopters = {id(s) for s in running if _continues(s, batch.shared)}
+        if adopters:
+            batch.adopt_shared(adopters)
     shared = batch.shared
-    return [s.tree_tokens >= shared.length and shared.continues(s.prompt_ids) for s in seqs]
+    return [_continues(s, shared) for s in seqs]
+
+
+def _continues(seq, shared: SharedPrefix) -> bool:
+    """``seq``'s KV for the whole shared prefix is bitwise the tree's copy the batch holds."""
+    return seq.tree_tokens >= shared.length and shared.continues(seq.prompt_ids)
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:

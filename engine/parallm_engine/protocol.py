@@ -111,13 +111,17 @@ class _Sampling(_Model):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # vLLM's scheduling extension: smaller runs first and is preempted last when memory runs short
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    # ParaLLM's extension: speculative decoding, e.g. {"method": "ngram", "num_tokens": 4} (spec_config)
+    speculative: dict[str, Any] | str | bool | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``Engine.submit`` (engine defaults where a field is unset)."""
         kw: dict[str, Any] = {}
         for name in ("max_tokens", "temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
                      "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "priority", "speculative"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value

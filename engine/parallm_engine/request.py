@@ -20,6 +20,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the radix cache
+    spec_proposed_tokens: int = 0  # speculative decoding: drafted tokens verified
+    spec_accepted_tokens: int = 0  # ... and accepted (each saved a decode step)
 
     @property
     def total_tokens(self) -> int:
@@ -31,7 +33,13 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            **({"speculative": self.speculative_dict()} if self.spec_proposed_tokens else {}),
         }
+
+    def speculative_dict(self) -> dict:
+        """ParaLLM's ``usage`` extension: speculative decoding's drafted / accepted tokens."""
+        p, a = self.spec_proposed_tokens, self.spec_accepted_tokens
+        return {"proposed_tokens": p, "accepted_tokens": a, "acceptance_rate": a / p if p else 0.0}
 
 
 @dataclass
@@ -148,6 +156,8 @@ class Channel:
 class Request:
     """What a caller submitted: a prompt, its sampling settings, and where results go."""
 
+    vision = None  # a vision.VisionPrompt for a prompt with images (its key ids and image inputs)
+
     def __init__(
         self,
         prompt_ids: list[int],
@@ -175,6 +185,7 @@ class Request:
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.remaining_choices = params.n
         self.result: GenerationResult | None = None
+        self.sequences: list = []  # its choices' scheduler Sequences (set when the scheduler takes it)
 
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival

@@ -20,17 +20,29 @@ from .sampling_params import MAX_TOP_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingPar
 class SeqSampler:
     """Per-sequence sampling state: the seeded key chain and the token counts for penalties."""
 
-    __slots__ = ("params", "key", "counts", "prompt_ids")
+    __slots__ = ("params", "key", "counts", "prompt_ids", "draws", "_history")
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], seed_offset: int = 0):
         self.params = params
         self.key = mx.random.key(params.seed + seed_offset) if params.seed is not None else None
         self.counts: dict[int, int] = {}
         self.prompt_ids = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
+        self.draws = 0  # keys drawn by next_key
+        self._history: dict[int, mx.array] = {}  # the key before each of the last few draws
 
     def next_key(self):
+        self._history[self.draws] = self.key
+        self._history.pop(self.draws - 4, None)
+        self.draws += 1
         self.key, sub = mx.random.split(self.key)
         return sub
+
+    def rewind_to(self, delivered: int) -> None:
+        """Undo draws whose tokens were never delivered (a step that failed after sampling), so a seeded
+        sequence resumes on the key it would have used."""
+        if self.key is not None and self.draws > delivered and delivered in self._history:
+            self.key = self._history[delivered]
+            self.draws = delivered
 
     def observe(self, token: int) -> None:
         if self.params.needs_penalties:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidRequestError
+from .spec_config import parse_speculative
 
 MAX_TOP_LOGPROBS = 20
 
@@ -57,6 +58,8 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     include_stop_str_in_output: bool = False
+    # Speculative decoding (spec_config.parse_speculative): None = the engine's default.
+    speculative: Any = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
@@ -122,6 +125,7 @@ class SamplingParams:
             self.logit_bias = clean or None
         if self.top_logprobs and not self.logprobs:
             self.logprobs = True
+        self.speculative = parse_speculative(self.speculative)
 
     @property
     def greedy(self) -> bool:

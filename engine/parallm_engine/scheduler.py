@@ -40,9 +40,12 @@ from .prefix_sharing import shared_prefix_flags
 from .radix_cache import RadixCache
 from .request import Request
 from .sampling import sample_batch
+from . import memory_recovery
 from .sequence import Sequence, common_prefix_len, next_inputs
 from .snapshot_cache import SnapshotCache
+from .speculative import Speculator
 from .stats import EngineStats
+from .vision import prefill_forward
 
 logger = logging.getLogger("parallm_engine")
 
@@ -63,6 +66,7 @@ class SchedulerConfig:
     # the measured prefill rate, so aborts, arrivals and running streams wait at most about this long.
     step_time_target_s: float = 0.25
     min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
+    speculative: object = None  # the engine-wide default SpeculativeConfig (speculative.py), or None
 
 
 class Scheduler:
@@ -83,6 +87,9 @@ class Scheduler:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.kv_bytes_per_token = model_info.kv_bytes_per_token()
         self.preemptions = 0
+        self.allocation_failures = 0  # steps that failed to allocate (memory_recovery.py)
+        self.failure_streak = 0  # of those, in a row
+        self.kv_budget_configured: int | None = None  # while a failure has lowered the KV budget
         # The engine's attention hook (the shared-prefix cascade on every backend) and, on the CPU, its
         # kernels, bound to this model's own module instances (nothing process-wide).
         hooked = cpu_kernels.install(model, model_info.context_window, kernels=config.cpu_kernels)
@@ -104,6 +111,9 @@ class Scheduler:
             self.radix = None
             self.snapshots = SnapshotCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self._share_prefix = False
+        # Speculative decoding needs KV it can roll back: the engine's own (attention layout) only.
+        self.speculator = Speculator(config.speculative, stats, model_info.context_window) \
+            if self.layout == "attention" else None
         # Models whose attention scores are (B, KV heads, repeats, L, S) need masks with one more axis.
         self._mask_5d = model_type == "gemma2"
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
@@ -132,6 +142,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         # Build every sequence first: if one fails (a grammar, a sampler), nothing is registered.
         seqs = [Sequence(request, i, self.tokenizer, self.eos_ids) for i in range(request.params.n)]
+        request.sequences = seqs
         self.out.register(request)
         self._enqueue(seqs)
         self.stats.on_submit(request)
@@ -180,6 +191,12 @@ class Scheduler:
     def batch_kv_bytes(self) -> int:
         return self.batch.nbytes()
 
+    def kv_bytes_held(self) -> int:
+        """Every KV byte the engine keeps alive, each once: the batch's rows, a shared prefix unless it
+        is the prefix cache's own, and the prefix cache (radix tree or snapshots)."""
+        cache = self.prefix_cache
+        return self.batch.held_nbytes() + (cache.total_bytes if cache is not None else 0)
+
     # -- memory ---------------------------------------------------------------------------------
     def _context_bytes(self, seq: Sequence) -> int:
         return (seq.total_len + self.config.watermark_tokens) * self.kv_bytes_per_token
@@ -227,7 +244,8 @@ class Scheduler:
                 self._flush_pending()
         other = time.perf_counter() - t0 - prefill_s
         self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
-        self.stats.on_step(len(self.running), self.batch_kv_bytes())
+        self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
+        memory_recovery.step_succeeded(self)
 
     def _timed_prefill(self) -> tuple[list[Sequence], float]:
         t0 = time.perf_counter()
@@ -411,7 +429,8 @@ class Scheduler:
         if seq.split and seq.pos < seq.split < end:
             end = seq.split
         n = end - seq.pos
-        self.model(mx.array(ids[seq.pos : end])[None], cache=self._mask_adapter(seq.cache))
+        tokens = mx.array(ids[seq.pos : end])[None]
+        prefill_forward(self.model, tokens, self._mask_adapter(seq.cache), [(seq, seq.pos, n)])
         seq.pos = end
         self.stats.prefill_tokens += n
         self.stats.prefill_forwards += 1
@@ -489,7 +508,8 @@ class Scheduler:
                 caches.append(PrefillBatchKV(mx.concatenate(pk), mx.concatenate(pv), offset, mask))
             else:
                 caches.append(PrefillBatchKV(None, None, offset, mask))
-        self.model(tokens, cache=caches)  # logits are never evaluated: only the KV is kept
+        # logits are never evaluated: only the KV is kept (image rows read their features: vision.py)
+        prefill_forward(self.model, tokens, caches, [(s, s.pos, n) for s, n in zip(group, new_lens)])
         self.stats.prefill_tokens += sum(new_lens)
         self.stats.prefill_forwards += 1
 
@@ -539,6 +559,11 @@ class Scheduler:
         constraints in the batch, the forward is started first, the previous step is delivered
         (advancing the matchers) and the masks are computed while it runs; only the sampling waits.
         """
+        if self.speculator is not None and self.speculator.step(self):  # verified drafts (speculative.py)
+            finished = {id(s) for s in self.running if s.finish_reason is not None}
+            if finished:
+                self._retire_rows(finished)
+            return
         pipelined = self.config.pipeline and not any(s.sampler.params.needs_penalties for s in self.running)
         constrained = pipelined and any(s.constraint is not None for s in self.running)
         if self._pending is not None and not pipelined:
@@ -604,7 +629,7 @@ class Scheduler:
         state under exactly the tokens it has taken in (a pipelined step may have run one more: the
         state cannot be rewound, so the snapshot says so)."""
         if self.radix is not None:
-            ids = seq.prefill_ids
+            ids = seq.prefill_ids[: seq.consumed]  # a speculative step may leave the last few to recompute
             if ids:
                 self.radix.insert(ids, self.batch.row_segments(seq))
         elif self.snapshots is not None and seq.consumed:
@@ -645,6 +670,7 @@ class Scheduler:
             "kv_budget_bytes": self.config.kv_budget_bytes,
             "kv_bytes_running": self.batch_kv_bytes(),
             "kv_bytes_prefix_cache": cache.total_bytes if cache is not None else 0,
+            "kv_bytes_held": self.kv_bytes_held(),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "preemptions": self.preemptions,
         }

@@ -18,7 +18,9 @@ class Sequence:
         p = request.params
         self.request = request
         self.index = index
-        self.prompt_ids = request.prompt_ids
+        # The scheduler's token key (radix tree, snapshots): an image request's image positions are keyed
+        # by the image's pixel hash (vision.VisionPrompt); the sampler reads the real ids.
+        self.prompt_ids = request.vision.key_ids if request.vision is not None else request.prompt_ids
         self.sampler = SeqSampler(p, request.prompt_ids, seed_offset=index)
         self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.include_stop_str_in_output)
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)

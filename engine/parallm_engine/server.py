@@ -68,6 +68,8 @@ from .openai_format import (
 )
 from .queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, Lease, QueueShares
 from .validation import check_text, safe_text
+from .vision_chat import chat_prompt
+from .vision_inputs import IMAGE_PART_TYPES, has_images
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics, render as render_metrics
 from .protocol import (
@@ -200,10 +202,14 @@ class ServerState:
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    """A validated chat message as the dict the chat template renders (text content only)."""
+    """A validated chat message as the dict the chat template renders: text, or with ``image_url`` parts
+    (for a vision-language model: ``vision_chat``) text and image parts in order."""
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
     content = m.content
-    if isinstance(content, list):
+    if isinstance(content, list) and any(p.type in IMAGE_PART_TYPES for p in content):
+        content = [p.model_dump(exclude_none=True) if p.type in IMAGE_PART_TYPES
+                   else {"type": "text", "text": p.text or ""} for p in content]
+    elif isinstance(content, list):
         parts = []
         for part in content:
             if part.type in ("text", "input_text") and part.text is not None:
@@ -574,7 +580,10 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         if response_format is not None:
             kwargs["response_format"] = response_format
         constrained = response_format is not None or (tools and tool_choice not in (None, "auto"))
-        prompt = eng.apply_chat_template(messages, tools=tools, allow_special_tokens=req.allow_special_tokens)
+        if has_images(messages):
+            prompt = chat_prompt(eng, messages, tools, {})  # images: remote URLs are never fetched here
+        else:
+            prompt = eng.apply_chat_template(messages, tools=tools, allow_special_tokens=req.allow_special_tokens)
         timing = Timing(state.metrics)
         lease = reserve(request, req.n or 1, "chat", "n")
         try:

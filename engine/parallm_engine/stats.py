@@ -39,7 +39,14 @@ class EngineStats:
         self.peak_in_flight = 0
         self.kv_bytes = 0
         self.peak_kv_bytes = 0
+        self.kv_bytes_held = 0
+        self.peak_kv_bytes_held = 0
         self.preemptions = 0  # running sequences whose KV was freed to make room (they resume later)
+        self.allocation_failures = 0  # steps that failed to allocate; their sequences were preempted
+        # Speculative decoding (speculative.py): verification forwards, drafted and accepted tokens.
+        self.spec_steps = 0
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
         self._occupancy_sum = 0
         self._ttft = deque(maxlen=window)
         self._itl = deque(maxlen=window)
@@ -84,13 +91,16 @@ class EngineStats:
             self.in_flight -= 1
         self._last_token.pop(req.id, None)
 
-    def on_step(self, running: int, kv_bytes: int) -> None:
+    def on_step(self, running: int, kv_bytes: int, kv_bytes_held: int | None = None) -> None:
         self.steps += 1
         self.running = running
         self.peak_running = max(self.peak_running, running)
         self._occupancy_sum += running
         self.kv_bytes = kv_bytes
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
+        if kv_bytes_held is not None:  # running batch + prefix cache, each byte once
+            self.kv_bytes_held = kv_bytes_held
+            self.peak_kv_bytes_held = max(self.peak_kv_bytes_held, kv_bytes_held)
 
     def publish(self, gauges: dict) -> None:
         """Engine thread, between steps. The dict is replaced whole and never mutated afterwards, so a
@@ -102,6 +112,7 @@ class EngineStats:
             self.peak_running = self.running
             self.peak_in_flight = self.in_flight
             self.peak_kv_bytes = self.kv_bytes
+            self.peak_kv_bytes_held = self.kv_bytes_held
 
     def snapshot(self) -> dict:
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -128,7 +139,15 @@ class EngineStats:
             "mean_batch_occupancy": self._occupancy_sum / self.steps if self.steps else 0.0,
             "kv_bytes": self.kv_bytes,
             "peak_kv_bytes": self.peak_kv_bytes,
+            "kv_bytes_held": self.kv_bytes_held,
+            "peak_kv_bytes_held": self.peak_kv_bytes_held,
             "preemptions": self.preemptions,
+            "allocation_failures": self.allocation_failures,
+            "spec_steps": self.spec_steps,
+            "spec_proposed_tokens": self.spec_proposed_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
+                                     if self.spec_proposed_tokens else 0.0),
             "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "ttft_p50_s": _percentile(ttft, 0.5),
             "ttft_p95_s": _percentile(ttft, 0.95),

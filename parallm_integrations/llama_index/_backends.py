@@ -58,6 +58,10 @@ class EngineBackend:
     def _engine_prompt(self, prompt: list[dict[str, Any]] | str, req: EngineRequest) -> list[int] | str:
         if isinstance(prompt, str):
             return prompt
+        if any(isinstance(m.get("content"), list) for m in prompt):  # images: a vision-language prompt
+            from parallm_engine.vision_chat import chat_prompt
+
+            return chat_prompt(self.engine, prompt, req.tools, {})
         return self.engine.apply_chat_template(prompt, tools=req.tools, allow_special_tokens=self.allow_special_tokens)
 
     def run(self, prompt: list[dict[str, Any]] | str, req: EngineRequest):

@@ -14,6 +14,7 @@ from llama_index.core.base.llms.types import (
     ChatMessage,
     CitableBlock,
     CitationBlock,
+    ImageBlock,
     MessageRole,
     TextBlock,
     ThinkingBlock,
@@ -41,6 +42,15 @@ def _block_text(block: Any, role: str) -> str | None:
         f"ParaLLM models accept text only; a {role} message has a {getattr(block, 'block_type', type(block).__name__)!r} "
         "content block. Pass text, or describe the attachment in words."
     )
+
+
+def _image_part(block: ImageBlock) -> dict[str, Any]:
+    """An ``ImageBlock`` as an OpenAI ``image_url`` part: its bytes (or file) as a base64 data URL; a
+    URL-only block stays a URL (the local engine fetches it only with remote images allowed)."""
+    if block.image is None and block.path is None and block.url is not None:
+        return {"type": "image_url", "image_url": {"url": str(block.url)}}
+    data = block.resolve_image(as_base64=True).read().decode()
+    return {"type": "image_url", "image_url": {"url": f"data:{block.image_mimetype or 'image/png'};base64,{data}"}}
 
 
 def call_to_openai(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
@@ -72,7 +82,13 @@ def message_to_dict(message: ChatMessage) -> dict[str, Any]:
     role = _ROLE_MAP.get(role, role)
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []  # text and image parts, for a message with images
     for block in message.blocks:
+        if isinstance(block, ImageBlock):
+            parts += [{"type": "text", "text": "\n".join(texts)}] if texts else []
+            texts = []
+            parts.append(_image_part(block))
+            continue
         if isinstance(block, ToolCallBlock):
             calls.append(call_to_openai(block.tool_call_id, block.tool_name, block.tool_kwargs))
             continue
@@ -85,6 +101,8 @@ def message_to_dict(message: ChatMessage) -> dict[str, Any]:
             if d is not None:
                 calls.append(d)
     out: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+    if parts:
+        out["content"] = parts + ([{"type": "text", "text": "\n".join(texts)}] if texts else [])
     if calls:
         out["tool_calls"] = calls
     if role == "tool":

@@ -56,6 +56,7 @@ from llama_index.core.types import PydanticProgramMode
 from parallm_integrations._common import (
     DEFAULT_MODEL_NAME,
     EngineRequest,
+    check_priority,
     check_sampling,
     is_default_model,
     peek_context_window,
@@ -91,7 +92,7 @@ _LLAMA_INDEX_ONLY_KWARGS = ("formatted", "verbose", "strict", "stream", "tool_re
                             "allow_parallel_tool_calls", "error_on_no_tool_call")
 #: Object fields that are engine sampling settings (OpenAI names).
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed")
+                    "presence_penalty", "frequency_penalty", "seed", "speculative")
 #: After /v1/models could not be read, metadata uses the fallback context window this long before asking again.
 _REMOTE_INFO_RETRY_S = 30.0
 
@@ -177,6 +178,17 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     )
     seed: int | None = Field(
         default=None, description="Random seed: a seeded request samples the same tokens whatever shares the batch."
+    )
+    speculative: dict[str, Any] | str | bool | None = Field(
+        default=None,
+        description="Speculative decoding, e.g. {'method': 'ngram', 'num_tokens': 4}: drafts copied from the "
+        "prompt and output, verified inside the running batch (the output is unchanged). None: the engine's "
+        "default; False: off.",
+    )
+    priority: int | None = Field(
+        default=None, strict=True,
+        description="Scheduling priority (vLLM's convention): smaller runs first and is preempted last when "
+        "memory runs short; None = 0. A per-call priority= overrides it.",
     )
     stop: str | list[str] | None = Field(
         default=None, description="Stop string(s): generation ends before the first one (not included)."
@@ -364,6 +376,9 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         tool_choice = kw.pop("tool_choice", None)
         parallel = kw.pop("parallel_tool_calls", None)
         response_format = kw.pop("response_format", None)
+        if self.priority is not None:
+            sampling["priority"] = self.priority
+        check_priority(kw.get("priority"))
         sampling.update(kw)
         req = EngineRequest(sampling, timeout=timeout, response_format=response_format)
         if tools:

@@ -1,0 +1,95 @@
+"""Speculative-decoding settings and their validation, in plain Python (no mlx).
+
+A request (or the engine, as its default) asks for speculation with ``speculative=``:
+
+- ``{"method": "ngram", "num_tokens": k, "min_match": n, "max_match": m}``: prompt lookup. The
+  continuation of the latest earlier occurrence of the context's last ``m`` .. ``n`` tokens (longest
+  first) in the request's own prompt + output is proposed, up to ``k`` tokens per step.
+- ``"ngram"`` / ``True``: the same with the defaults below.
+- ``False`` / ``"off"`` / ``{"method": "none"}``: no speculation for this request (even with an
+  engine-wide default); ``None``: the engine's default.
+
+The draft-model method (``{"method": "draft", ...}``) is refused with an :class:`InvalidRequestError`:
+it is not implemented yet. The scheduler runs the settings (``speculative.py``); the integrations and the
+server import this module to check them at construction / request time without loading MLX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidRequestError
+
+MAX_SPEC_TOKENS = 16
+MAX_MATCH = 16
+_KEYS = {"method", "num_tokens", "min_match", "max_match", "adaptive"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"  # "ngram" or "none"
+    num_tokens: int = 4  # drafted tokens per step, at most (adaptive k may propose fewer)
+    min_match: int = 2  # shortest n-gram that counts as a match
+    max_match: int = 4  # longest n-gram tried first
+    adaptive: bool = True  # per-row k from the recent acceptance rate, none in large batches
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_tokens > 0
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "num_tokens": self.num_tokens, "min_match": self.min_match,
+                "max_match": self.max_match, "adaptive": self.adaptive}
+
+
+OFF = SpeculativeConfig(method="none", num_tokens=0)
+
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"speculative.{name} must be an integer, got {type(value).__name__}",
+                                  param="speculative")
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"speculative.{name} must be in [{lo}, {hi}], got {value}", param="speculative")
+    return value
+
+
+def parse_speculative(value: Any) -> SpeculativeConfig | None:
+    """``value`` as a :class:`SpeculativeConfig` (:data:`OFF` when turned off), or None (the engine's
+    default). Raises :class:`InvalidRequestError` (``param="speculative"``) for anything else."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if value is False:
+        return OFF
+    if value is True:
+        return SpeculativeConfig()
+    if isinstance(value, str):
+        value = {"method": value}
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(
+            "speculative must be a mapping such as {'method': 'ngram', 'num_tokens': 4}, a method name, "
+            f"a bool or None; got {type(value).__name__}", param="speculative")
+    unknown = set(value) - _KEYS - {"model"}
+    if unknown:
+        raise InvalidRequestError(f"unknown speculative setting(s): {', '.join(sorted(map(str, unknown)))}",
+                                  param="speculative")
+    method = value.get("method", "ngram")
+    if method in ("none", "off"):
+        return OFF
+    if method == "draft":
+        raise InvalidRequestError("speculative method 'draft' (a draft model) is not supported yet; "
+                                  "use {'method': 'ngram'}", param="speculative")
+    if method != "ngram":
+        raise InvalidRequestError(f"unknown speculative method {method!r}; expected 'ngram' or 'none'",
+                                  param="speculative")
+    if "model" in value:
+        raise InvalidRequestError("speculative.model applies to the 'draft' method only", param="speculative")
+    num_tokens = _int("num_tokens", value.get("num_tokens", 4), 1, MAX_SPEC_TOKENS)
+    min_match = _int("min_match", value.get("min_match", 2), 1, MAX_MATCH)
+    max_match = _int("max_match", value.get("max_match", max(min_match, 4)), min_match, MAX_MATCH)
+    adaptive = value.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise InvalidRequestError("speculative.adaptive must be a bool", param="speculative")
+    return SpeculativeConfig("ngram", num_tokens, min_match, max_match, adaptive)

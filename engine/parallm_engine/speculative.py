@@ -1,0 +1,337 @@
+"""Speculative decoding inside the running batch: n-gram (prompt lookup) proposals, verification of
+every speculating row's 1 + k positions in one forward of the target, exact acceptance, KV rollback.
+
+A step speculates when some running row asks for it (``SamplingParams.speculative`` or the engine's
+default) and the batch is small enough for the extra positions to be nearly free (see
+:meth:`Speculator.plan`). Then the scheduler's pipelined step in flight is delivered first (proposals
+need the latest tokens on the host), each row proposes up to ``k`` tokens (the continuation of the
+latest earlier occurrence of its context's last n-gram in its own prompt + output), and one forward
+runs every row over W = 1 + max k positions (rows with fewer drafts, and rows that do not speculate,
+are padded; their extra positions are computed and dropped).
+
+Acceptance is exact. At every verified position j of a row the target's own sampler draws a token
+t_j with the same settings and, for a seeded row, the same key it would use without speculation
+(the row's key chain is advanced by the tokens emitted, not by the positions verified). The draft
+d_{j+1} is accepted when t_j == d_{j+1}; at the first mismatch t_j is emitted and the row stops. For
+a deterministic proposal this *is* speculative rejection sampling: d is accepted with probability
+p(d), and given a rejection t is distributed as p with d removed and renormalised (the residual).
+Greedy rows are argmax at every position. So the output equals non-speculative decoding token for
+token (greedy, and seeded sampling), and follows the target distribution otherwise.
+
+Rollback without copying: the batch's rows are left-padded and end at one column, so after the forward
+every row keeps as many of the W positions as the row that keeps the fewest (``BatchKV.rollback`` just
+moves the end back). A row that accepted more has the rest of its accepted tokens recomputed, as pending
+context, at the front of its next step (``Sequence.consumed`` counts what its KV holds); shifting rows
+to keep them instead costs a copy of every row's KV per step. The KV of rejected positions is never
+read again and never reaches the radix tree (it stores only what ``consumed`` covers). A grammar-constrained row's drafts are cut where its grammar forbids a token
+(llguidance's ``validate_tokens``), and each verified position is masked with the grammar's state after
+the drafts before it (the matcher is rolled back afterwards). Rows with penalties (their distribution
+depends on counts the drafts would change) do not speculate (a request asking for both is refused at
+submit); ``model_caches``' "mixed" layout (sliding windows, recurrent state) cannot roll back and
+refuses speculation at submit.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .constrained import apply_constraints
+from .sampling import sample_batch
+from .spec_config import SpeculativeConfig
+
+#: Positions (rows x width) one speculative forward may hold. On the CPU a forward's cost grows with its
+#: positions almost linearly (measured on the 2-core CI machine, default model, 480-token rows: batch 1
+#: width 1/2/3/5/8 = 58/78/108/133/148 ms; batch 8 width 1/2/5 = 135/197/398 ms), so speculation pays
+#: only while the batch is small: up to 4 rows, narrower as the batch grows, none above.
+TOKEN_BUDGET = 8
+#: Above this many running rows a step does not speculate (the batch is compute-bound).
+MAX_SPEC_BATCH = 4
+#: A row whose acceptance rate falls below this rests for ``_REST`` steps, then tries again.
+_MIN_RATE = 0.15
+_REST = 8
+#: Steps without looking for drafts after a step found none in any row.
+_COOLDOWN = 2
+
+
+class NgramIndex:
+    """Prompt lookup over one sequence's context: for each n in [min_match, max_match], the latest
+    position that followed each n-gram. Extended incrementally as the context grows."""
+
+    def __init__(self, min_match: int, max_match: int):
+        self.sizes = list(range(max_match, min_match - 1, -1))  # longest first
+        self.tables: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.indexed = 1  # n-grams ending before this position have their follower recorded
+
+    def _extend(self, ctx: list[int]) -> None:
+        # The n-gram ending at e (exclusive) is followed by ctx[e]: record every e < len(ctx).
+        for e in range(self.indexed, len(ctx)):
+            for n in self.sizes:
+                if e >= n:
+                    self.tables[n][tuple(ctx[e - n : e])] = e
+        self.indexed = max(self.indexed, len(ctx))
+
+    def propose(self, ctx: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last n-gram."""
+        self._extend(ctx)
+        L = len(ctx)
+        for n in self.sizes:
+            if L > n:
+                e = self.tables[n].get(tuple(ctx[L - n :]))
+                if e is not None:
+                    return ctx[e : e + k]
+        return []
+
+
+@dataclass
+class RowState:
+    """One sequence's speculation state."""
+
+    config: SpeculativeConfig
+    index: NgramIndex
+    rate: float = 1.0  # recent acceptance rate (exponential average)
+    rest: int = 0  # steps left without speculation after a run of rejections
+    proposed: int = 0
+    accepted: int = 0
+
+
+class _PositionSampler:
+    """Stands in for a row's :class:`~parallm_engine.sampling.SeqSampler` at one verified position: the
+    same settings, and (seeded rows) the key the row's chain holds after the tokens before it."""
+
+    __slots__ = ("params", "key", "counts", "prompt_ids")
+
+    def __init__(self, params, key):
+        self.params, self.key, self.counts, self.prompt_ids = params, key, {}, set()
+
+    def next_key(self):
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def observe(self, token: int) -> None:
+        pass
+
+
+class Speculator:
+    """The scheduler's speculative step (one per scheduler, engine thread only)."""
+
+    def __init__(self, default: SpeculativeConfig | None, stats, context_window: int,
+                 max_batch: int = MAX_SPEC_BATCH, token_budget: int = TOKEN_BUDGET):
+        self.default = default if default is not None and default.enabled else None
+        self.stats = stats
+        self.context_window = context_window
+        self.max_batch = max_batch
+        self.token_budget = token_budget
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Steps left before looking for drafts again after a step found none: looking needs the step in
+        # flight delivered first, which costs the pipelined overlap when there is nothing to copy.
+        self._cooldown = 0
+
+    # -- which rows speculate, and how far -----------------------------------------------------
+    def config_for(self, seq) -> SpeculativeConfig | None:
+        cfg = seq.sampler.params.speculative
+        cfg = self.default if cfg is None else cfg
+        if cfg is None or not cfg.enabled or seq.sampler.params.needs_penalties:
+            return None
+        return cfg
+
+    def _state(self, seq, cfg: SpeculativeConfig) -> RowState:
+        st = self._rows.get(seq)
+        if st is None:
+            st = RowState(cfg, NgramIndex(cfg.min_match, cfg.max_match))
+            self._rows[seq] = st
+        return st
+
+    def wants(self, running: list) -> bool:
+        """Whether this step may speculate (checked before the pipelined step in flight is delivered)."""
+        if not running or len(running) > self.max_batch or self.token_budget // len(running) < 2:
+            return False
+        return any(self.config_for(s) is not None for s in running)
+
+    def _k_for(self, seq, st: RowState, cap: int) -> int:
+        cfg = st.config
+        k = min(cfg.num_tokens, cap)
+        if cfg.adaptive:
+            if st.rest > 0:
+                st.rest -= 1
+                return 0
+            # Fewer drafts as fewer are accepted: an expected run of rate / (1 - rate) accepted tokens.
+            if st.rate < 0.9:
+                k = min(k, max(1, int(round(st.rate / (1.0 - st.rate))) + 1))
+        if seq.max_new is not None:
+            k = min(k, seq.max_new - len(seq.output_ids) - 1)  # never verify past max_tokens
+        return max(0, min(k, self.context_window - seq.total_len - 1))
+
+    def plan(self, running: list) -> list[list[int]]:
+        """Each row's drafted tokens (empty for rows that do not speculate this step)."""
+        width = self.token_budget // len(running)  # positions per row this step, at most
+        drafts = []
+        for s in running:
+            cfg = self.config_for(s)
+            if cfg is None or s.finish_reason is not None:
+                drafts.append([])
+                continue
+            st = self._state(s, cfg)
+            k = self._k_for(s, st, min(MAX_K, width - (s.total_len - s.consumed)))
+            draft = st.index.propose(s.request.prompt_ids + s.output_ids, k) if k > 0 else []
+            if draft and s.constraint is not None:  # drafted tokens the grammar forbids are cut first
+                draft = draft[: s.constraint.matcher.validate_tokens(draft)]
+            drafts.append(draft)
+        return drafts
+
+    # -- the speculative step ------------------------------------------------------------------
+    def step(self, sched) -> bool:
+        """Run one speculative decode step if this step should speculate (or some row still has context
+        tokens to recompute from the last one); False to let the scheduler run its ordinary step (its
+        pipelined step in flight may have been delivered meanwhile)."""
+        running = sched.running
+        if not any(_backlog(s) for s in running):
+            if not self.wants(running):
+                return False
+            if self._cooldown:
+                self._cooldown -= 1
+                return False
+            sched._flush_pending()  # proposals need every row's latest token on the host
+            running = sched.running
+            if not running:
+                return True
+        drafts = self.plan(running) if self.wants(running) else [[] for _ in running]
+        if not any(drafts) and not any(_backlog(s) for s in running):
+            self._cooldown = _COOLDOWN
+            return False
+        self.verify(sched, running, drafts)
+        return True
+
+    def verify(self, sched, running: list, drafts: list[list[int]]) -> None:
+        """One forward over every row's pending context tokens (its last one, and any a previous step
+        left to recompute) and its drafts; accept, deliver, roll the KV back to what every row keeps."""
+        B = len(running)
+        pending = [(s.request.prompt_ids + s.output_ids)[s.consumed :] for s in running]
+        W = max(len(u) + len(d) for u, d in zip(pending, drafts))
+        inputs = [u + d + [u[-1]] * (W - len(u) - len(d)) for u, d in zip(pending, drafts)]
+        logits = sched.batch.forward_block(sched.model, mx.array(inputs))
+        V = logits.shape[-1]
+        # Sample every verified position as decoding would there: a row's last pending token (the
+        # next token's logits) and each of its drafts.
+        flat, samplers, constraints, chains, owners = [], [], [], [], []
+        for i, (s, u, d) in enumerate(zip(running, pending, drafts)):
+            first = i * W + len(u) - 1
+            if not d:
+                flat.append(first)
+                samplers.append(s.sampler)  # its own state: penalties and key chain advance as usual
+                constraints.append(s.constraint if s.finish_reason is None else None)
+                chains.append(None)
+                owners.append(i)
+                continue
+            chain = _key_chain(s.sampler, len(d) + 1)
+            chains.append(chain)
+            masks = _draft_masks(s.constraint, d) if s.constraint is not None else [None] * (len(d) + 1)
+            for j in range(len(d) + 1):
+                flat.append(first + j)
+                samplers.append(_PositionSampler(s.sampler.params, chain[j] if chain else None))
+                constraints.append(masks[j])
+                owners.append(i)
+        rows = logits.reshape(B * W, V)[mx.array(flat)]
+        if any(c is not None for c in constraints):
+            rows = apply_constraints(rows, constraints)
+        toks, logprobs = sample_batch(rows, samplers)
+        chosen = logprobs[mx.arange(len(flat)), toks] if logprobs is not None else None
+        mx.eval([x for x in (toks, logprobs, chosen) if x is not None])
+        tok_list = toks.tolist()
+        # Accept: every row emits its tokens up to and including the first that differs from its draft.
+        emit: list[int] = []
+        pos = 0
+        for d in drafts:
+            n = 1
+            while n <= len(d) and tok_list[pos + n - 1] == d[n - 1]:
+                n += 1
+            emit.extend(range(pos, pos + min(n, len(d) + 1)))
+            pos += len(d) + 1
+        before = [len(s.output_ids) for s in running]
+        lp_rows = None
+        if logprobs is not None:
+            lp_idx = [p for p in emit if running[owners[p]].logprobs is not None]
+            lp_rows = logprobs[mx.array(lp_idx)] if lp_idx else None
+        sel = mx.array(emit)
+        sched.out.deliver([running[owners[p]] for p in emit], toks[sel], lp_rows,
+                          chosen[sel] if chosen is not None else None)
+        self.stats.decode_steps += 1
+        if any(drafts):
+            self.stats.spec_steps += 1
+        # Row i's KV is right for its pending tokens and the drafts it accepted (all but the token it
+        # emitted last). Every row keeps as many positions as the row that keeps the fewest (the batch's
+        # rows end at one column); the rest of a row's accepted tokens are recomputed next step.
+        keep = []
+        for i, (s, u, d) in enumerate(zip(running, pending, drafts)):
+            added = len(s.output_ids) - before[i]
+            keep.append(len(u) + max(0, added - 1))
+            if d:
+                self._account(s, len(d), max(0, min(added - 1, len(d))), chains[i])
+        n = min(keep)
+        sched.batch.rollback(W - n)
+        for s in running:
+            s.consumed += n
+
+    def _account(self, s, proposed: int, accepted: int, chain) -> None:
+        if chain:  # the row's key chain moves on by the tokens it emitted
+            s.sampler.key = chain[min(accepted + 1, len(chain) - 1)]
+            s.sampler.draws = len(s.output_ids)  # one draw per token emitted (SeqSampler.rewind_to)
+        st = self._rows.get(s)
+        if st is not None:
+            st.proposed += proposed
+            st.accepted += accepted
+            st.rate = 0.7 * st.rate + 0.3 * (accepted / proposed)
+            if st.config.adaptive and st.rate < _MIN_RATE:
+                st.rest, st.rate = _REST, 0.5  # rest, then try again from a middling estimate
+        usage = s.request.usage
+        usage.spec_proposed_tokens += proposed
+        usage.spec_accepted_tokens += accepted
+        self.stats.spec_proposed_tokens += proposed
+        self.stats.spec_accepted_tokens += accepted
+
+
+MAX_K = 16
+
+
+def _backlog(seq) -> bool:
+    """Whether ``seq`` has context tokens besides its last that its KV does not hold (a speculative step
+    kept fewer positions than it accepted): only a speculative step can feed them."""
+    return seq.consumed < seq.total_len - 1
+
+
+class _FixedMask:
+    """A grammar's allowed-token bitmask at one verified position, computed ahead (for apply_constraints)."""
+
+    def __init__(self, words: int, bits: np.ndarray):
+        self.words, self.bits = words, bits
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        row[:] = self.bits
+
+
+def _draft_masks(constraint, draft: list[int]) -> list[_FixedMask]:
+    """The grammar's masks after 0 .. len(draft) drafted tokens (all valid: ``plan`` cut the rest); the
+    matcher is rolled back to where it was (the tokens actually emitted advance it when delivered)."""
+    masks = []
+    for j in range(len(draft) + 1):
+        bits = np.empty(constraint.words, dtype=np.int32)
+        constraint.fill_bitmask(bits)
+        masks.append(_FixedMask(constraint.words, bits))
+        if j < len(draft):
+            constraint.advance(draft[j])
+    constraint.matcher.rollback(len(draft))
+    return masks
+
+
+def _key_chain(sampler, n: int) -> list | None:
+    """A seeded, sampled row's key after 0 .. n draws (``SeqSampler.next_key`` keeps the first half
+    of each split); None for rows that draw no keys (greedy, unseeded)."""
+    if sampler.key is None or sampler.params.greedy:
+        return None
+    chain = [sampler.key]
+    for _ in range(n):
+        chain.append(mx.random.split(chain[-1])[0])
+    return chain

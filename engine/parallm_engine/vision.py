@@ -1,0 +1,277 @@
+"""Vision-language models (mlx-vlm) on the engine: loading, image prompts, the vision-feature cache, and
+the prefill hook that feeds image rows to the language model.
+
+How an image request runs:
+
+1. Caller thread (:meth:`VisionEncoder.build_prompt`): the images are decoded and hashed
+   (``vision_inputs``), the chat is rendered with the model's template, and mlx-vlm's processor expands
+   each image placeholder into the model's image tokens (``token_ids``: what the model reads). Each
+   image also goes through the processor alone, which gives its pixel inputs and its number of rows.
+   The radix-tree key (``key_ids``) is ``token_ids`` with every image-token position replaced by an id
+   derived from that image's pixel hash (outside the vocabulary), so two different images never share
+   a key and the same picture in any encoding does.
+2. Engine thread (:func:`prefill_forward`, called by the scheduler for every prefill forward): rows of a
+   sequence with images get embeddings instead of token ids: the language model's own token
+   embeddings, with image positions replaced by the image's vision features. Features come from the
+   per-image cache (keyed by pixel hash, LRU under a byte budget) or, on a miss, from mlx-vlm's own
+   ``get_input_embeddings`` on the image alone (vision tower + projector, exactly its merge). A prompt
+   whose image and text up to it are already in the radix tree skips both the encoder and the prefill.
+3. Decoding is the language model's own forward on token ids, batched with text requests.
+
+Families: those whose language model uses plain 1-D positions and causal attention over image tokens
+(LLaVA, Idefics3 / SmolVLM), so image rows are ordinary prompt rows. Refused with a clear error:
+M-RoPE models (Qwen2/2.5/3-VL: positions depend on the image grid) and models with bidirectional
+attention over image tokens (Gemma 3, PaliGemma): their text checkpoints still load text-only via mlx-lm.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .errors import ImageInputError, ModelLoadError, UnsupportedModelError
+from .vision_inputs import DecodedImage, extract_images
+
+#: Families ParaLLM runs with images (model_type in config.json).
+VISION_FAMILIES = ("llava", "idefics3", "smolvlm")
+#: Vision families the engine cannot batch correctly yet, and why.
+UNSUPPORTED_VISION = {
+    "qwen2_vl": "M-RoPE positions depend on the image grid",
+    "qwen2_5_vl": "M-RoPE positions depend on the image grid",
+    "qwen3_vl": "M-RoPE positions depend on the image grid",
+    "gemma3": "image tokens attend bidirectionally",
+    "paligemma": "prefix-LM attention over the image",
+}
+#: Radix-key ids of image positions start here (far above any vocabulary).
+IMAGE_KEY_BASE = 1 << 40
+DEFAULT_FEATURE_CACHE_BYTES = 256 << 20
+
+
+def vision_family(path: Path) -> str | None:
+    """The model_type of a vision checkpoint ParaLLM runs with images; None for text models (and for
+    vision families it does not support: mlx-lm loads those text-only, as before)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    mtype = config.get("model_type")
+    return mtype if mtype in VISION_FAMILIES and "vision_config" in config else None
+
+
+def load_vision_model(path: Path):
+    """(engine model, mlx-lm tokenizer) for a vision checkpoint, through mlx-vlm's own loader."""
+    try:
+        from mlx_vlm import load as vlm_load
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"{path} is a vision-language model; install the vision extra: pip install 'parallm-engine[vision]'"
+        ) from exc
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        vlm, processor = vlm_load(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"mlx-vlm could not load {path}: {exc}") from exc
+    tokenizer = load_tokenizer(Path(path), eos_token_ids=getattr(vlm.config, "eos_token_id", None))
+    encoder = VisionEncoder(vlm, processor, tokenizer)
+    return VisionLanguageModel(vlm.language_model, encoder), tokenizer
+
+
+class VisionLanguageModel(nn.Module):
+    """The engine's view of a VLM: its language model, called like an mlx-lm model (token ids and
+    caches in, logits out), optionally with input embeddings; ``vision`` holds the rest (not a child
+    module: the engine's kernels and dtype conversion touch only the language model)."""
+
+    def __init__(self, language_model: nn.Module, encoder: "VisionEncoder"):
+        super().__init__()
+        self.language_model = language_model
+        self.vision = encoder
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.vision.vlm.get_input_embeddings(input_ids=ids).inputs_embeds
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None):
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache)
+        return getattr(out, "logits", out)
+
+
+@dataclass
+class VisionPrompt:
+    """A chat prompt with images, as :meth:`Engine.submit` takes it (see the module docstring)."""
+
+    token_ids: list[int]
+    key_ids: list[int]
+    images: list[DecodedImage]
+    row_index: np.ndarray  # per token: -1, or the row of the concatenated image features it reads
+    image_inputs: list[dict] = field(repr=False, default_factory=list)  # per image: processor outputs alone
+    features: Any = field(repr=False, default=None)  # engine thread: (rows, hidden), once computed
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class VisionEncoder:
+    """mlx-vlm's vision tower, projector and processor for one model, with the image-feature cache.
+
+    Counters (read them with :meth:`stats`): ``encoder_runs`` (vision tower runs, one per image not
+    cached), ``feature_hits`` (images whose features came from the cache)."""
+
+    def __init__(self, vlm, processor, tokenizer, budget_bytes: int = DEFAULT_FEATURE_CACHE_BYTES):
+        self.vlm = vlm
+        self.processor = processor
+        self.tokenizer = tokenizer
+        cfg = vlm.config
+        self.image_token_id = int(getattr(cfg, "image_token_index", None) or getattr(cfg, "image_token_id"))
+        self.image_token = getattr(processor, "image_token", None) or "<image>"
+        self.budget_bytes = budget_bytes
+        self.allow_remote_images = False
+        self.max_image_pixels: int | None = None
+        self._cache: OrderedDict[bytes, mx.array] = OrderedDict()
+        self._cache_bytes = 0
+        self._lock = threading.Lock()  # the processor (tokenizer + image processor) across caller threads
+        self.encoder_runs = 0
+        self.feature_hits = 0
+
+    # -- caller thread --------------------------------------------------------------------------
+    def build_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                     allow_remote_images: bool | None = None, **template_kwargs) -> VisionPrompt:
+        remote = self.allow_remote_images if allow_remote_images is None else bool(allow_remote_images)
+        stripped, images = extract_images(messages, allow_remote=remote, max_pixels=self.max_image_pixels)
+        text = self._render(stripped, tools, len(images), template_kwargs)
+        pil = [im.image for im in images]
+        with self._lock:
+            full = self.processor(text=[text], images=pil)
+            alone = [self.processor(text=[self.image_token], images=[p]) for p in pil]
+        token_ids = _ids(full["input_ids"])
+        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        inputs, counts = [], []
+        for out in alone:
+            span = _ids(out["input_ids"])
+            counts.append(sum(1 for t in span if t == self.image_token_id))
+            extra = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+            inputs.append({"input_ids": mx.array([span]), **extra})
+        if sum(counts) != len(positions):
+            raise ImageInputError(
+                f"the processor gave {len(positions)} image tokens for the prompt but {sum(counts)} for its "
+                f"{len(images)} image(s) alone; this model's image layout is not supported", param="messages")
+        key_ids = list(token_ids)
+        row_index = np.full(len(token_ids), -1, dtype=np.int64)
+        at = 0
+        for image, n in zip(images, counts):
+            key = IMAGE_KEY_BASE + int.from_bytes(image.digest[:6], "big")
+            for p in positions[at: at + n]:
+                key_ids[p] = key
+                row_index[p] = at
+                at += 1
+        if token_ids and row_index[-1] >= 0:
+            raise ImageInputError("the prompt must not end with an image (add text or a generation prompt)",
+                                  param="messages")
+        return VisionPrompt(token_ids, key_ids, images, row_index, inputs)
+
+    def _render(self, messages: list[dict], tools, n_images: int, template_kwargs: dict) -> str:
+        """The chat template's text, one image token per image: the template's own image markers when it
+        renders ``{"type": "image"}`` parts, else each image's token inline where the image was."""
+        tok = getattr(self.processor, "tokenizer", self.tokenizer)
+        kwargs = dict(tools=tools or None, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        try:
+            text = tok.apply_chat_template(messages, **kwargs)
+        except Exception:
+            text = None
+        if text is None or text.count(self.image_token) != n_images:
+            flat = [{**m, "content": "".join(self.image_token if p.get("type") == "image" else p.get("text", "")
+                                             for p in m["content"])} if isinstance(m.get("content"), list) else m
+                    for m in messages]
+            text = tok.apply_chat_template(flat, **kwargs)
+        if text.count(self.image_token) != n_images:
+            raise ImageInputError(f"the chat template dropped images ({text.count(self.image_token)} of "
+                                  f"{n_images} rendered)", param="messages")
+        return text
+
+    # -- engine thread --------------------------------------------------------------------------
+    def features(self, prompt: VisionPrompt) -> mx.array:
+        """The prompt's image rows, (image tokens, hidden), in prompt order."""
+        if prompt.features is None:
+            parts = [self._image_features(im, inp) for im, inp in zip(prompt.images, prompt.image_inputs)]
+            prompt.features = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        return prompt.features
+
+    def _image_features(self, image: DecodedImage, inputs: dict) -> mx.array:
+        hit = self._cache.get(image.digest)
+        if hit is not None:
+            self._cache.move_to_end(image.digest)
+            self.feature_hits += 1
+            return hit
+        ids = inputs["input_ids"]
+        extra = {k: v for k, v in inputs.items() if k != "input_ids"}
+        merged = self.vlm.get_input_embeddings(input_ids=ids, **extra).inputs_embeds[0]
+        rows = np.nonzero(np.array(ids[0]) == self.image_token_id)[0]
+        feats = merged[mx.array(rows)]
+        mx.eval(feats)
+        self.encoder_runs += 1
+        self._cache[image.digest] = feats
+        self._cache_bytes += feats.nbytes
+        while self._cache_bytes > self.budget_bytes and self._cache:  # budget 0: no feature cache
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= old.nbytes
+        return feats
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._cache_bytes = 0
+
+    def stats(self) -> dict:
+        return {"encoder_runs": self.encoder_runs, "feature_hits": self.feature_hits,
+                "cached_images": len(self._cache), "feature_cache_bytes": self._cache_bytes,
+                "feature_cache_budget_bytes": self.budget_bytes}
+
+
+def _ids(x) -> list[int]:
+    arr = np.array(x)
+    return [int(t) for t in (arr[0] if arr.ndim == 2 else arr)]
+
+
+def prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
+    """The scheduler's prefill forward. ``rows``: one ``(sequence, start, n)`` per row of ``tokens``
+    (left-padded to ``tokens.shape[1]``): the row covers context positions ``[start, start + n)``. Rows
+    of image requests read embeddings (their images' feature rows at image positions); other calls are
+    the model's plain forward on token ids."""
+    if not any(getattr(seq.request, "vision", None) is not None for seq, _, _ in rows):
+        return model(tokens, cache=cache)
+    encoder: VisionEncoder = model.vision
+    B, L = tokens.shape
+    real = np.array(tokens)
+    r_idx, c_idx, f_idx, feats, offset = [], [], [], [], 0
+    for r, (seq, start, n) in enumerate(rows):
+        vp = seq.request.vision
+        if vp is None:
+            continue
+        context = vp.token_ids + seq.output_ids
+        real[r, L - n:] = context[start: start + n]
+        idx = vp.row_index[start: start + n]
+        cols = np.nonzero(idx >= 0)[0]
+        if len(cols) == 0:
+            continue
+        f = encoder.features(vp)
+        r_idx += [r] * len(cols)
+        c_idx += (L - n + cols).tolist()
+        f_idx += (offset + idx[cols]).tolist()
+        feats.append(f)
+        offset += f.shape[0]
+    ids = mx.array(real)
+    embeds = model.embed(ids)
+    if r_idx:
+        rows_all = mx.concatenate(feats) if len(feats) > 1 else feats[0]
+        embeds[mx.array(r_idx), mx.array(c_idx)] = rows_all[mx.array(f_idx)].astype(embeds.dtype)
+    return model(ids, cache=cache, input_embeddings=embeds)

@@ -316,8 +316,6 @@ def _fake_result() -> dict:
 
 
 def test_plot_writes_a_png_per_workload(tmp_path):
-    import pytest
-
     import matplotlib  # noqa: F401  (the test extra installs it)
     from parallm_engine import bench_plot
 

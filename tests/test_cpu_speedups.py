@@ -11,7 +11,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from parallm_engine import Engine, cpu_kernels
 from parallm_engine.decode_batch import DecodeBatch
-from parallm_engine.scheduler import _split_balanced
+from parallm_engine.prefill_runner import split_balanced as _split_balanced
 
 
 def _close(a: mx.array, b: mx.array, tol: float = 2e-5) -> None:

@@ -29,18 +29,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cpu_kernels
+from . import cpu_kernels, memory_recovery
 from .constrained import apply_constraints
 from .decode_batch import DecodeBatch
 from .errors import RequestCancelledError
-from .kv_cache import PrefillBatchKV, SequenceKV, prefill_layout
+from .kv_cache import SequenceKV
 from .model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
 from .output_processor import OutputProcessor
+from .prefill_runner import run_prefill_group
 from .prefix_sharing import shared_prefix_flags
 from .radix_cache import RadixCache
 from .request import Request
 from .sampling import sample_batch
-from . import memory_recovery
 from .sequence import Sequence, common_prefix_len, next_inputs
 from .snapshot_cache import SnapshotCache
 from .speculative import Speculator
@@ -455,71 +455,11 @@ class Scheduler:
         return caches
 
     def _prefill_group(self, group: list[Sequence], done: list[Sequence]) -> None:
-        """Prefill several short contexts (each with its own cached prefix) in one forward pass per
-        decode lane: the group is split into token-balanced shares that run at the same time on the
-        lanes' streams (one share on Metal/CUDA)."""
-        shares = _split_balanced(group, [len(s.prefill_ids) - s.pos for s in group], len(self.batch.lanes))
-        contexts = self.batch.lane_contexts()
-        arrays, finish = [], []
-        for share, ctx in zip(shares, contexts):
-            with ctx:
-                arr, fin = self._prefill_forward(share)
-            arrays += arr
-            finish.append(fin)
-        mx.eval(arrays)
-        for fin in finish:
-            fin(done)
-
-    def _prefill_forward(self, group: list[Sequence]):
-        """Lazy: the group's new KV arrays, and a function that hands each sequence its KV."""
-        prefix_lens = [s.cached_tokens for s in group]
-        new_lens = [len(s.prefill_ids) - s.pos for s in group]
-        offset, mask, P, L = prefill_layout(prefix_lens, new_lens)
-        if self._mask_5d:
-            mask = mask[:, :, None]
-        tokens = mx.array([[0] * (L - n) + s.prefill_ids[s.pos :] for s, n in zip(group, new_lens)])
-        caches = []
-        shared = P and all(p == P for p in prefix_lens) and all(s.prefix_kv is not None for s in group)
-        for layer in range(self.n_layers):
-            if shared and all(s.prefix_kv[layer][0] is group[0].prefix_kv[layer][0] for s in group[1:]):
-                # Every row continues the same cached prefix (the agent fan-out). With the engine's
-                # attention hook it is read once for all rows (cascade attention); otherwise it is
-                # broadcast, and the attention's concatenation makes the only copy.
-                k, v = group[0].prefix_kv[layer]
-                if self._share_prefix:
-                    caches.append(PrefillBatchKV(k, v, offset, mask, shared=True))
-                else:
-                    caches.append(PrefillBatchKV(mx.broadcast_to(k, (len(group), *k.shape[1:])),
-                                                 mx.broadcast_to(v, (len(group), *v.shape[1:])), offset, mask))
-            elif P:
-                # Rows without a prefix are padded with zeros shaped like another row's prefix (the
-                # layer's own KV shape: MLA latents and per-layer head counts included).
-                ref_k, ref_v = next(s.prefix_kv[layer] for s in group if s.prefix_kv is not None)
-                pk, pv = [], []
-                for s, p in zip(group, prefix_lens):
-                    if p:
-                        k, v = s.prefix_kv[layer]
-                        pad = [(0, 0), (0, 0), (P - p, 0), (0, 0)]
-                        pk.append(mx.pad(k, pad))
-                        pv.append(mx.pad(v, pad))
-                    else:
-                        pk.append(mx.zeros((1, ref_k.shape[1], P, ref_k.shape[3]), ref_k.dtype))
-                        pv.append(mx.zeros((1, ref_v.shape[1], P, ref_v.shape[3]), ref_v.dtype))
-                caches.append(PrefillBatchKV(mx.concatenate(pk), mx.concatenate(pv), offset, mask))
-            else:
-                caches.append(PrefillBatchKV(None, None, offset, mask))
-        # logits are never evaluated: only the KV is kept (image rows read their features: vision.py)
-        prefill_forward(self.model, tokens, caches, [(s, s.pos, n) for s, n in zip(group, new_lens)])
-        self.stats.prefill_tokens += sum(new_lens)
-        self.stats.prefill_forwards += 1
-
-        def finish(done: list[Sequence]) -> None:
-            for i, (s, p, n) in enumerate(zip(group, prefix_lens, new_lens)):
-                row = [c.row(i, p, n, P, L) for c in caches]
-                s.prefix_kv = None
-                self._prompt_done(s, row, done)
-
-        return [a for c in caches for a in (c.keys, c.values)], finish
+        """Prefill several short contexts together (``prefill_runner``), then hand each its KV."""
+        finished = run_prefill_group(self.model, self.batch, group, self.n_layers, self.stats,
+                                     share_prefix=self._share_prefix, mask_5d=self._mask_5d)
+        for seq, row in finished:
+            self._prompt_done(seq, row, done)
 
     def _prompt_done(self, seq: Sequence, cache: list, done: list[Sequence]) -> None:
         """Context prefilled (all but its last token): store it in the prefix cache, hand the
@@ -674,18 +614,3 @@ class Scheduler:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "preemptions": self.preemptions,
         }
-
-
-def _split_balanced(items: list, weights: list[int], n: int) -> list[list]:
-    """At most ``n`` non-empty shares of ``items`` with near-equal total weight (largest first into
-    the lightest share), each keeping the items' original order."""
-    if n <= 1 or len(items) <= 1:
-        return [list(items)]
-    loads = [0] * n
-    owner = [0] * len(items)
-    for i in sorted(range(len(items)), key=lambda i: -weights[i]):
-        g = loads.index(min(loads))
-        loads[g] += weights[i]
-        owner[i] = g
-    shares = [[x for x, o in zip(items, owner) if o == g] for g in range(n)]
-    return [share for share in shares if share]

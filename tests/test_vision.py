@@ -165,6 +165,31 @@ def test_same_pixels_any_encoding_share_the_key(vlm_engine):
     assert enc.build_prompt(ask("Read the chart.", changed)).key_ids != enc.build_prompt(ask("Read the chart.", decoded)).key_ids
 
 
+def test_known_image_skips_the_processor_even_after_eviction(vlm_engine):
+    """A prompt whose images were all processed before is built without the image processor (the
+    image's token span spliced in): the same ids as the processor's; if its features were evicted by
+    the time it prefills, the engine makes its pixel inputs then, and the tokens are still mlx-vlm's."""
+    import numpy as np
+
+    from parallm_engine.vision_inputs import extract_images
+
+    enc = vlm_engine.model.vision
+    image = chart(90)
+    first = enc.build_prompt(ask("What is the first bar?", image))
+    assert first.image_inputs[0] is not None  # a new image: processed
+    # A system message before the image: the radix tree has no prefix through it, so its rows prefill.
+    msgs = [{"role": "system", "content": "You read charts."}, *ask("What is the last bar?", image)]
+    known = enc.build_prompt(msgs)
+    assert known.image_inputs == [None] and enc._splice_ok is True
+    stripped, images = extract_images(msgs)
+    own = enc.processor(text=[enc._render(stripped, None, 1, {})], images=[im.image for im in images])
+    assert known.token_ids == np.array(own["input_ids"])[0].tolist()
+    enc.clear()  # the features are gone: the engine thread processes the image itself
+    runs = enc.encoder_runs
+    assert greedy(vlm_engine, msgs) == reference(vlm_engine, msgs)
+    assert enc.encoder_runs == runs + 1
+
+
 def test_8_concurrent_on_one_image_encode_once(vlm_engine):
     from parallm_engine.vision_chat import chat_prompt
 

@@ -25,6 +25,8 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
 - memory:     the fan-out (32 requests on a 2,000-token shared prefix) on ParaLLM and mlx-lm BatchGenerator,
               each in a process of its own: peak KV bytes and peak RSS, KV held vs 1.2 x the ideal
               (``bench_memory``).
+- vision:     8 requests on one image with a random VLM at SmolVLM-256M's shapes: cold TTFT (vision encoder
+              + prefill) vs the later requests' TTFT, and the encoder-run counter (``bench_vision``).
 
 ``--shape qwen3-4b|llama3-8b|gemma3-4b`` runs the workloads on a random-weight model of that architecture
 (layers cut to a budget; ``bench_shapes``); ``--plot DIR`` writes matplotlib PNGs (``bench_plot``).
@@ -86,7 +88,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 #: another copy of a multi-GB model.
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
-                 "arrival", "memory", "spec")
+                 "arrival", "memory", "spec", "vision")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -441,6 +443,10 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
         from . import bench_spec as bs
 
         result["workloads"]["spec"] = bs.run_spec(engine, bs.QUICK_SPEC if quick else bs.FULL_SPEC, tick)
+    if "vision" in workloads:  # its own random VLM on an engine of its own (the loaded model is not one)
+        from . import bench_vision as bv
+
+        result["workloads"]["vision"] = bv.run_vision(bv.QUICK_VISION if quick else bv.FULL_VISION, tick)
     return result
 
 
@@ -494,7 +500,7 @@ def _cpu_model() -> str:
 
 _OWN_FORMAT = {"llamacpp": "bench_llamacpp", "agents": "bench_agents", "longctx": "bench_longctx",
                "paths": "bench_paths", "arrival": "bench_paths", "memory": "bench_memory",
-               "spec": "bench_spec"}
+               "spec": "bench_spec", "vision": "bench_vision"}
 
 
 def format_table(result: dict) -> str:

@@ -580,8 +580,8 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         if response_format is not None:
             kwargs["response_format"] = response_format
         constrained = response_format is not None or (tools and tool_choice not in (None, "auto"))
-        if has_images(messages):
-            prompt = chat_prompt(eng, messages, tools, {})  # images: remote URLs are never fetched here
+        if has_images(messages):  # decoding, hashing and the image processor: off the event loop
+            prompt = await asyncio.to_thread(chat_prompt, eng, messages, tools, {})  # remote URLs never fetched
         else:
             prompt = eng.apply_chat_template(messages, tools=tools, allow_special_tokens=req.allow_special_tokens)
         timing = Timing(state.metrics)

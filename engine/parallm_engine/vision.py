@@ -9,7 +9,9 @@ How an image request runs:
    image also goes through the processor alone, which gives its pixel inputs and its number of rows.
    The radix-tree key (``key_ids``) is ``token_ids`` with every image-token position replaced by an id
    derived from that image's pixel hash (outside the vocabulary), so two different images never share
-   a key and the same picture in any encoding does.
+   a key and the same picture in any encoding does. Each image's token span is remembered by pixel
+   hash: once splicing spans into the tokenized prompt has reproduced the processor's ids for this
+   model, a prompt whose images were all seen before skips the image processor entirely.
 2. Engine thread (:func:`prefill_forward`, called by the scheduler for every prefill forward): rows of a
    sequence with images get embeddings instead of token ids: the language model's own token
    embeddings, with image positions replaced by the image's vision features. Features come from the
@@ -53,6 +55,9 @@ UNSUPPORTED_VISION = {
 #: Radix-key ids of image positions start here (far above any vocabulary).
 IMAGE_KEY_BASE = 1 << 40
 DEFAULT_FEATURE_CACHE_BYTES = 256 << 20
+#: Images whose token span is remembered (a few hundred ints each), so a prompt whose images were all
+#: seen before skips the image processor.
+MAX_KNOWN_SPANS = 1024
 
 
 def vision_family(path: Path) -> str | None:
@@ -115,7 +120,9 @@ class VisionPrompt:
     key_ids: list[int]
     images: list[DecodedImage]
     row_index: np.ndarray  # per token: -1, or the row of the concatenated image features it reads
-    image_inputs: list[dict] = field(repr=False, default_factory=list)  # per image: processor outputs alone
+    # per image: the processor's outputs for it alone; None for an image processed before (made on the
+    # engine thread if its features are needed and no longer cached)
+    image_inputs: list[dict | None] = field(repr=False, default_factory=list)
     features: Any = field(repr=False, default=None)  # engine thread: (rows, hidden), once computed
 
     def __len__(self) -> int:
@@ -141,6 +148,11 @@ class VisionEncoder:
         self._cache: OrderedDict[bytes, mx.array] = OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()  # the processor (tokenizer + image processor) across caller threads
+        # Per pixel hash: the image's token span (LRU). ``_splice_ok``: whether splicing spans into the
+        # tokenized prompt gave the processor's own ids (None: not checked yet; False: never splice).
+        self._spans: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._splice_ok: bool | None = None
+        self._frame: list[int] | None = None  # the tokenizer's ids for the image token alone
         self.encoder_runs = 0
         self.feature_hits = 0
 
@@ -150,18 +162,17 @@ class VisionEncoder:
         remote = self.allow_remote_images if allow_remote_images is None else bool(allow_remote_images)
         stripped, images = extract_images(messages, allow_remote=remote, max_pixels=self.max_image_pixels)
         text = self._render(stripped, tools, len(images), template_kwargs)
-        pil = [im.image for im in images]
         with self._lock:
-            full = self.processor(text=[text], images=pil)
-            alone = [self.processor(text=[self.image_token], images=[p]) for p in pil]
-        token_ids = _ids(full["input_ids"])
+            known = [self._spans.get(im.digest) for im in images]
+        token_ids = self._spliced(text, known) if self._splice_ok and all(k is not None for k in known) else None
+        if token_ids is not None:
+            # Every image seen before: no image processing at all. Its pixel inputs are made on the engine
+            # thread only if its features are gone from the cache by then (see ``_image_features``).
+            inputs: list[dict | None] = [None] * len(images)
+            counts = [sum(1 for t in span if t == self.image_token_id) for span in known]
+        else:
+            token_ids, inputs, counts = self._process(text, images)
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        inputs, counts = [], []
-        for out in alone:
-            span = _ids(out["input_ids"])
-            counts.append(sum(1 for t in span if t == self.image_token_id))
-            extra = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-            inputs.append({"input_ids": mx.array([span]), **extra})
         if sum(counts) != len(positions):
             raise ImageInputError(
                 f"the processor gave {len(positions)} image tokens for the prompt but {sum(counts)} for its "
@@ -179,6 +190,66 @@ class VisionEncoder:
             raise ImageInputError("the prompt must not end with an image (add text or a generation prompt)",
                                   param="messages")
         return VisionPrompt(token_ids, key_ids, images, row_index, inputs)
+
+    def _process(self, text: str, images: list[DecodedImage]) -> tuple[list[int], list[dict], list[int]]:
+        """mlx-vlm's processor on the whole prompt (its token ids) and on each image alone (its pixel
+        inputs and image-token span); records the spans, and whether splicing them reproduces the
+        processor's ids for this model (then a prompt whose images are all known skips the processor)."""
+        pil = [im.image for im in images]
+        with self._lock:
+            full = self.processor(text=[text], images=pil)
+            alone = [self.processor(text=[self.image_token], images=[p]) for p in pil]
+        token_ids = _ids(full["input_ids"])
+        inputs, counts, spans = [], [], []
+        for image, out in zip(images, alone):
+            ids = _ids(out["input_ids"])
+            counts.append(sum(1 for t in ids if t == self.image_token_id))
+            extra = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+            inputs.append({"input_ids": mx.array([ids]), **extra})
+            spans.append(self._span(ids))
+        if self._splice_ok is not False and all(sp is not None for sp in spans):
+            ok = self._spliced(text, spans) == token_ids
+            self._splice_ok = ok if self._splice_ok is None else (self._splice_ok and ok)
+        if self._splice_ok:
+            with self._lock:
+                for image, span in zip(images, spans):
+                    self._spans[image.digest] = span
+                    self._spans.move_to_end(image.digest)
+                while len(self._spans) > MAX_KNOWN_SPANS:
+                    self._spans.popitem(last=False)
+        return token_ids, inputs, counts
+
+    def _text_ids(self, text: str) -> list[int]:
+        """The processor's tokenizer on ``text``, as the processor calls it (special tokens added)."""
+        tok = getattr(self.processor, "tokenizer", self.tokenizer)
+        with self._lock:
+            return _ids([tok(text)["input_ids"]])
+
+    def _span(self, alone_ids: list[int]) -> list[int] | None:
+        """One image's expansion: the processor's ids for the image token alone, less the special tokens
+        the tokenizer adds around any text (BOS ...); None if they do not frame it."""
+        if self._frame is None:
+            self._frame = self._text_ids(self.image_token)
+        frame = self._frame
+        if frame.count(self.image_token_id) != 1:
+            return None
+        cut = frame.index(self.image_token_id)
+        head, tail = frame[:cut], frame[cut + 1:]
+        if alone_ids[:len(head)] != head or (tail and alone_ids[-len(tail):] != tail):
+            return None
+        return alone_ids[len(head): len(alone_ids) - len(tail)]
+
+    def _spliced(self, text: str, spans: list[list[int]]) -> list[int] | None:
+        """The prompt's ids with each image token replaced by its image's span (what the processor does:
+        expand the image token, then tokenize; the image markers are special tokens, so the text
+        between them tokenizes alike)."""
+        ids = self._text_ids(text)
+        if ids.count(self.image_token_id) != len(spans):
+            return None
+        out, it = [], iter(spans)
+        for t in ids:
+            out.extend(next(it) if t == self.image_token_id else (t,))
+        return out
 
     def _render(self, messages: list[dict], tools, n_images: int, template_kwargs: dict) -> str:
         """The chat template's text, one image token per image: the template's own image markers when it
@@ -207,12 +278,17 @@ class VisionEncoder:
             prompt.features = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         return prompt.features
 
-    def _image_features(self, image: DecodedImage, inputs: dict) -> mx.array:
+    def _image_features(self, image: DecodedImage, inputs: dict | None) -> mx.array:
         hit = self._cache.get(image.digest)
         if hit is not None:
             self._cache.move_to_end(image.digest)
             self.feature_hits += 1
             return hit
+        if inputs is None:  # a known image whose features were evicted since its prompt was built
+            with self._lock:
+                out = self.processor(text=[self.image_token], images=[image.image])
+            extra = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+            inputs = {"input_ids": mx.array([_ids(out["input_ids"])]), **extra}
         ids = inputs["input_ids"]
         extra = {k: v for k, v in inputs.items() if k != "input_ids"}
         merged = self.vlm.get_input_embeddings(input_ids=ids, **extra).inputs_embeds[0]

@@ -10,6 +10,11 @@ image processor / processor configs. Families: ``"llava"`` (CLIP tower, 4 image 
 Weights are not mlx's plain init (whose outputs barely depend on the context): embeddings ~ N(0, 0.5^2),
 other matrices x3, as ``tests/model_zoo`` does for text models, so greedy tokens depend on the image
 and ties are rare.
+
+``build_vlm(family, out_dir, size=...)`` builds the same layout at another size: ``SIZES`` holds the
+tiny test size and ``"smolvlm-256m"`` (SmolVLM-256M's shapes: a 12-layer, 768-wide SigLIP tower reading
+one 512x512 image in 16-pixel patches, 64 image tokens after the pixel shuffle, SmolLM2-135M's
+language model), whose vision tower costs what a real one does (``bench_vision``).
 """
 
 from __future__ import annotations
@@ -29,10 +34,39 @@ _TEXT = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "inte
          "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
          "max_position_embeddings": 2048, "tie_word_embeddings": False}
 _MEAN, _STD = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+#: Model sizes by name: ``text`` overrides the language model's config, ``vision`` the tower's,
+#: ``image`` is the processor's image side, ``scale`` the idefics3 pixel shuffle, ``gain`` the weight scale.
+SIZES = {
+    "tiny": {"text": {}, "vision": {}, "gain": 3.0},
+    "smolvlm-256m": {
+        "text": {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "rope_theta": 100000.0, "max_position_embeddings": 8192},
+        "vision": {"hidden_size": 768, "num_hidden_layers": 12, "intermediate_size": 3072, "num_attention_heads": 12,
+                   "image_size": 512, "patch_size": 16},
+        "image": 512, "scale": 4, "gain": 1.0,  # plain init: deep random stacks blow up at x3
+    },
+}
 
 
-def _family_files(family: str, tok_ids: dict, vocab: int) -> tuple[dict, dict, dict]:
-    """(config.json, preprocessor_config.json, processor_config.json)."""
+def _family_files(family: str, tok_ids: dict, vocab: int, size: dict | None = None) -> tuple[dict, dict, dict]:
+    """(config.json, preprocessor_config.json, processor_config.json); ``size``: one of ``SIZES``."""
+    config, pre, proc = _tiny_files(family, tok_ids, vocab)
+    size = size or SIZES["tiny"]
+    config["text_config"].update(size.get("text", {}))
+    config["vision_config"].update(size.get("vision", {}))
+    if size.get("image"):
+        if family != "idefics3":
+            raise ValueError("sized vision builds are idefics3 (SmolVLM) only")
+        side, scale = size["image"], size["scale"]
+        patches = (side // config["vision_config"]["patch_size"]) ** 2
+        config["scale_factor"] = scale
+        pre["size"] = {"longest_edge": side}
+        pre["max_image_size"] = {"longest_edge": side}
+        proc["image_seq_len"] = patches // (scale * scale)
+    return config, pre, proc
+
+
+def _tiny_files(family: str, tok_ids: dict, vocab: int) -> tuple[dict, dict, dict]:
     if family == "llava":
         config = {
             "model_type": "llava", "image_token_index": tok_ids["<image>"], "vocab_size": vocab,
@@ -67,6 +101,11 @@ def _family_files(family: str, tok_ids: dict, vocab: int) -> tuple[dict, dict, d
 
 def build_tiny_vlm(family: str, out_dir, seed: int = 0) -> Path:
     """Write a tiny random ``family`` VLM to ``out_dir`` (see the module docstring); returns the path."""
+    return build_vlm(family, out_dir, "tiny", seed)
+
+
+def build_vlm(family: str, out_dir, size: str = "tiny", seed: int = 0) -> Path:
+    """Write a random ``family`` VLM of ``SIZES[size]`` to ``out_dir``; returns the path."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -86,7 +125,9 @@ def build_tiny_vlm(family: str, out_dir, seed: int = 0) -> Path:
     tok.save_pretrained(str(out))
     ids = {t: tok.convert_tokens_to_ids(t) for t in extra}
     vocab = len(tok)
-    config, pre, proc = _family_files(family, ids, vocab)
+    if size not in SIZES:
+        raise ValueError(f"unknown VLM size {size!r} (have: {', '.join(SIZES)})")
+    config, pre, proc = _family_files(family, ids, vocab, SIZES[size])
     src_cfg = json.loads((tok_src / "config.json").read_text())
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if src_cfg.get(key) is not None:
@@ -108,7 +149,7 @@ def build_tiny_vlm(family: str, out_dir, seed: int = 0) -> Path:
         if isinstance(module, nn.Embedding) or w.shape[0] == vocab:
             module.weight = mx.random.normal(w.shape) * 0.5
         else:
-            module.weight = w * 3.0
+            module.weight = w * SIZES[size]["gain"]
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

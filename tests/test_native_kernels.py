@@ -294,8 +294,8 @@ def test_switched_modules_keep_the_parameters_and_apply_only_inside_enabled(nat)
     block = Block()
     before = [k for k, _ in tree_flatten(block.parameters())]
     assert cpu_kernels._install_native_modules(block)
-    # The native linear is used where it is tuned (AVX-512); elsewhere Linear keeps MLX's matmul.
-    linear = cpu_kernels._SwitchedLinear if nat.wide_vectors() else nn.Linear
+    # The native linear is used where it is tuned (AVX-512, AVX2); elsewhere Linear keeps MLX's matmul.
+    linear = cpu_kernels._SwitchedLinear if cpu_kernels.native_linear_rows() else nn.Linear
     assert type(block.proj) is linear and isinstance(block.proj, nn.Linear)
     assert type(block.norm) is cpu_kernels._SwitchedRMSNorm
     assert type(block.q) is nn.QuantizedLinear
@@ -305,7 +305,7 @@ def test_switched_modules_keep_the_parameters_and_apply_only_inside_enabled(nat)
     with cpu_kernels.enabled():
         fast = block.out(block.proj(block.norm(x)))
     _close(fast, plain, tol=1e-4)
-    big = mx.random.normal((cpu_kernels.NATIVE_LINEAR_ROWS + 1, 32))  # a prefill chunk keeps MLX's GEMM
+    big = mx.random.normal((max(cpu_kernels.native_linear_rows(), 1) + 1, 32))  # a prefill chunk keeps MLX's GEMM
     with cpu_kernels.enabled():
         _close(block.proj(big), big @ block.proj.weight.T + block.proj.bias, tol=1e-5)
 
@@ -330,6 +330,36 @@ def test_rope_rows_matches_the_table_and_mlx(nat, dims, D, traditional):
     rope = nn.RoPE(dims, traditional=traditional, base=10000.0)
     _close(out, rope(x, offset=pos), tol=2e-4)  # mx.fast.rope computes its angles in float32
     _close(out[:3], table(x[:3], pos[:3]), tol=1e-6)
+
+
+@pytest.mark.parametrize("dims,D,traditional", [(64, 64, False), (32, 64, False), (16, 16, True)])
+def test_rope_rows_of_several_positions_are_bitwise_the_table(nat, dims, D, traditional, monkeypatch):
+    """Speculative verification rotates a few positions per row (position offsets[b] + l) in one op: the
+    same bits as the table's MLX ops (prefill), so a verified position's keys equal decode's."""
+    table = cpu_kernels.RoPETable(dims, 10000.0, 1.0, traditional, max_positions=600)
+    x = mx.random.normal((3, 4, 7, D))
+    pos = mx.array([0, 17, 400], dtype=mx.int32)
+    out = nat.rope_rows(x, pos, table.cos, table.sin, dims, traditional, 10000.0, 1.0)
+    out_int = nat.rope_rows(x, mx.full((3,), 5, mx.int32), table.cos, table.sin, dims, traditional, 10000.0, 1.0)
+    monkeypatch.setattr(cpu_kernels, "_native", lambda: None)  # the table's pure-MLX path
+    assert np.array_equal(np.array(out), np.array(table(x, pos)))
+    assert np.array_equal(np.array(out_int), np.array(table(x, 5)))
+    # One position at a time (decode) gives the same bits as the block.
+    monkeypatch.undo()
+    alone = nat.rope_rows(x[:, :, 3:4], pos + 3, table.cos, table.sin, dims, traditional, 10000.0, 1.0)
+    assert np.array_equal(np.array(alone), np.array(out[:, :, 3:4]))
+
+
+def test_linear_is_tuned_for_this_cpu_or_off(nat):
+    """The native linear runs where it has tiles tuned for the registers (AVX-512: 64 rows, AVX2: 16);
+    a wider input keeps MLX's GEMM."""
+    rows = cpu_kernels.native_linear_rows()
+    assert rows == {16: cpu_kernels.NATIVE_LINEAR_ROWS, 8: cpu_kernels.NATIVE_LINEAR_ROWS_AVX2}.get(nat.linear_lanes(), 0)
+    w = mx.random.normal((40, 24))
+    with cpu_kernels.enabled():
+        if rows:
+            assert cpu_kernels.linear_native(mx.random.normal((rows, 24)), w) is not None
+        assert cpu_kernels.linear_native(mx.random.normal((rows + 1, 24)), w) is None
 
 
 def test_build_is_cached_and_can_be_turned_off(nat):

@@ -11,15 +11,17 @@ and the MLP's SiLU are the two places a llama decode step spends most of its non
   on this machine for decode (batch 16-32, 160-600 keys) and prefill (32-512 queries) shapes.
 - :func:`swiglu`: ``gate / (1 + 2 ** (-gate * log2(e))) * x``, 2.8-4.5x faster than ``silu(gate) * x``.
 - :class:`RoPETable`: rotary embedding from a cos/sin table built once, instead of ``mx.fast.rope``'s
-  per-call scalar trigonometry, for prefill (decode's one position per row keeps ``mx.fast.rope``).
+  per-call scalar trigonometry, for prefill and speculative verification (decode's one position per
+  row keeps ``mx.fast.rope`` without the native kernels).
 - :func:`cascade_attention`: attention over a prefix held once for the batch plus each row's own keys
   (``kv_cache.SharedPrefix``).
 
 Where ParaLLM's native kernels are built (``native``: MLX primitives compiled with ``-march=native``),
 float32 forwards use them instead: fused, vectorised attention for decode and prefill (causal or a
 boolean mask, the shared-prefix cascade included) split over the cores, SwiGLU, RoPE from the same
-table for decode, RMSNorm, and a linear that reads the weights in place for a decode step's few
-rows (up to ``NATIVE_LINEAR_ROWS``; a prefill chunk keeps the BLAS's packed GEMM). Measured on the
+table (one op, bitwise the table's MLX ops), RMSNorm, and a linear that reads the weights in place for a decode step's few
+rows (up to ``NATIVE_LINEAR_ROWS``, 16 with AVX2's tiles; a prefill chunk keeps the BLAS's packed
+GEMM), speculative verification's few positions per row included. Measured on the
 2-core CI machine: a batch-32 decode step 72 ms -> ~50 ms (its 211 GEMMs 48 -> ~33 ms), batch 1
 33 -> ~18 ms, a 512-token prefill 640 -> ~400 ms (its attention ~400 -> ~75 ms).
 
@@ -196,7 +198,7 @@ class RoPETable:
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         B, H, L, D = x.shape
-        if L == 1 and x.dtype == mx.float32:  # decode: one position per row
+        if x.dtype == mx.float32:  # one fused op (the same bits as the MLX ops below) where it is built
             nat = _native()
             if nat is not None:
                 positions = mx.full((B,), offset, mx.int32) if isinstance(offset, int) else offset
@@ -245,23 +247,43 @@ class _SwitchedRoPE:
 # decode step's projections with weights streaming from memory: 64 rows 62 vs 67 ms; 96 rows 92 vs
 # 86 ms). Rows up to it are also bitwise independent of the batch (see kernels.cpp).
 NATIVE_LINEAR_ROWS = 64
+# The same limit for the AVX2 build (8-lane tiles), against MKL's single-threaded GEMM per decode lane
+# on a 2-core AVX2 machine (a step's 211 projections, both lanes busy: 8 rows a lane 81 vs 128 ms,
+# 16 rows 121 vs 140, 20 rows 152 vs 149, 32 rows 230 vs 196; one lane, so the kernel's two threads
+# against MKL's one: 1 row 27 vs 48 ms, 5 rows 32 vs 102, 8 rows 39 vs 104). Speculative verification
+# (a few positions per row) is what needs it: MKL's GEMM for 2-8 rows costs ~2x its 1-row GEMV.
+NATIVE_LINEAR_ROWS_AVX2 = 16
+
+
+def native_linear_rows() -> int:
+    """The most rows the native linear takes on this machine: 0 where it is not built or not tuned
+    (MLX's matmul everywhere), ``NATIVE_LINEAR_ROWS`` with AVX-512, ``NATIVE_LINEAR_ROWS_AVX2`` with AVX2."""
+    nat = _native()
+    return 0 if nat is None else _linear_rows(nat)
+
+
+def _linear_rows(nat) -> int:
+    lanes = nat.linear_lanes()
+    return NATIVE_LINEAR_ROWS if lanes == 16 else NATIVE_LINEAR_ROWS_AVX2 if lanes == 8 else 0
 
 
 def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:
     """``x @ weight.T (+ bias)`` through the native kernel where it is the faster one: while
-    :func:`enabled` is on, for at most ``NATIVE_LINEAR_ROWS`` float32 rows, with the kernels built
-    with the AVX-512 tiles it is tuned for. None otherwise (the caller keeps MLX's matmul)."""
-    if not is_enabled() or x.size > NATIVE_LINEAR_ROWS * x.shape[-1]:
+    :func:`enabled` is on, for at most :func:`native_linear_rows` float32 rows (the kernels built with
+    the AVX-512 or AVX2 tiles it is tuned for). None otherwise (the caller keeps MLX's matmul)."""
+    if not is_enabled():
         return None
     if x.dtype != mx.float32 or weight.dtype != mx.float32 or (bias is not None and bias.dtype != mx.float32):
         return None
     nat = _native()
-    return nat.linear(x, weight, bias) if nat is not None and nat.wide_vectors() else None
+    if nat is None or x.size > _linear_rows(nat) * x.shape[-1]:
+        return None
+    return nat.linear(x, weight, bias)
 
 
 class _SwitchedLinear(nn.Linear):
     """A model's ``nn.Linear`` with its class swapped (same object, same parameters): the native
-    kernel for rows of at most ``NATIVE_LINEAR_ROWS`` while :func:`enabled` is on, ``nn.Linear``
+    kernel for rows of at most :func:`native_linear_rows` while :func:`enabled` is on, ``nn.Linear``
     otherwise. OpenBLAS packs the weights on every call, which a decode step's few rows do not pay
     back; a large prefill chunk is where its packed GEMM is faster."""
 
@@ -300,7 +322,7 @@ def _install_native_modules(model) -> bool:
     if not isinstance(model, nn.Module) or nat is None:
         return False
     swaps = {nn.RMSNorm: _SwitchedRMSNorm}
-    if nat.wide_vectors():  # the native linear is tuned (and measured) for AVX-512's registers only
+    if _linear_rows(nat):  # the native linear is tuned (and measured) for AVX-512's and AVX2's registers only
         swaps[nn.Linear] = _SwitchedLinear
         swaps[nn.Embedding] = _SwitchedEmbedding
     done = False

@@ -44,9 +44,12 @@ from .sampling import sample_batch
 from .spec_config import SpeculativeConfig
 
 #: Positions (rows x width) one speculative forward may hold. On the CPU a forward's cost grows with its
-#: positions almost linearly (measured on the 2-core CI machine, default model, 480-token rows: batch 1
-#: width 1/2/3/5/8 = 58/78/108/133/148 ms; batch 8 width 1/2/5 = 135/197/398 ms), so speculation pays
-#: only while the batch is small: up to 4 rows, narrower as the batch grows, none above.
+#: positions (2-core AVX2 machine, default model, 480-token rows, busy; best of 4-5: batch 1 width
+#: 1/2/5/8 = 41/48/67/96 ms, was 58/78/133/148 before the AVX2 native linear and the multi-position
+#: native RoPE; batch 8 width 1/2 = 92/142 ms), so speculation pays only while the batch is small: up
+#: to 4 rows, narrower as the batch grows, none above (batch 8 at width 2 would need ~1.5 tokens per
+#: row per step just to break even). What is left of the growth is mostly the native attention, which
+#: computes each verified position as its own task (~4x its decode cost at width 5).
 TOKEN_BUDGET = 8
 #: Above this many running rows a step does not speculate (the batch is compute-bound).
 MAX_SPEC_BATCH = 4

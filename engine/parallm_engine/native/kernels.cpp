@@ -12,7 +12,7 @@
 //   linear      x @ w.T (+ bias) for a decode step's few rows, reading nn.Linear's weights in place.
 //   rms_norm    nn.RMSNorm in one pass.
 //   swiglu      silu(gate) * x.
-//   rope_rows   rotary embedding of one position per row from a cos/sin table.
+//   rope_rows   rotary embedding of a few positions per row from a cos/sin table.
 //
 // Numbers: every (row, KV head, position) of the attention is computed alone, from its visible keys
 // in order (masked columns are skipped, not added as zeros), and every element of linear is the same
@@ -118,7 +118,12 @@ class Pool {
       cv_.notify_all();
     }
     work();
-    while (active_.load(std::memory_order_acquire) != 0) cpu_relax();
+    // Wait for the workers, yielding the core now and then: on a busy machine (more runnable threads
+    // than cores, e.g. two decode lanes each calling here) a worker may be waiting for this very core.
+    for (int i = 1; active_.load(std::memory_order_acquire) != 0; ++i) {
+      cpu_relax();
+      if (i % 256 == 0) std::this_thread::yield();
+    }
     job_ = nullptr;
   }
 
@@ -268,15 +273,25 @@ static mx::array as_f32(const mx::array& a, mx::StreamOrDevice s) {
 //
 // Tile sizes follow the register file: with AVX-512's 32 zmm registers a 4 x 6 tile keeps its 24
 // accumulators, 4 rows of x and a row of w in registers. A v16 is two registers on AVX2 and four on
-// NEON (16 and 32 registers), so there the tiles are 2 x 2 and the native linear is not used by
-// default (cpu_kernels asks `wide_vectors`): it is measured only on AVX-512.
+// NEON (16 and 32 registers), so there the attention's score tiles are smaller. On AVX2 the linear
+// uses 8-lane tiles instead (dot_tile8: 4 x 3 tiles, 12 ymm accumulators of the 16 registers); on
+// other CPUs the native linear is not used by default (cpu_kernels asks `linear_lanes`).
 #if defined(__AVX512F__)
 constexpr bool kWideVectors = true;
+constexpr int kLinearLanes = 16;
 constexpr int kLinearMT = 4, kLinearNT = 6, kScoreTile = 16;
 // Keep a v16 in a register: GCC would otherwise fold its load into every FMA that reads it.
 #define PARALLM_IN_REGISTER(x) asm("" : "+v"(x))
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kWideVectors = false;
+constexpr int kLinearLanes = 8;
+constexpr int kLinearMT = 4, kLinearNT = 3, kScoreTile = 4;
+#define PARALLM_IN_REGISTER(x) ((void)0)  // a v16 spans several registers here
+#define PARALLM_LINEAR8 1
+#include <immintrin.h>
 #else
 constexpr bool kWideVectors = false;
+constexpr int kLinearLanes = 0;  // not tuned: cpu_kernels keeps MLX's matmul
 constexpr int kLinearMT = 2, kLinearNT = 2, kScoreTile = 4;
 #define PARALLM_IN_REGISTER(x) ((void)0)  // a v16 spans several registers here
 #endif
@@ -364,6 +379,85 @@ static inline void dot_tile(const float* x, int64_t ldx, WRow w, const float* bi
       if (t < T) y[(t / NT) * ldy + t % NT] = bias ? s[u] + bias[t % NT] : s[u];
     }
   }
+}
+
+// The 8-lane variant of dot_tile for AVX2's 16 ymm registers (the linear's tiles there), in
+// intrinsics (GCC's vector extensions spill these tiles to the stack): the same contract and the same
+// per-element guarantee (8 lanes of FMAs over K in order, a zero-padded last chunk, then one fixed
+// lane tree), so a row's result does not depend on M or on which tile computes it.
+#if defined(PARALLM_LINEAR8)
+// Lane i of the result holds the sum of the 8 lanes of a[kBitRev8[i]].
+static constexpr int kBitRev8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+static inline __m256 lane_sums8(const __m256* a) {
+  __m256 l1[4], l2[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: a[2i]'s halves added, lanes 4-7: a[2i + 1]'s
+    l1[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                          _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)
+    l2[i] = _mm256_add_ps(_mm256_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
+                          _mm256_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(l2[0], l2[1], 0x88), _mm256_shuffle_ps(l2[0], l2[1], 0xDD));
+}
+
+template <int MT, int NT, typename WRow>
+static inline void dot_tile8(const float* x, int64_t ldx, WRow w, const float* bias, float* y, int64_t ldy, int K,
+                             const char* pf, int npf) {
+  __m256 acc[MT][NT];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+  const float* wr[NT];
+  _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) wr[j] = w(j);
+  const int KC = K / 8;
+  int p = 0;
+  for (int kc = 0; kc < KC; ++kc) {
+    if (p < npf && (kc & 1) == 0) __builtin_prefetch(pf + 64 * p++);  // a cache line per 16 floats of K
+    __m256 wv[NT];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_ps(wr[j] + kc * 8);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + kc * 8);
+      _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (; p < npf; ++p) __builtin_prefetch(pf + 64 * p);
+  if (const int r = K % 8) {  // the last partial chunk, zero-padded
+    alignas(32) float buf[8] = {};
+    __m256 wv[NT];
+    for (int j = 0; j < NT; ++j) {
+      std::memcpy(buf, wr[j] + KC * 8, r * sizeof(float));
+      wv[j] = _mm256_load_ps(buf);
+    }
+    for (int i = 0; i < MT; ++i) {
+      std::memcpy(buf, x + i * ldx + KC * 8, r * sizeof(float));
+      const __m256 xv = _mm256_load_ps(buf);
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  constexpr int T = MT * NT;
+  for (int g = 0; g < (T + 7) / 8; ++g) {
+    __m256 all[8];
+    for (int u = 0; u < 8; ++u) {
+      const int t = g * 8 + u;
+      all[kBitRev8[u]] = t < T ? acc[t / NT][t % NT] : _mm256_setzero_ps();
+    }
+    alignas(32) float s[8];
+    _mm256_store_ps(s, lane_sums8(all));
+    for (int u = 0; u < 8; ++u) {
+      const int t = g * 8 + u;
+      if (t < T) y[(t / NT) * ldy + t % NT] = bias ? s[u] + bias[t % NT] : s[u];
+    }
+  }
+}
+#endif
+
+// The linear's tile: 8-lane on AVX2, dot_tile otherwise.
+template <int MT, int NT, typename WRow>
+static inline void linear_tile(const float* x, int64_t ldx, WRow w, const float* bias, float* y, int64_t ldy, int K,
+                               const char* pf, int npf) {
+#if defined(PARALLM_LINEAR8)
+  dot_tile8<MT, NT>(x, ldx, w, bias, y, ldy, K, pf, npf);
+#else
+  dot_tile<MT, NT>(x, ldx, w, bias, y, ldy, K, pf, npf);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -685,13 +779,13 @@ static void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw
   int m = 0, t = 0, n = 0;
   for (; m + kLinearMT <= M; m += kLinearMT, ++t) {
     const char* p = share(t, n);
-    dot_tile<kLinearMT, NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n);
+    linear_tile<kLinearMT, NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n);
   }
   const char* p = share(t, n);
   switch (M - m) {
-    case 3: dot_tile<std::min(3, kLinearMT), NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
-    case 2: dot_tile<std::min(2, kLinearMT), NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
-    case 1: dot_tile<1, NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
+    case 3: linear_tile<std::min(3, kLinearMT), NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
+    case 2: linear_tile<std::min(2, kLinearMT), NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
+    case 1: linear_tile<1, NT>(x + m * ldx, ldx, wrow, bias, y + m * ldy, ldy, K, p, n); break;
     default: break;
   }
 }
@@ -827,9 +921,31 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// rope_rows: x (B, H, 1, D), position offsets (B,) int32, cos/sin tables (max_positions, dims/2):
-// rotate the first `dims` features of row b by position offsets[b] (split halves, or interleaved
-// pairs when traditional), copy the rest.
+// rope_rows: x (B, H, L, D), position offsets (B,) int32, cos/sin tables (max_positions, dims/2):
+// rotate the first `dims` features of row b, position l by position offsets[b] + l (split halves, or
+// interleaved pairs when traditional), copy the rest. Decode (L = 1) and speculative verification's
+// few positions per row alike. Products and sums are rounded one by one (no FMA contraction), as the
+// MLX ops of cpu_kernels.RoPETable round them: the same bits as the table's prefill path.
+
+__attribute__((optimize("fp-contract=off"))) static void rope_head(const float* xi, float* oi, const float* c,
+                                                                 const float* s, int half, int dims, int D,
+                                                                 bool traditional) {
+  if (traditional) {
+    for (int i = 0; i < half; ++i) {
+      float x1 = xi[2 * i], x2 = xi[2 * i + 1];
+      oi[2 * i] = x1 * c[i] - x2 * s[i];
+      oi[2 * i + 1] = x1 * s[i] + x2 * c[i];
+    }
+  } else {
+#pragma omp simd
+    for (int i = 0; i < half; ++i) {
+      float x1 = xi[i], x2 = xi[i + half];
+      oi[i] = x1 * c[i] - x2 * s[i];
+      oi[i + half] = x1 * s[i] + x2 * c[i];
+    }
+  }
+  for (int d = dims; d < D; ++d) oi[d] = xi[d];
+}
 
 class RoPERows : public mx::UnaryPrimitive {
  public:
@@ -841,7 +957,7 @@ class RoPERows : public mx::UnaryPrimitive {
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([xa = inputs[0], pa = inputs[1], ca = inputs[2], sa = inputs[3], o = out.data<float>(),
-                  B = out.shape(0), H = out.shape(1), D = out.shape(3), maxp = inputs[2].shape(0),
+                  B = out.shape(0), H = out.shape(1), L = out.shape(2), D = out.shape(3), maxp = inputs[2].shape(0),
                   dims = dims_, traditional = traditional_, base = base_, scale = scale_]() {
       std::vector<float> xbuf, cbuf_all, sbuf_all;
       std::vector<int32_t> pbuf;
@@ -852,36 +968,23 @@ class RoPERows : public mx::UnaryPrimitive {
       const int half = dims / 2;
       std::vector<float> cbuf(half), sbuf(half);
       for (int b = 0; b < B; ++b) {
-        int p = pos[b];
-        const float* c = cs + static_cast<int64_t>(p) * half;
-        const float* s = sn + static_cast<int64_t>(p) * half;
-        if (p < 0 || p >= maxp) {  // past the table (it covers the context window): compute directly
-          for (int i = 0; i < half; ++i) {
-            double angle = p * static_cast<double>(scale) * std::pow(static_cast<double>(base), -2.0 * i / dims);
-            cbuf[i] = static_cast<float>(std::cos(angle));
-            sbuf[i] = static_cast<float>(std::sin(angle));
-          }
-          c = cbuf.data();
-          s = sbuf.data();
-        }
-        for (int h = 0; h < H; ++h) {
-          const float* xi = x + (static_cast<int64_t>(b) * H + h) * D;
-          float* oi = o + (static_cast<int64_t>(b) * H + h) * D;
-          if (traditional) {
+        for (int l = 0; l < L; ++l) {
+          const int p = pos[b] + l;
+          const float* c = cs + static_cast<int64_t>(p) * half;
+          const float* s = sn + static_cast<int64_t>(p) * half;
+          if (p < 0 || p >= maxp) {  // past the table (it covers the context window): compute directly
             for (int i = 0; i < half; ++i) {
-              float x1 = xi[2 * i], x2 = xi[2 * i + 1];
-              oi[2 * i] = x1 * c[i] - x2 * s[i];
-              oi[2 * i + 1] = x1 * s[i] + x2 * c[i];
+              double angle = p * static_cast<double>(scale) * std::pow(static_cast<double>(base), -2.0 * i / dims);
+              cbuf[i] = static_cast<float>(std::cos(angle));
+              sbuf[i] = static_cast<float>(std::sin(angle));
             }
-          } else {
-#pragma omp simd
-            for (int i = 0; i < half; ++i) {
-              float x1 = xi[i], x2 = xi[i + half];
-              oi[i] = x1 * c[i] - x2 * s[i];
-              oi[i + half] = x1 * s[i] + x2 * c[i];
-            }
+            c = cbuf.data();
+            s = sbuf.data();
           }
-          for (int d = dims; d < D; ++d) oi[d] = xi[d];
+          for (int h = 0; h < H; ++h) {
+            const int64_t row = (static_cast<int64_t>(b) * H + h) * L + l;
+            rope_head(x + row * D, o + row * D, c, s, half, dims, D, traditional);
+          }
         }
       }
     });
@@ -903,7 +1006,7 @@ class RoPERows : public mx::UnaryPrimitive {
 
 mx::array rope_rows(const mx::array& x, const mx::array& positions, const mx::array& cos_table,
                     const mx::array& sin_table, int dims, bool traditional, float base, float scale) {
-  if (x.ndim() != 4 || x.shape(2) != 1) throw std::invalid_argument("rope_rows: x must be (B, H, 1, D)");
+  if (x.ndim() != 4) throw std::invalid_argument("rope_rows: x must be (B, H, L, D)");
   if (dims <= 0 || dims % 2 || dims > x.shape(3)) throw std::invalid_argument("rope_rows: bad dims");
   if (cos_table.ndim() != 2 || cos_table.shape(1) != dims / 2 || sin_table.shape() != cos_table.shape())
     throw std::invalid_argument("rope_rows: tables must be (max_positions, dims / 2)");
@@ -1012,5 +1115,6 @@ NB_MODULE(_parallm_native, m) {
   m.def("rope_rows", &parallm::rope_rows, nb::arg("x"), nb::arg("positions"), nb::arg("cos_table"),
         nb::arg("sin_table"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"), nb::arg("scale"));
   m.def("wide_vectors", [] { return parallm::kWideVectors; });
+  m.def("linear_lanes", [] { return parallm::kLinearLanes; });
   m.def("threads", [] { return parallm::Pool::get().size(); });
 }

@@ -198,11 +198,12 @@ class DecodeBatch:
 
     def nbytes(self) -> int:
         """KV bytes of the batch: every row's own storage, and the shared prefix once."""
-        own = sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)
-        return own + (self.shared.nbytes() if self.shared is not None else 0)
+        return self._rows_nbytes() + (self.shared.nbytes() if self.shared is not None else 0)
 
     def held_nbytes(self) -> int:
         """KV bytes only the batch keeps alive: :meth:`nbytes` less a shared prefix that is the radix
         tree's own arrays (counted there)."""
-        own = sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)
-        return own + (self.shared.held_nbytes() if self.shared is not None else 0)
+        return self._rows_nbytes() + (self.shared.held_nbytes() if self.shared is not None else 0)
+
+    def _rows_nbytes(self) -> int:
+        return sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)

@@ -59,7 +59,7 @@ def recover(sched, exc: BaseException) -> None:
         sched.kv_budget_configured = sched.config.kv_budget_bytes
     floor = sched.kv_bytes_per_token * 64
     sched.config.kv_budget_bytes = max(floor, min(sched.config.kv_budget_bytes, int(held * 0.75)))
-    alive = [s for s in seqs if s.finish_reason is None and not s.request.finished]
+    alive = [s for s in seqs if s.finish_reason is None]  # seqs holds live requests' choices only
     if sched.failure_streak >= MAX_STREAK and alive:
         victim = max(alive, key=lambda s: s.urgency)
         logger.error("allocation failed %d steps in a row; failing request %s (%s)",

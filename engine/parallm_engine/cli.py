@@ -18,7 +18,23 @@ def _engine_config(args) -> dict:
         cfg["max_batch_size"] = args.max_batch_size
     if getattr(args, "no_prefix_cache", False):
         cfg["enable_prefix_cache"] = False
+    if getattr(args, "kv_memory", None) is not None:
+        cfg["kv_memory"] = args.kv_memory
     return cfg
+
+
+def _kv_memory(text: str):
+    """``--kv-memory``: a fraction of device memory (0.3) or bytes with an optional unit (2GiB, 512MiB)."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    try:
+        for unit, scale in units.items():
+            if t.endswith(unit):
+                return int(float(t[: -len(unit)]) * scale)
+        value = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a fraction (0.3) or a size (2GiB), got {text!r}") from None
+    return value if value <= 1 else int(value)
 
 
 def cmd_info(args) -> int:
@@ -26,14 +42,16 @@ def cmd_info(args) -> int:
     from .loader import DEFAULT_MODEL_NAME, default_model_path, peek_sampling_defaults
 
     from .backend import choose_backend
+    from .memory_budget import mlx_limits, resolve_kv_memory
 
     info = backend_info()
     engine_backend = choose_backend()
     out = {"backend": info.as_dict(), "engine_backend": engine_backend.as_dict(),
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
-    kv_budget = engine_backend.kv_budget()
+    kv_budget = resolve_kv_memory(getattr(args, "kv_memory", None), engine_backend.memory_bytes)
     out["memory"] = {"device_bytes": engine_backend.memory_bytes, "source": engine_backend.memory_source,
-                     "kv_budget_bytes": kv_budget, "prefix_cache_bytes": kv_budget // 2}
+                     "kv_budget_bytes": kv_budget,
+                     "mlx_limits": mlx_limits(engine_backend.device, engine_backend.memory_bytes, kv_budget, 0)}
     if out["cpu_kernels"]:
         from . import native
 
@@ -66,8 +84,10 @@ def cmd_info(args) -> int:
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
     mem = out["memory"]
     print(f"memory  : {mem['device_bytes'] / 2**30:.1f} GiB ({mem['source']}); KV budget "
-          f"{mem['kv_budget_bytes'] / 2**30:.1f} GiB, prefix cache {mem['prefix_cache_bytes'] / 2**30:.1f} GiB "
-          "(Engine(kv_budget_bytes=, prefix_cache_bytes=))")
+          f"{mem['kv_budget_bytes'] / 2**30:.1f} GiB shared by running requests and the prefix cache "
+          "(--kv-memory / Engine(kv_memory=))")
+    limits = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in mem["mlx_limits"].items())
+    print(f"          MLX limits: {limits} (plus the weights, wired on Metal)")
     if "native_kernels" in out:
         nk = out["native_kernels"]
         detail = f"{nk['path']} ({nk['threads']} threads)" if nk["available"] else f"unavailable: {nk['reason']}"
@@ -180,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=None, help="GGUF file or HF/MLX model directory (default: SmolLM2-135M)")
         sp.add_argument("--max-batch-size", type=int, default=None)
         sp.add_argument("--no-prefix-cache", action="store_true")
+        sp.add_argument("--kv-memory", type=_kv_memory, default=None, metavar="F|SIZE",
+                        help="KV budget shared by running requests and the prefix cache: a fraction of "
+                             "device memory or a size such as 4GiB (default 0.25)")
 
     sp = sub.add_parser("info", help="backend, dtype and BLAS in use; the default model")
     sp.add_argument("--model", default=None)

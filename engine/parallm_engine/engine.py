@@ -38,6 +38,7 @@ from .sampling_params import apply_model_defaults
 from .spec_config import parse_speculative
 from . import memory_recovery
 from .memory_recovery import is_allocation_failure
+from .memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import EngineStats
 from .validation import check_text
@@ -84,10 +85,13 @@ def _lanes_for(backend, model) -> int:
     """The backend's decode lanes, or one when the model's weights are too large to stream once per lane."""
     if backend.decode_lanes <= 1 or os.environ.get("PARALLM_DECODE_LANES"):
         return backend.decode_lanes
+    return 1 if _weight_bytes(model) > LANE_WEIGHT_LIMIT else backend.decode_lanes
+
+
+def _weight_bytes(model) -> int:
     from mlx.utils import tree_flatten
 
-    weight_bytes = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
-    return 1 if weight_bytes > LANE_WEIGHT_LIMIT else backend.decode_lanes
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
 _NO_SPECULATION = ("speculative decoding needs KV that can be rolled back; this model has sliding-window or "
@@ -104,6 +108,7 @@ class Engine:
         max_queue: int = 1024,
         prefill_chunk: int = 512,
         prefill_budget: int = 2048,
+        kv_memory: float | int | None = None,
         kv_budget_bytes: int | None = None,
         prefix_cache_bytes: int | None = None,
         enable_prefix_cache: bool = True,
@@ -112,8 +117,10 @@ class Engine:
         speculative: Any = None,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
-        ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides). Memory
-        budgets default to shares of what the backend's device offers (``parallm info`` shows it).
+        ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
+        ``kv_memory``: the KV budget the running sequences and the prefix cache share, as a fraction of
+        what the device offers or in bytes (default a quarter; ``parallm info`` shows it;
+        ``kv_budget_bytes`` is the same in bytes). ``prefix_cache_bytes`` caps the prefix cache within it.
         ``speculative``: the default for requests that do not set their own (``spec_config``), e.g.
         ``{"method": "ngram", "num_tokens": 4}``."""
         from .backend import choose_backend
@@ -130,13 +137,15 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="backend") from exc
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype)
-        budget = kv_budget_bytes or self.backend.kv_budget()
+        budget = kv_budget_bytes or resolve_kv_memory(kv_memory, self.backend.memory_bytes)
+        self.mlx_limits = apply_mlx_limits(mlx_limits(self.backend.device, self.backend.memory_bytes, budget,
+                                                      _weight_bytes(self.model)))
         self.config = SchedulerConfig(
             max_batch_size=max_batch_size,
             prefill_chunk=prefill_chunk,
             prefill_budget=prefill_budget,
             kv_budget_bytes=budget,
-            radix_budget_bytes=prefix_cache_bytes if prefix_cache_bytes is not None else budget // 2,
+            radix_budget_bytes=min(budget, prefix_cache_bytes) if prefix_cache_bytes is not None else budget,
             enable_prefix_cache=enable_prefix_cache,
             decode_lanes=decode_lanes or _lanes_for(self.backend, self.model),
             cpu_kernels=self.backend.cpu_kernels,
@@ -308,6 +317,8 @@ class Engine:
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         params = sampling.pop("params", None) or SamplingParams.from_kwargs(
             **apply_model_defaults(sampling, self.model_info.sampling_defaults)
         )
@@ -343,8 +354,6 @@ class Engine:
                     f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
                 )
             self._pending += 1
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
                       tools=list(tools) if tools else None, priority=priority, group=group)
         if isinstance(prompt, VisionPrompt):

@@ -173,6 +173,18 @@ _ENGINE_METRICS = (
     ("itl_p95_s", "engine_itl_p95_seconds", "gauge", "95th percentile inter-token latency (engine, recent window)."),
 )
 
+_MEMORY_METRICS = (
+    ("kv_budget_bytes", "kv_budget_bytes",
+     "The KV memory budget, shared by running sequences and the prefix cache (which gives way first)."),
+    ("prefix_cache_limit_bytes", "prefix_cache_limit_bytes",
+     "What the running sequences leave the prefix cache now (its cap within the budget, at most)."),
+    ("prefix_cache_pinned_bytes", "prefix_cache_pinned_bytes",
+     "Prefix-cache bytes in use by prefilling or running sequences (not evictable now)."),
+    ("mlx_active_bytes", "mlx_active_memory_bytes", "Memory MLX's allocator has handed out."),
+    ("mlx_cache_bytes", "mlx_cache_memory_bytes", "Freed memory MLX keeps for reuse (bounded by the engine)."),
+    ("mlx_peak_bytes", "mlx_peak_memory_bytes", "Most memory MLX has had handed out at once."),
+)
+
 _PREFIX_CACHE_METRICS = (
     ("bytes", "prefix_cache_bytes", "gauge", "Bytes of KV held by the radix prefix tree."),
     ("max_bytes", "prefix_cache_max_bytes", "gauge", "Byte budget of the radix prefix tree."),
@@ -197,8 +209,8 @@ def render_engine_stats(stats: dict, model: str) -> list[str]:
     for key, suffix, kind, help in _ENGINE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, stats.get(key), labels)
     memory = stats.get("memory") or {}
-    out += _gauge_lines(f"{PREFIX}_kv_budget_bytes", "gauge", "The KV memory budget (running batch and shared "
-                        "prefixes; the prefix cache has its own share).", memory.get("kv_budget_bytes"), labels)
+    for key, suffix, help in _MEMORY_METRICS:
+        out += _gauge_lines(f"{PREFIX}_{suffix}", "gauge", help, memory.get(key), labels)
     cache = stats.get("prefix_cache") or {}
     for key, suffix, kind, help in _PREFIX_CACHE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, cache.get(key), labels)

@@ -72,6 +72,7 @@ class RadixCache:
         self.root = RadixNode((), None, None)
         self.root.ref = 1  # never evicted
         self.total_bytes = 0
+        self._pinned_bytes = 0  # kept by pin / unpin / split, so the scheduler can ask every step
         self._nodes = 0  # kept as nodes come and go, so stats() is O(1) (published every step)
         self._tokens = 0
         self.evictions = 0
@@ -131,7 +132,10 @@ class RadixCache:
         self._nodes += 1
         upper.last_used = node.last_used
         lower_kv = _slice_segment(node.kv, k, None)
-        self.total_bytes += upper.nbytes + _segment_nbytes(lower_kv) - node.nbytes
+        grown = upper.nbytes + _segment_nbytes(lower_kv) - node.nbytes
+        self.total_bytes += grown
+        if node.ref:
+            self._pinned_bytes += grown
         node.kv = lower_kv
         node.nbytes = _segment_nbytes(lower_kv)
         node.tokens = node.tokens[k:]
@@ -163,12 +167,16 @@ class RadixCache:
     def pin(self, node: RadixNode) -> None:
         while node is not None:
             node.ref += 1
+            if node.ref == 1:
+                self._pinned_bytes += node.nbytes
             node = node.parent
 
     def unpin(self, node: RadixNode) -> None:
         while node is not None:
             node.ref -= 1
             assert node.ref >= 0, "radix node unpinned more often than pinned"
+            if node.ref == 0:
+                self._pinned_bytes -= node.nbytes
             node = node.parent
 
     # -- eviction -------------------------------------------------------------------------------
@@ -224,6 +232,14 @@ class RadixCache:
 
     def num_tokens(self) -> int:
         return sum(len(n.tokens) for n in self._iter_nodes())
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned nodes (on the path of a pinned node): not evictable now."""
+        return self._pinned_bytes
+
+    def computed_pinned_bytes(self) -> int:
+        """Recount of :meth:`pinned_bytes` from the nodes (tests compare the two)."""
+        return sum(n.nbytes for n in self._iter_nodes() if n.ref)
 
     def computed_bytes(self) -> int:
         """Recount from the segments themselves (tests compare it with ``total_bytes``)."""

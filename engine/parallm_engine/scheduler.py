@@ -33,6 +33,8 @@ from . import cpu_kernels, memory_recovery
 from .constrained import apply_constraints
 from .decode_batch import DecodeBatch
 from .errors import RequestCancelledError
+from .kv_manager import KVManager
+from .memory_budget import mlx_memory
 from .kv_cache import SequenceKV
 from .model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
 from .output_processor import OutputProcessor
@@ -111,6 +113,7 @@ class Scheduler:
             self.radix = None
             self.snapshots = SnapshotCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self._share_prefix = False
+        self.kv = KVManager(config, self.kv_bytes_per_token, self.batch, self.prefix_cache)
         # Speculative decoding needs KV it can roll back: the engine's own (attention layout) only.
         self.speculator = Speculator(config.speculative, stats, model_info.context_window) \
             if self.layout == "attention" else None
@@ -198,22 +201,18 @@ class Scheduler:
         return self.batch.held_nbytes() + (cache.total_bytes if cache is not None else 0)
 
     # -- memory ---------------------------------------------------------------------------------
-    def _context_bytes(self, seq: Sequence) -> int:
-        return (seq.total_len + self.config.watermark_tokens) * self.kv_bytes_per_token
-
-    def _running_footprint(self, extra: int) -> int:
-        return self.batch.footprint(extra, self.kv_bytes_per_token)
-
     def _make_room(self) -> None:
-        """Preempt the least urgent running sequences while the batch, grown by the watermark, would
-        exceed the KV budget (never the last one: a single sequence always runs)."""
-        budget = self.config.kv_budget_bytes
-        if len(self.running) <= 1 or self._running_footprint(self.config.watermark_tokens) <= budget:
+        """The prefix cache gives way to the running rows first (``kv_manager``); then the least urgent
+        running sequences are preempted while the rows, grown by the watermark, would still exceed the
+        budget (never the last one: a single sequence always runs)."""
+        self.kv.fit_cache()
+        if len(self.running) <= 1 or not self.kv.rows_over_budget():
             return
         self._flush_pending()  # tokens of the step in flight belong to the rows about to leave
-        while len(self.running) > 1 and self._running_footprint(self.config.watermark_tokens) > budget:
+        while len(self.running) > 1 and self.kv.rows_over_budget():
             victim = max(self.running, key=lambda s: s.urgency)
             self._preempt(victim)
+            self.kv.fit_cache()
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s KV now and queue it to resume: its tokens stay, its KV goes to the prefix
@@ -273,22 +272,22 @@ class Scheduler:
         """Admit by what a sequence takes now (its context plus the watermark), not by its max_tokens:
         rows grow as they decode and the least urgent are preempted if memory runs short."""
         active = len(self.running) + len(self.prefilling)
-        used = self._running_footprint(self.config.watermark_tokens)
-        used += sum(self._context_bytes(s) for s in self.prefilling)
+        room = self.kv.admission_room() - sum(self.kv.context_bytes(s) for s in self.prefilling)
         groups: dict = {}
         for s in list(self.running) + list(self.prefilling):
             groups[s.request.group] = groups.get(s.request.group, 0) + 1
         while self.waiting and active < self.config.max_batch_size:
             seq = self._next_fair(groups)
-            need = self._context_bytes(seq)
+            need = self.kv.context_bytes(seq)
             # Always admit when idle, so one oversized request still runs rather than waiting forever.
-            if active and used + need > self.config.kv_budget_bytes:
+            if active and need > room:
                 break
             self.waiting.remove(seq)
             self.prefilling.append(seq)
             groups[seq.request.group] = groups.get(seq.request.group, 0) + 1
             active += 1
-            used += need
+            room -= need
+        self.kv.fit_cache(reserved=sum(self.kv.context_bytes(s) for s in self.prefilling))
 
     def _next_fair(self, groups: dict) -> Sequence:
         """The next sequence to admit: the most urgent priority first; within it, round-robin over
@@ -607,10 +606,11 @@ class Scheduler:
         cache = self.prefix_cache
         return {
             "layout": self.layout,
-            "kv_budget_bytes": self.config.kv_budget_bytes,
+            **self.kv.stats(),
             "kv_bytes_running": self.batch_kv_bytes(),
             "kv_bytes_prefix_cache": cache.total_bytes if cache is not None else 0,
             "kv_bytes_held": self.kv_bytes_held(),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "preemptions": self.preemptions,
+            **mlx_memory(),
         }

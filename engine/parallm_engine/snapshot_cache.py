@@ -121,6 +121,10 @@ class SnapshotCache:
     def clear_unpinned(self) -> int:
         return self.evict(self.total_bytes + 1)
 
+    def pinned_bytes(self) -> int:
+        """Bytes of snapshots a prefilling sequence holds (not evictable now)."""
+        return sum(s.nbytes for d in self._by_len.values() for s in d.values() if s.ref)
+
     def computed_bytes(self) -> int:
         return sum(caches_nbytes(s.caches) for d in self._by_len.values() for s in d.values())
 

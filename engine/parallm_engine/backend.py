@@ -318,9 +318,12 @@ class Backend:
             return "engine MLX kernels (shared-prefix cascade in MLX ops)"
         return "mlx fast SDPA (shared-prefix cascade in MLX ops)"
 
-    def kv_budget(self, fraction: float = 0.25) -> int:
-        """The running batch's share of the device's memory (at least 256 MiB)."""
-        return max(256 << 20, int(self.memory_bytes * fraction))
+    def kv_budget(self, kv_memory: float | int | None = None) -> int:
+        """The KV budget (running sequences and prefix cache) on this device: ``kv_memory`` as a fraction
+        of its memory or bytes; a quarter by default (``memory_budget``)."""
+        from .memory_budget import resolve_kv_memory
+
+        return resolve_kv_memory(kv_memory, self.memory_bytes)
 
     def as_dict(self) -> dict:
         out = asdict(self)

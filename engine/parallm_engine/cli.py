@@ -42,13 +42,13 @@ def cmd_info(args) -> int:
     from .loader import DEFAULT_MODEL_NAME, default_model_path, peek_sampling_defaults
 
     from .backend import choose_backend
-    from .memory_budget import mlx_limits, resolve_kv_memory
+    from .memory_budget import mlx_limits
 
     info = backend_info()
     engine_backend = choose_backend()
     out = {"backend": info.as_dict(), "engine_backend": engine_backend.as_dict(),
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
-    kv_budget = resolve_kv_memory(getattr(args, "kv_memory", None), engine_backend.memory_bytes)
+    kv_budget = engine_backend.kv_budget(getattr(args, "kv_memory", None))
     out["memory"] = {"device_bytes": engine_backend.memory_bytes, "source": engine_backend.memory_source,
                      "kv_budget_bytes": kv_budget,
                      "mlx_limits": mlx_limits(engine_backend.device, engine_backend.memory_bytes, kv_budget, 0)}
@@ -86,8 +86,9 @@ def cmd_info(args) -> int:
     print(f"memory  : {mem['device_bytes'] / 2**30:.1f} GiB ({mem['source']}); KV budget "
           f"{mem['kv_budget_bytes'] / 2**30:.1f} GiB shared by running requests and the prefix cache "
           "(--kv-memory / Engine(kv_memory=))")
-    limits = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in mem["mlx_limits"].items())
-    print(f"          MLX limits: {limits} (plus the weights, wired on Metal)")
+    limits = ", ".join(f"{k} {v / 2**30:.1f} GiB" + (" + the weights" if k == "wired" else "")
+                       for k, v in mem["mlx_limits"].items())
+    print(f"          MLX limits: {limits}")
     if "native_kernels" in out:
         nk = out["native_kernels"]
         detail = f"{nk['path']} ({nk['threads']} threads)" if nk["available"] else f"unavailable: {nk['reason']}"

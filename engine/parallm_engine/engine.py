@@ -38,7 +38,7 @@ from .sampling_params import apply_model_defaults
 from .spec_config import parse_speculative
 from . import memory_recovery
 from .memory_recovery import is_allocation_failure
-from .memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
+from .memory_budget import apply_mlx_limits, mlx_limits
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import EngineStats
 from .validation import check_text
@@ -137,7 +137,7 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="backend") from exc
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype)
-        budget = kv_budget_bytes or resolve_kv_memory(kv_memory, self.backend.memory_bytes)
+        budget = kv_budget_bytes or self.backend.kv_budget(kv_memory)
         self.mlx_limits = apply_mlx_limits(mlx_limits(self.backend.device, self.backend.memory_bytes, budget,
                                                       _weight_bytes(self.model)))
         self.config = SchedulerConfig(

@@ -95,11 +95,6 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage_dict(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 class Timing:
     """Per-request timing for the server's histograms (TTFT, inter-token latency, end-to-end)."""
 

@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import RequestCancelledError
 from .sampling import SamplingParams
 
 _req_ids = itertools.count(1)

@@ -114,34 +114,35 @@ def test_decode_attention_property(nat, B, T, rep, seed, data):
 
 @pytest.mark.parametrize("L,cached", [(1, 0), (5, 0), (17, 0), (9, 30), (40, 70)])
 @pytest.mark.parametrize("D", [64, 40])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_prefill_attention_causal_matches_mlx(nat, L, cached, D, tiled):
+def test_prefill_attention_causal_matches_mlx(nat, L, cached, D):
     """Several query positions per row (prefill), causal over the chunk and everything cached before
-    it (MLX's "causal" is aligned to the last key); one position at a time or in blocks (``tiled``:
-    D 40 is not a multiple of 8 and runs one at a time)."""
+    it (MLX's "causal" is aligned to the last key); in blocks of positions (D 64) or one position at a
+    time (D 40, not a multiple of 8)."""
     mx.random.seed(L * 100 + cached + D)
     B, H, KH, T = 2, 9, 3, cached + L
     q = mx.random.normal((B, H, L, D))
     k, v = mx.random.normal((B, KH, T, D)) * 2, mx.random.normal((B, KH, T, D))
     want = SDPA(q, k, v, scale=D**-0.5, mask="causal")
-    _close(nat.attention(q, k, v, D**-0.5, None, L > 1, tiled=tiled), want)
-    _close(cpu_kernels._native_attention(q, k, v, D**-0.5, "causal", tiled=tiled), want)
+    _close(nat.attention(q, k, v, D**-0.5, None, L > 1), want)
+    _close(cpu_kernels._native_attention(q, k, v, D**-0.5, "causal"), want)
 
 
-def test_prefill_blocks_give_each_position_the_same_bits_whatever_the_chunk_padding_or_prefix(nat):
-    """The tiled prefill kernel: a position's output has the same bits computed in a 50-position
-    chunk or a 7-position one (other blocks), left-padded in a batch next to other rows, and with its
-    prefix held once for the batch instead of in the row."""
+def test_a_position_has_the_same_bits_in_any_chunk_batch_or_decode_step(nat):
+    """A position's attention output has the same bits computed in a 50-position prefill chunk or a
+    7-position one (other blocks), as a decode step's single position, left-padded in a batch next to
+    other rows, and with its prefix held once for the batch instead of in the row."""
     mx.random.seed(5)
     H, KH, D, P, n = 9, 3, 64, 37, 50
     q = mx.random.normal((1, H, n, D))
     own_k, own_v = mx.random.normal((1, KH, n, D)) * 2, mx.random.normal((1, KH, n, D))
     sk, sv = mx.random.normal((1, KH, P, D)) * 2, mx.random.normal((1, KH, P, D))
     row_k, row_v = mx.concatenate([sk, own_k], axis=2), mx.concatenate([sv, own_v], axis=2)
-    whole = np.array(nat.attention(q, row_k, row_v, 0.125, None, True, tiled=True))
+    whole = np.array(nat.attention(q, row_k, row_v, 0.125, None, True))
     # The last 7 positions as their own chunk: keys up to each of them.
-    tail = np.array(nat.attention(q[:, :, -7:], row_k, row_v, 0.125, None, True, tiled=True))
+    tail = np.array(nat.attention(q[:, :, -7:], row_k, row_v, 0.125, None, True))
     assert np.array_equal(whole[:, :, -7:], tail)
+    # The last position as a decode step (one query, every key).
+    assert np.array_equal(whole[:, :, -1:], np.array(nat.attention(q[:, :, -1:], row_k, row_v, 0.125)))
     # Left-padded by 11 columns in a batch of 2 (a boolean mask: causal and the padding).
     pad, T = 11, P + n + 11
     k2 = mx.concatenate([mx.random.normal((1, KH, T, D)), mx.pad(row_k, [(0, 0), (0, 0), (pad, 0), (0, 0)])])
@@ -149,12 +150,11 @@ def test_prefill_blocks_give_each_position_the_same_bits_whatever_the_chunk_padd
     q2 = mx.concatenate([mx.random.normal((1, H, n, D)), q])
     cols, pos = mx.arange(T)[None, :], mx.arange(n)[:, None] + (T - n)
     mask = mx.stack([cols <= pos, (cols <= pos) & (cols >= pad)])[:, None]
-    padded = np.array(nat.attention(q2, k2, v2, 0.125, mask, tiled=True))[1:]
+    padded = np.array(nat.attention(q2, k2, v2, 0.125, mask))[1:]
     assert np.array_equal(whole, padded)
     # The prefix held once (the scheduler's shared-prefix prefill: the mask covers the row's own keys).
     own_mask = (mx.arange(n)[None, :] <= mx.arange(n)[:, None])[None, None]
-    shared = np.array(nat.attention(q, own_k, own_v, 0.125, own_mask, shared_keys=sk, shared_values=sv,
-                                    tiled=True))
+    shared = np.array(nat.attention(q, own_k, own_v, 0.125, own_mask, shared_keys=sk, shared_values=sv))
     assert np.array_equal(whole, shared)
     _close(whole, SDPA(q, row_k, row_v, scale=0.125, mask="causal"))
 
@@ -205,17 +205,15 @@ def test_prefill_attention_property(nat, L, extra, rep, seed, data):
     KH, D = 2, 32
     q = mx.random.normal((B, KH * rep, L, D))
     k, v = mx.random.normal((B, KH, T, D)) * 3, mx.random.normal((B, KH, T, D))
-    want = SDPA(q, k, v, scale=0.2, mask=mask)
-    _close(nat.attention(q, k, v, 0.2, mask), want, tol=5e-5)
-    _close(nat.attention(q, k, v, 0.2, mask, tiled=True), want, tol=5e-5)
+    _close(nat.attention(q, k, v, 0.2, mask), SDPA(q, k, v, scale=0.2, mask=mask), tol=5e-5)
 
 
-@pytest.mark.parametrize("tiled", [False, True])
-def test_fully_masked_row_gives_zeros_not_nan(nat, tiled):
-    q = mx.random.normal((2, 2, 3, 16))
-    k = v = mx.random.normal((2, 2, 5, 16))
+@pytest.mark.parametrize("D", [16, 20])
+def test_fully_masked_row_gives_zeros_not_nan(nat, D):
+    q = mx.random.normal((2, 2, 3, D))
+    k = v = mx.random.normal((2, 2, 5, D))
     mask = mx.array([[True] * 5, [False] * 5]).reshape(2, 1, 1, 5)
-    out = np.array(nat.attention(q, k, v, 0.25, mask, tiled=tiled))
+    out = np.array(nat.attention(q, k, v, 0.25, mask))
     assert not np.isnan(out).any()
     assert (out[1] == 0).all()
 

@@ -70,12 +70,9 @@ def native_available() -> bool:
     return _native() is not None
 
 
-def _native_attention(queries, keys, values, scale, mask, shared_keys=None, shared_values=None, shared_mask=None,
-                      tiled=False):
+def _native_attention(queries, keys, values, scale, mask, shared_keys=None, shared_values=None, shared_mask=None):
     """The native attention when it applies (float32; no mask, "causal", or a boolean one that is the
-    same for every head), else None. ``tiled``: a prefill's many positions per row, computed in blocks
-    that read each key once per block (the decode step's positions, speculative ones included, are
-    computed one by one)."""
+    same for every head), else None."""
     if queries.dtype != mx.float32 or keys.dtype != mx.float32:
         return None
     causal = False
@@ -88,8 +85,7 @@ def _native_attention(queries, keys, values, scale, mask, shared_keys=None, shar
     nat = _native()
     if nat is None:
         return None
-    return nat.attention(queries, keys, values, scale, mask, causal, shared_keys, shared_values, shared_mask,
-                         tiled and queries.shape[2] > 1)
+    return nat.attention(queries, keys, values, scale, mask, causal, shared_keys, shared_values, shared_mask)
 
 
 @contextlib.contextmanager
@@ -371,18 +367,17 @@ def _engine_sdpa(orig_sdpa):
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         shared = getattr(cache, "shared_keys", None)
-        tiled = getattr(cache, "prefill_attention", False)  # a prefill cache (kv_cache), not the decode batch
         if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
             if sinks is not None:
                 raise NotImplementedError("attention sinks with a shared prefix")
             out = _native_attention(queries, keys, values, scale, mask, shared, cache.shared_values,
-                                    cache.shared_mask, tiled) if is_enabled() else None
+                                    cache.shared_mask) if is_enabled() else None
             if out is not None:
                 return out
             return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,
                                      cache.shared_mask)
         if sinks is None and is_enabled() and not hasattr(cache, "bits"):
-            out = _native_attention(queries, keys, values, scale, mask, tiled=tiled)
+            out = _native_attention(queries, keys, values, scale, mask)
             return attention(queries, keys, values, scale, mask) if out is None else out
         return orig_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

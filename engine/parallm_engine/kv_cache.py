@@ -41,7 +41,6 @@ class SequenceKV:
     """One sequence's cache for one layer, used during (chunked) prefill. Shape (1, H, T, D)."""
 
     mask_5d = False
-    prefill_attention = True  # many positions per forward: the native attention's prefill blocks
 
     def __init__(self, keys: mx.array | None = None, values: mx.array | None = None):
         self.keys = None
@@ -370,7 +369,6 @@ class PrefillBatchKV:
     """
 
     mask_5d = False  # the scheduler shapes this cache's mask itself
-    prefill_attention = True  # many positions per forward: the native attention's prefill blocks
 
     def __init__(self, prefix_keys: mx.array | None, prefix_values: mx.array | None, offset: mx.array,
                  mask: mx.array, shared: bool = False):

@@ -8,14 +8,14 @@
 //
 //   attention   softmax attention, GQA, causal or a boolean mask, and an optional prefix held once
 //               for the batch (cascade attention, kv_cache.SharedPrefix); one task per (row, KV
-//               head, query position): decode (one position) and prefill alike.
+//               head, block of up to 16 query positions): decode (one position) and prefill alike.
 //   linear      x @ w.T (+ bias) for a decode step's few rows, reading nn.Linear's weights in place.
 //   rms_norm    nn.RMSNorm in one pass.
 //   swiglu      silu(gate) * x.
 //   rope_rows   rotary embedding of a few positions per row from a cos/sin table.
 //
-// Numbers: every (row, KV head, position) of the attention is computed alone, from its visible keys
-// in order (masked columns are skipped, not added as zeros), and every element of linear is the same
+// Numbers: every (row, head, position) of the attention is computed from its own visible keys in
+// order (masked columns are skipped, not added as zeros), and every element of linear is the same
 // sum in the same order whatever the batch, so a row's result does not depend on its left padding,
 // on what else is in the batch, or on whether its prefix is held once or in the row: the scheduler's
 // "batched greedy == sequential greedy" holds bitwise for these kernels.
@@ -465,15 +465,13 @@ static inline void linear_tile(const float* x, int64_t ldx, WRow w, const float*
 
 class Attention : public mx::Primitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal, bool has_mask, bool has_shared, bool has_shared_mask,
-            bool tiled)
+  Attention(mx::Stream stream, float scale, bool causal, bool has_mask, bool has_shared, bool has_shared_mask)
       : mx::Primitive(stream),
         scale_(scale),
         causal_(causal),
         has_mask_(has_mask),
         has_shared_(has_shared),
-        has_shared_mask_(has_shared_mask),
-        tiled_(tiled) {}
+        has_shared_mask_(has_shared_mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -483,12 +481,12 @@ class Attention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Attention&>(other);
     return scale_ == o.scale_ && causal_ == o.causal_ && has_mask_ == o.has_mask_ && has_shared_ == o.has_shared_ &&
-        has_shared_mask_ == o.has_shared_mask_ && tiled_ == o.tiled_;
+        has_shared_mask_ == o.has_shared_mask_;
   }
 
  private:
   float scale_;
-  bool causal_, has_mask_, has_shared_, has_shared_mask_, tiled_;
+  bool causal_, has_mask_, has_shared_, has_shared_mask_;
 };
 
 // What one (row, KV head, position) task reads. Strides in elements; key/value rows are contiguous in D.
@@ -641,21 +639,22 @@ static void attend(const AttnArgs& a, int b, int kh, int l) {
     for (int d = 0; d < Dv; ++d) out[r * ostride + d] = acc[r * Dv + d] * inv[r];
 }
 
-// Prefill attention (many query positions per row): one task per (row, KV head, block of up to kQB
-// positions). `attend` above reads every visible key and value once per position, which at prefill
-// sizes streams a KV head (~1.3 MB at 2,500 tokens of 64-dim fp32) from L3 once per position: a
-// 512-token chunk over 2,000 cached tokens took ~10 s on the 2-core CI machine. Here the block's
-// query rows (rep heads x positions) are scored against each key once (2 query rows x 4 keys a
-// register tile), each row's visible scores are then gathered in column order and softmaxed exactly
-// as `attend` does, and the values are summed in that order over 64-key tiles that stay in L1 while
-// every row of the block reads them.
+// Attention in blocks: one task per (row, KV head, block of up to kQB query positions), for every
+// head size that is a multiple of 8 (`attend` above, one position per task, serves the others).
+// `attend` reads every visible key and value once per position: at prefill sizes that streams a KV
+// head (~1.3 MB at 2,500 tokens of 64-dim fp32) from L3 once per position (a 512-token chunk over
+// 2,000 cached tokens took ~10 s on the 2-core CI machine; ~2.8 s here), and its accumulators and
+// exp stay in memory / scalar (batch-32 decode over 2,000 tokens: 18 ms a layer; 7 ms here, 3 ms
+// with the prefix held once). Here the block's query rows (rep heads x positions) are scored
+// against each key once (2 query rows x 4 keys a register tile), each row's visible scores are
+// gathered in column order and softmaxed (8 lanes), and the values are summed in that order, 8
+// accumulators in registers, over 64-key tiles that stay in L1 while every row of the block reads them.
 //
 // Numbers: a score is one fixed sum (8 lanes over D in order, then the same lane tree) whatever tile
 // computes it, and each query's softmax and weighted sum run over its own visible keys in column
-// order: a position's result depends on its query and the keys it sees only, not on the block, the
-// prefill chunk, the left padding, the batch, or whether its prefix is held once or in the row (the
-// invariants `attend` keeps, for prefill). It is not bitwise `attend`'s (a decode step's), as the
-// prefill's GEMMs are not the decode step's either.
+// order: a position's result depends on its query and the keys it sees only. It has the same bits in
+// a decode step, a speculative verification or a prefill chunk of any size, left-padded in any batch,
+// with its prefix held once or in the row.
 constexpr int kQB = 16, kVTile = 64;
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
@@ -720,7 +719,7 @@ static inline void score_2x4(const float* q0, const float* q1, const float* cons
   }
 }
 
-// softmax2 for the prefill blocks, vectorised by hand (the compiler keeps `softmax2`'s exp scalar):
+// softmax2 for the blocks, vectorised by hand (the compiler keeps `softmax2`'s exp scalar):
 // the same exp2 polynomial, 8 lanes at a time, partial sums in lanes then a fixed tree. In place,
 // returns 1 / the sum.
 static inline float softmax2_rows(float* s, int n) {
@@ -900,7 +899,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
   enc.dispatch([inputs, out, scale = scale_, causal = causal_, has_mask = has_mask_, has_shared = has_shared_,
-                has_shared_mask = has_shared_mask_, tiled = tiled_]() mutable {
+                has_shared_mask = has_shared_mask_]() mutable {
     const mx::array& q = inputs[0];  // (B, H, L, D)
     const mx::array& k = inputs[1];  // (B, KH, T, D)
     const mx::array& v = inputs[2];  // (B, KH, T, Dv)
@@ -939,7 +938,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     a.qscale = scale * 1.4426950408889634f;  // scores in log2 units: exp -> exp2
     // Tasks KV-head-major, then row, then query position: consecutive tasks on a thread read the
     // same shared prefix head and the same row's keys (in cache).
-    if (tiled && a.L > 1 && a.D % 8 == 0) {  // prefill: blocks of positions (see attend_block)
+    if (a.D % 8 == 0) {  // blocks of positions (attend_block); `attend` for other head sizes
       const int blocks = (a.L + kQB - 1) / kQB, n = B * a.KH * blocks;
       Pool::get().run(n, [&](int i) {
         const int blk = i % blocks, b = (i / blocks) % B, kh = i / (blocks * B);
@@ -963,7 +962,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
 
 mx::array attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
                     std::optional<mx::array> mask, bool causal, std::optional<mx::array> shared_keys,
-                    std::optional<mx::array> shared_values, std::optional<mx::array> shared_mask, bool tiled) {
+                    std::optional<mx::array> shared_values, std::optional<mx::array> shared_mask) {
   if (queries.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4)
     throw std::invalid_argument("attention: queries, keys and values must be 4-D");
   const int B = queries.shape(0), H = queries.shape(1), L = queries.shape(2);
@@ -1005,7 +1004,7 @@ mx::array attention(const mx::array& queries, const mx::array& keys, const mx::a
     inputs.push_back(*shared_mask);
   }
   return mx::array({B, H, L, Dv}, mx::float32,
-                   std::make_shared<Attention>(stream, scale, causal, mask.has_value(), has_shared, has_smask, tiled),
+                   std::make_shared<Attention>(stream, scale, causal, mask.has_value(), has_shared, has_smask),
                    std::move(inputs));
 }
 
@@ -1370,7 +1369,7 @@ NB_MODULE(_parallm_native, m) {
   m.doc() = "ParaLLM's native CPU kernels (MLX primitives)";
   m.def("attention", &parallm::attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"),
         nb::arg("scale"), nb::arg("mask") = nb::none(), nb::arg("causal") = false, nb::arg("shared_keys") = nb::none(),
-        nb::arg("shared_values") = nb::none(), nb::arg("shared_mask") = nb::none(), nb::arg("tiled") = false);
+        nb::arg("shared_values") = nb::none(), nb::arg("shared_mask") = nb::none());
   m.def("linear", &parallm::linear, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("rms_norm", &parallm::rms_norm, nb::arg("x"), nb::arg("weight") = nb::none(), nb::arg("eps"));
   m.def("swiglu", &parallm::swiglu, nb::arg("gate"), nb::arg("x"));

@@ -407,3 +407,22 @@ def test_build_is_cached_and_can_be_turned_off(nat):
 
 def test_engine_decode_uses_native_kernels(tiny_engine):
     assert tiny_engine._scheduler.native_kernels
+
+
+@pytest.mark.parametrize("M,K,N", [(64, 576, 1536), (100, 96, 40), (3, 16, 8)])
+def test_gemm_split_matches_matmul(nat, M, K, N):
+    """The prefill GEMM on every core (output columns over the kernels' threads, each a single-threaded
+    BLAS sgemm), with and without a bias, through the linear hook for a prefill's many rows."""
+    if not nat.has_sgemm():
+        pytest.skip("no cblas_sgemm in this process")
+    mx.random.seed(M + K + N)
+    x, w, b = mx.random.normal((2, M, K)), mx.random.normal((N, K)), mx.random.normal((N,))
+    _close(nat.gemm_split(x, w), x @ w.T, tol=1e-4)
+    _close(nat.gemm_split(x, w, b), x @ w.T + b, tol=1e-4)
+    with cpu_kernels.enabled(True):
+        y = cpu_kernels.linear_native(x, w, b)
+    if cpu_kernels._gemm_split_available(nat) and 2 * M >= cpu_kernels.GEMM_SPLIT_MIN_ROWS:
+        assert y is not None
+        _close(y, x @ w.T + b, tol=1e-4)
+    with pytest.raises(ValueError, match="last axis"):
+        nat.gemm_split(x, mx.random.normal((N, K + 1)))

@@ -20,6 +20,8 @@
 // on what else is in the batch, or on whether its prefix is held once or in the row: the scheduler's
 // "batched greedy == sequential greedy" holds bitwise for these kernels.
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -1137,6 +1139,88 @@ mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::
 }
 
 // ---------------------------------------------------------------------------------------------
+// gemm_split: y = x @ w.T (+ bias) for a prefill's many rows, on every core.
+//
+// Each decode lane calls the BLAS from its own thread, so MKL runs single-threaded (backend.py): a
+// prefill chunk, which runs on one lane, left the other core idle (the 135M model prefilled ~150
+// tokens/s on the 2-core CI machine). Here the output columns are split over the pool's threads,
+// each calling the process's single-threaded cblas_sgemm (found at run time: the BLAS MLX itself
+// calls) on its share. Every output element is computed by one sgemm over all of K.
+
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                         int);
+
+static SgemmFn find_sgemm() {
+  static SgemmFn fn = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return fn;
+}
+
+class GemmSplit : public mx::UnaryPrimitive {
+ public:
+  GemmSplit(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
+    const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : 0;
+    enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
+                  y = out.data<float>(), M, K, N]() {
+      if (M == 0 || N == 0) return;
+      std::vector<float> xbuf, wbuf, bbuf;
+      const float* x = dense<float>(xa, xbuf);
+      const float* w = dense<float>(wa, wbuf);
+      const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
+      const SgemmFn sgemm = find_sgemm();
+      const int parts = std::max(1, std::min(Pool::get().size(), N / 64));
+      const int nb = (N / parts + 15) / 16 * 16;
+      Pool::get().run(parts, [&](int t) {
+        const int n0 = t * nb, n1 = t + 1 == parts ? N : std::min(N, (t + 1) * nb);
+        if (n1 <= n0) return;
+        // Row-major: y[:, n0:n1] = x (M x K) @ w[n0:n1].T (K x (n1 - n0)).
+        sgemm(101 /* RowMajor */, 111 /* NoTrans */, 112 /* Trans */, M, n1 - n0, K, 1.0f, x, K,
+              w + static_cast<int64_t>(n0) * K, K, 0.0f, y + n0, N);
+        if (b)
+          for (int m = 0; m < M; ++m) {
+            float* row = y + static_cast<int64_t>(m) * N;
+            for (int n = n0; n < n1; ++n) row[n] += b[n];
+          }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("parallm gemm_split is a CPU kernel");
+  }
+  const char* name() const override { return "ParallmGemmSplit"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const GemmSplit&>(other).has_bias_;
+  }
+
+ private:
+  bool has_bias_;
+};
+
+mx::array gemm_split(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
+  if (!find_sgemm()) throw std::runtime_error("gemm_split: no cblas_sgemm in this process");
+  if (x.ndim() < 1 || weight.ndim() != 2) throw std::invalid_argument("gemm_split: x (..., K) and weight (N, K)");
+  const int K = weight.shape(1), N = weight.shape(0);
+  if (x.shape(-1) != K) throw std::invalid_argument("gemm_split: x's last axis must equal weight's second");
+  require_f32(x, "gemm_split x");
+  require_f32(weight, "gemm_split weight");
+  auto stream = mx::default_stream(mx::default_device());
+  std::vector<mx::array> inputs = {x, weight};
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != N) throw std::invalid_argument("gemm_split: bias must be (N,)");
+    require_f32(*bias, "gemm_split bias");
+    inputs.push_back(*bias);
+  }
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::array(shape, mx::float32, std::make_shared<GemmSplit>(stream, bias.has_value()), std::move(inputs));
+}
+
+// ---------------------------------------------------------------------------------------------
 // swiglu: silu(gate) * x = gate / (1 + 2**(-gate * log2 e)) * x
 
 static void swiglu_range(const float* __restrict g, const float* __restrict x, float* __restrict o, int64_t n) {
@@ -1371,6 +1455,8 @@ NB_MODULE(_parallm_native, m) {
         nb::arg("scale"), nb::arg("mask") = nb::none(), nb::arg("causal") = false, nb::arg("shared_keys") = nb::none(),
         nb::arg("shared_values") = nb::none(), nb::arg("shared_mask") = nb::none());
   m.def("linear", &parallm::linear, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
+  m.def("gemm_split", &parallm::gemm_split, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
+  m.def("has_sgemm", [] { return parallm::find_sgemm() != nullptr; });
   m.def("rms_norm", &parallm::rms_norm, nb::arg("x"), nb::arg("weight") = nb::none(), nb::arg("eps"));
   m.def("swiglu", &parallm::swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("rope_rows", &parallm::rope_rows, nb::arg("x"), nb::arg("positions"), nb::arg("cos_table"),

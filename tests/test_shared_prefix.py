@@ -170,3 +170,39 @@ def test_fan_out_on_the_pure_mlx_path_holds_the_prefix_once(engines, tiny_model_
         assert mlx_only.stats()["peak_kv_bytes"] < 32 * P * per_token
     finally:
         mlx_only.shutdown()
+
+
+def test_fan_out_whose_questions_branch_off_each_other_reads_one_cached_prefix(tiny_model_dir):
+    """Questions over one cached document whose cached match ends a few tokens into another question
+    (" Question 1" vs " Question 12"): every prefill reads the document node's own arrays (no private
+    concatenation per prompt) and every answer equals the same request on a cold engine."""
+    from parallm_engine import Engine
+    from parallm_engine.scheduler import SHORT_TAIL_TOKENS
+
+    eng = Engine(str(tiny_model_dir))
+    cold = Engine(str(tiny_model_dir), enable_prefix_cache=False)
+    try:
+        doc = eng.encode(" ".join(f"Fact {i}: item{i} costs {i * 3 % 97} coins." for i in range(40)))[:300]
+        qs = [eng.encode(f" Question {i}: what does item{i * 7} cost?", add_special_tokens=False)
+              for i in (12, 2, 13, 14, 15, 16)]
+        for q in qs[:2]:  # the tree: the document + " Question", then "12: ..." and "2: ..."
+            eng.generate([doc + q], max_tokens=1, temperature=0)
+        qs = qs[1:]  # " Question 13" etc. reach one token ("1") into " Question 12"'s node
+        sched = eng._scheduler
+        seen = []
+        start = sched._start_prefill
+
+        def record(seq):
+            start(seq)
+            seen.append((seq.cached_tokens, [len(n.tokens) for n in seq.match.nodes()]))
+
+        sched._start_prefill = record
+        results = eng.generate([doc + q for q in qs[1:]], max_tokens=6, temperature=0, ignore_eos=True)
+        # " Question 12" reaches 1-2 tokens into " Question 1...": stopped at the node before.
+        assert seen and all(nodes[-1] >= SHORT_TAIL_TOKENS for _, nodes in seen), seen
+        assert all(cached >= len(doc) for cached, _ in seen), seen
+        for q, r in zip(qs[1:], results):
+            assert r.token_ids == cold.generate([doc + q], max_tokens=6, temperature=0, ignore_eos=True)[0].token_ids
+    finally:
+        eng.shutdown()
+        cold.shutdown()

@@ -40,7 +40,7 @@ from .model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cac
 from .output_processor import OutputProcessor
 from .prefill_runner import run_prefill_group
 from .prefix_sharing import shared_prefix_flags
-from .radix_cache import RadixCache
+from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
 from .sampling import sample_batch
 from .sequence import Sequence, common_prefix_len, next_inputs
@@ -50,6 +50,20 @@ from .stats import EngineStats
 from .vision import prefill_forward
 
 logger = logging.getLogger("parallm_engine")
+
+
+# A match whose last node adds only a few tokens (a fan-out's " Question 1" reaching into the sibling
+# " Question 12") stops at the node before: those tokens are prefilled again, and the prefix is one
+# node's own arrays, the same for every prompt of the fan-out, so a prefill group reads it once
+# (prefill_runner) instead of concatenating a private copy per prompt. At most 7 tokens are recomputed.
+SHORT_TAIL_TOKENS = 8
+
+
+def _without_short_tail(match: PrefixMatch) -> PrefixMatch:
+    nodes = match.nodes()
+    if len(nodes) > 1 and len(nodes[-1].tokens) < SHORT_TAIL_TOKENS:
+        return PrefixMatch(nodes[-2], match.length - len(nodes[-1].tokens))
+    return match
 
 
 @dataclass
@@ -311,7 +325,7 @@ class Scheduler:
         ids = seq.prefill_ids
         seq.prefix_kv = None
         if self.radix is not None:
-            seq.match = self.radix.match(ids)
+            seq.match = _without_short_tail(self.radix.match(ids))
             self.radix.pin(seq.match.node)
             seq.cached_tokens = seq.match.length
             seq.prefix_kv = self.radix.gather(seq.match) if seq.match.length else None

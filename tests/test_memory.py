@@ -248,10 +248,20 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
         assert eng.run_on_engine_thread(lambda: budget(1000.0, 0.05)) == 200
         assert eng.run_on_engine_thread(lambda: budget(100.0, 0.5)) == sched.config.min_prefill_tokens
         assert eng.run_on_engine_thread(lambda: budget(1e6, 0.0)) == 2048
-        # A long prompt at a slow measured rate is prefilled over many steps, decode moving in between.
+        # With nothing decoding, a step prefills a whole chunk: no stream's inter-token latency is at stake.
+        vocab = eng.model_info.vocab_size
         eng.run_on_engine_thread(lambda: budget(1000.0, 0.05))
         forwards = eng.stats()["prefill_forwards"]
-        eng.generate([prompt_ids(450, eng.model_info.vocab_size, seed=5)], max_tokens=2, temperature=0)
+        eng.generate([prompt_ids(450, vocab, seed=5)], max_tokens=2, temperature=0)
+        assert eng.stats()["prefill_forwards"] - forwards == 1
+        # Next to a decoding stream, a long prompt at a slow measured rate is prefilled over many steps,
+        # decode moving in between.
+        running = eng.submit(prompt_ids(8, vocab, seed=6), max_tokens=400, temperature=0, ignore_eos=True)
+        assert _wait(lambda: eng.stats()["running"] == 1)
+        eng.run_on_engine_thread(lambda: budget(1000.0, 0.05))
+        forwards = eng.stats()["prefill_forwards"]
+        eng.generate([prompt_ids(450, vocab, seed=7)], max_tokens=2, temperature=0)
         assert eng.stats()["prefill_forwards"] - forwards >= 2
+        running.abort()
     finally:
         eng.shutdown()

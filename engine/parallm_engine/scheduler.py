@@ -383,6 +383,8 @@ class Scheduler:
         forward passes (groups) of at most one chunk of tokens, except those whose uncached prefix a
         group member is computing. Sequences whose context is all cached need no forward."""
         budget = self.prefill_token_budget()
+        if not self.running:  # no stream's inter-token latency at stake: at least a whole chunk
+            budget = max(budget, min(self.config.prefill_chunk, self.config.prefill_budget))
         chunk = min(self.config.prefill_chunk, budget)
         done: list[Sequence] = []
         # The token budget follows the measured rate; the clock also stops the step's prefill once the

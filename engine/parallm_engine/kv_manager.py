@@ -36,9 +36,6 @@ class KVManager:
         tree_owned = self.batch.nbytes() - self.batch.held_nbytes()
         return self.batch.footprint(extra, self.bytes_per_token) - tree_owned
 
-    def cache_bytes(self) -> int:
-        return self.cache.total_bytes if self.cache is not None else 0
-
     def pinned_cache_bytes(self) -> int:
         """Prefix-cache bytes that cannot be evicted now."""
         if self.cache is None:

@@ -4,8 +4,6 @@ bytes, MLX's buffer cache / allocation / wired limits, and what ``stats()`` / ``
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
@@ -14,6 +12,7 @@ from parallm_engine.errors import InvalidRequestError
 from parallm_engine.memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
 
 from .model_zoo import prompt_ids
+from .test_memory import _wait
 
 GiB = 1 << 30
 
@@ -87,15 +86,6 @@ def test_apply_skips_what_the_build_or_os_refuses(clean_limits, caplog):
     applied = apply_mlx_limits({"cache": GiB, "wired": 9 * GiB}, mx=fake)
     assert "wired" not in applied and "could not set MLX wired limit" in caplog.text
     assert apply_mlx_limits({"wired": GiB}, mx=_FakeMX(wired=False)) == {"cache": GiB}
-
-
-def _wait(pred, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_prefix_cache_gives_way_before_any_preemption(tiny_engine, tiny_model_dir):

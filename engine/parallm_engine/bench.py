@@ -387,14 +387,16 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
             import tempfile
 
             tick("peer: parallm on equal-length prompts")
-            entry = {"parallm": run_parallm(engine, prompts, sz.new_tokens)}
+            # weights_dtype="bfloat16" (parallm bench --weights-dtype bfloat16): the row says so
+            mine = "parallm_bf16" if engine.backend.dtype.startswith("bfloat16") else "parallm"
+            entry = {mine: run_parallm(engine, prompts, sz.new_tokens)}
             with tempfile.TemporaryDirectory() as d:
                 hf_dir = _on_engine(engine, lambda: _hf_dir_with_fp32(engine, d))
                 for dt in ("fp32", "bf16"):
                     tick(f"peer: transformers {dt}")
                     entry[f"transformers_{dt}"] = run_transformers(hf_dir, prompts, sz.new_tokens, dt)
             entry["ratios"] = {
-                f"vs_transformers_{dt}": round(entry["parallm"]["tok_s"] / entry[f"transformers_{dt}"]["tok_s"], 2)
+                f"vs_transformers_{dt}": round(entry[mine]["tok_s"] / entry[f"transformers_{dt}"]["tok_s"], 2)
                 for dt in ("fp32", "bf16") if entry.get(f"transformers_{dt}")
             }
             result["workloads"]["peer"] = entry
@@ -477,6 +479,7 @@ def _env(engine, quick: bool) -> dict:
         "cpu": {"vendor": vendor, "model": _cpu_model(), "avx512": "avx512f" in flags, "cores": os.cpu_count()},
         "model": engine.model_name,
         "model_dtype": engine.model_info.dtype,
+        "weights_dtype": engine.backend.dtype,
         "platform": platform.platform(),
         "processor": platform.processor(),
         "quick": quick,

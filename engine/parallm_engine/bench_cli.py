@@ -35,6 +35,8 @@ def main(args) -> int:
     cfg = {}
     if getattr(args, "max_batch_size", None):
         cfg["max_batch_size"] = args.max_batch_size
+    if getattr(args, "weights_dtype", None):
+        cfg["weights_dtype"] = args.weights_dtype  # bfloat16: weights stored bf16 on the CPU (weights_dtype.py)
     if getattr(args, "path", "native") == "mlx":
         cfg["backend"] = "cpu-mlx"  # every workload on MLX's own ops (the path Metal and CUDA take)
         if "paths" not in workloads:

@@ -48,6 +48,13 @@ def cmd_info(args) -> int:
     engine_backend = choose_backend()
     out = {"backend": info.as_dict(), "engine_backend": engine_backend.as_dict(),
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
+    from .errors import ParaLLMError
+    from .weights_dtype import resolve_weights_dtype
+
+    try:
+        out["weights_dtype"] = resolve_weights_dtype(None, info.device) or "the model's"
+    except ParaLLMError as exc:
+        out["weights_dtype"] = f"error: {exc}"
     kv_budget = engine_backend.kv_budget(getattr(args, "kv_memory", None))
     out["memory"] = {"device_bytes": engine_backend.memory_bytes, "source": engine_backend.memory_source,
                      "kv_budget_bytes": kv_budget,
@@ -79,6 +86,9 @@ def cmd_info(args) -> int:
     b = info
     print(f"backend : {b.device} ({b.platform}), mlx {b.mlx_version}")
     print(f"dtype   : {b.dtype}  (weights run in this dtype on this backend)")
+    if b.device == "cpu":
+        print(f"weights : stored {out['weights_dtype']} (Engine(weights_dtype=\"bfloat16\") or "
+              "PARALLM_WEIGHTS_DTYPE=bfloat16: half the bytes per decode step; activations and KV stay float32)")
     print(f"blas    : {b.blas}")
     print(f"engine  : {engine_backend.summary()}")
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
@@ -277,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mlx: run on MLX's own ops (backend cpu-mlx, the path Metal and CUDA take) and "
                          "compare the fan-out with the native path (the 'paths' workload)")
     sp.add_argument("--quick", action="store_true", help="small sizes, < 3 minutes")
+    sp.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="CPU weight storage for ParaLLM's engine (default float32; bfloat16 halves the bytes "
+                         "a decode step streams; the peer table's row becomes parallm_bf16)")
     sp.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     sp.add_argument("--agents", type=int, default=None, help="agents: how many simulated agents (default 16)")
     sp.add_argument("--agent-rate", type=float, default=None, help="agents: Poisson arrivals per second (default 1)")

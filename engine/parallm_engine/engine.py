@@ -104,6 +104,7 @@ class Engine:
         model: str | os.PathLike | None = None,
         *,
         dtype: str | None = None,
+        weights_dtype: str | None = None,
         max_batch_size: int = 64,
         max_queue: int = 1024,
         prefill_chunk: int = 512,
@@ -122,7 +123,9 @@ class Engine:
         what the device offers or in bytes (default a quarter; ``parallm info`` shows it;
         ``kv_budget_bytes`` is the same in bytes). ``prefix_cache_bytes`` caps the prefix cache within it.
         ``speculative``: the default for requests that do not set their own (``spec_config``), e.g.
-        ``{"method": "ngram", "num_tokens": 4}``."""
+        ``{"method": "ngram", "num_tokens": 4}``. ``weights_dtype``: ``"float32"`` (default) or
+        ``"bfloat16"`` weight storage on the CPU (``PARALLM_WEIGHTS_DTYPE``; Metal and CUDA keep the
+        model's dtype; see ``weights_dtype.py``)."""
         from .backend import choose_backend
         from .loader import load_model
 
@@ -136,7 +139,12 @@ class Engine:
             self.backend = choose_backend(backend)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="backend") from exc
-        self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype)
+        from .weights_dtype import resolve_weights_dtype
+
+        weights = resolve_weights_dtype(weights_dtype, self.backend.device)
+        self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights)
+        if weights == "bfloat16" and dtype in (None, "float32"):
+            self.backend.dtype = "bfloat16 weights, float32 activations and KV"
         budget = kv_budget_bytes or self.backend.kv_budget(kv_memory)
         self.mlx_limits = apply_mlx_limits(mlx_limits(self.backend.device, self.backend.memory_bytes, budget,
                                                       _weight_bytes(self.model)))

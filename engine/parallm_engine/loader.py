@@ -173,8 +173,10 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     )
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str | None = None):
-    """Load (model, tokenizer, ModelInfo). ``dtype`` None picks the backend's fast dtype."""
+def load_model(model: str | os.PathLike | None = None, dtype: str | None = None, weights_dtype: str | None = None):
+    """Load (model, tokenizer, ModelInfo). ``dtype`` None picks the backend's fast dtype.
+    ``weights_dtype="bfloat16"`` (CPU; with float32 ``dtype``): Linear and Embedding weights stored as
+    bfloat16, everything else float32 (``weights_dtype``)."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load as mlx_load
@@ -200,6 +202,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
         # CPU: quantized and half-precision matmuls have no fast kernels; run fp32 + BLAS.
         net = dequantize_model(net)
         net.set_dtype(mx.float32)
+        if weights_dtype == "bfloat16":
+            from .weights_dtype import store_weights_bf16
+
+            store_weights_bf16(net)
     elif want not in ("native", None):
         target = getattr(mx, want, None)
         if target is None:
@@ -218,7 +224,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
         or getattr(tokenizer, "model_max_length", None)
         or 2048
     )
-    param_dtype = _activation_dtype(net)
+    param_dtype = mx.float32 if weights_dtype == "bfloat16" else _activation_dtype(net)  # bf16 storage only
     gguf_file = (config.get("gguf_source") or {}).get("file")
     defaults, defaults_source = sampling_defaults(
         path, [name, path.name, Path(gguf_file).stem if gguf_file else ""], Path(gguf_file) if gguf_file else None

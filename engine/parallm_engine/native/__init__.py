@@ -14,7 +14,8 @@ through nanobind's ``mlx`` domain), into a cache directory keyed by everything t
 cannot be built (no compiler, no nanobind, not Linux) :func:`load` returns None and ``cpu_kernels``
 keeps its pure-MLX versions. ``PARALLM_NATIVE=0`` turns it off; ``PARALLM_NATIVE_THREADS`` sets the
 kernels' threads (default: the cores, up to 8); ``PARALLM_NATIVE_DIR`` the cache directory;
-``PARALLM_NATIVE_CXXFLAGS`` adds compiler flags (``-mno-avx512f`` builds the AVX2 variant to test it).
+``PARALLM_NATIVE_CXXFLAGS`` adds compiler flags (``-mno-avx512f`` builds the AVX2 variant to test it);
+``PARALLM_NATIVE_SOURCE`` builds another copy of ``kernels.cpp`` (kernel development).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ logger = logging.getLogger("parallm_engine")
 
 MODULE = "_parallm_native"
 SOURCE = Path(__file__).with_name("kernels.cpp")
+
+
+def _source() -> Path:
+    """The kernels' source: ``kernels.cpp`` here, or ``PARALLM_NATIVE_SOURCE`` (a development copy,
+    built into its own cache entry like any other source)."""
+    override = os.environ.get("PARALLM_NATIVE_SOURCE", "").strip()
+    return Path(override) if override else SOURCE
 CXXFLAGS = ["-std=c++20", "-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared",
             "-fvisibility=hidden", "-DNDEBUG", "-DNB_DOMAIN=mlx"]
 
@@ -95,7 +103,7 @@ def _build_key(cxx: str, mlx_dir: Path, nb_dir: Path) -> str:
     except (OSError, subprocess.SubprocessError):
         version = cxx
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes().decode(), " ".join(_cxxflags()), mlx.core.__version__, str(mlx_dir),
+    for part in (_source().read_bytes().decode(), " ".join(_cxxflags()), mlx.core.__version__, str(mlx_dir),
                  nanobind.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "", sys.version,
                  version, _cpu_flags()):
         h.update(part.encode())
@@ -128,7 +136,7 @@ def build(force: bool = False) -> Path:
     # Build next to the target and rename into place: concurrent builds never see a partial file.
     fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out_dir)
     os.close(fd)
-    cmd = [cxx, *_cxxflags(), *[f"-I{p}" for p in includes], str(SOURCE), str(nb_dir / "src" / "nb_combined.cpp"),
+    cmd = [cxx, *_cxxflags(), *[f"-I{p}" for p in includes], str(_source()), str(nb_dir / "src" / "nb_combined.cpp"),
            f"-L{lib_dir}", "-lmlx", f"-Wl,-rpath,{lib_dir}", "-o", tmp]
     logger.info("building ParaLLM's native CPU kernels (once per toolchain) into %s", out_dir)
     try:

@@ -9,7 +9,8 @@
 //   attention   softmax attention, GQA, causal or a boolean mask, and an optional prefix held once
 //               for the batch (cascade attention, kv_cache.SharedPrefix); one task per (row, KV
 //               head, block of up to 16 query positions): decode (one position) and prefill alike.
-//   linear      x @ w.T (+ bias) for a decode step's few rows, reading nn.Linear's weights in place.
+//   linear      x @ w.T (+ bias) for a decode step's few rows, reading nn.Linear's weights in place
+//               (float32, or bfloat16 widened in registers: weights_dtype="bfloat16").
 //   rms_norm    nn.RMSNorm in one pass.
 //   swiglu      silu(gate) * x.
 //   rope_rows   rotary embedding of a few positions per row from a cos/sin table.
@@ -21,6 +22,9 @@
 // "batched greedy == sequential greedy" holds bitwise for these kernels.
 
 #include <dlfcn.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // AVX2 intrinsics (the linear's tiles, the attention's lane sums) on any x86 build
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +38,7 @@
 #include <optional>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -202,6 +207,11 @@ static void require_f32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
 
+static void require_f32_or_bf16(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::bfloat16)
+    throw std::invalid_argument(std::string(what) + " must be float32 or bfloat16");
+}
+
 // Inputs come as lazy views; their strides are known only here, at evaluation (the wrappers add no
 // contiguous-copy nodes to the graph: a decode step would otherwise carry ~750 of them, each a
 // dispatch of several microseconds). The usual case reads the input's own buffer; anything else
@@ -306,6 +316,31 @@ static inline v16 load16(const float* p) {
   return v;
 }
 
+// bfloat16 weights (engine option weights_dtype="bfloat16", stored as MLX's bfloat16: the high 16
+// bits of a float32) are widened to float32 as they are loaded, exactly (shift left by 16); the
+// products and sums stay float32. Half the bytes streamed per decode step for the same math on the
+// widened values.
+static inline float bf16_to_f32(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+
+static inline v16 load16(const uint16_t* p) {
+  v16 v;
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) v[i] = bf16_to_f32(p[i]);
+  return v;
+}
+
+// The first r < 16 elements at p, the rest zero.
+template <typename T>
+static inline v16 load16_partial(const T* p, int r) {
+  v16 v = {};
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, r * sizeof(float));
+  } else {
+    for (int i = 0; i < r; ++i) v[i] = bf16_to_f32(p[i]);
+  }
+  return v;
+}
+
 // One level of the lane-sum network: in each block of 2H lanes, the low H lanes of a and of b
 // (first half) plus their high H lanes.
 template <int H>
@@ -363,8 +398,7 @@ static inline void dot_tile(const float* x, int64_t ldx, WRow w, const float* bi
     v16 xv[MT] = {};
     for (int i = 0; i < MT; ++i) std::memcpy(&xv[i], x + i * ldx + KC * 16, r * sizeof(float));
     _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) {
-      v16 wv = {};
-      std::memcpy(&wv, w(j) + KC * 16, r * sizeof(float));
+      v16 wv = load16_partial(w(j) + KC * 16, r);
       _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) acc[i][j] += xv[i] * wv;
     }
   }
@@ -390,6 +424,13 @@ static inline void dot_tile(const float* x, int64_t ldx, WRow w, const float* bi
 #if defined(PARALLM_LINEAR8)
 // Lane i of the result holds the sum of the 8 lanes of a[kBitRev8[i]].
 static constexpr int kBitRev8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// 8 bfloat16 -> float32: zero-extend each u16 to u32, shift into the high half.
+static inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 static inline __m256 lane_sums8(const __m256* a) {
   __m256 l1[4], l2[2];
   for (int i = 0; i < 4; ++i)  // lanes 0-3: a[2i]'s halves added, lanes 4-7: a[2i + 1]'s
@@ -407,14 +448,15 @@ static inline void dot_tile8(const float* x, int64_t ldx, WRow w, const float* b
   __m256 acc[MT][NT];
   _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i)
     _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
-  const float* wr[NT];
+  using WT = std::remove_cv_t<std::remove_pointer_t<decltype(w(0))>>;  // float or bfloat16 (uint16_t)
+  const WT* wr[NT];
   _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) wr[j] = w(j);
   const int KC = K / 8;
   int p = 0;
   for (int kc = 0; kc < KC; ++kc) {
     if (p < npf && (kc & 1) == 0) __builtin_prefetch(pf + 64 * p++);  // a cache line per 16 floats of K
     __m256 wv[NT];
-    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) wv[j] = _mm256_loadu_ps(wr[j] + kc * 8);
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) wv[j] = load8(wr[j] + kc * 8);
     _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + kc * 8);
       _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -425,8 +467,9 @@ static inline void dot_tile8(const float* x, int64_t ldx, WRow w, const float* b
     alignas(32) float buf[8] = {};
     __m256 wv[NT];
     for (int j = 0; j < NT; ++j) {
-      std::memcpy(buf, wr[j] + KC * 8, r * sizeof(float));
-      wv[j] = _mm256_load_ps(buf);
+      WT wbuf[8] = {};
+      std::memcpy(wbuf, wr[j] + KC * 8, r * sizeof(WT));
+      wv[j] = load8(wbuf);
     }
     for (int i = 0; i < MT; ++i) {
       std::memcpy(buf, x + i * ldx + KC * 8, r * sizeof(float));
@@ -1028,8 +1071,8 @@ mx::array attention(const mx::array& queries, const mx::array& keys, const mx::a
 // it: a row's result does not depend on what else is in the batch.
 
 // All M rows against NT rows of w; the prefetch of `pf_bytes` at `pf` is shared out over the row tiles.
-template <int NT>
-static void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias, float* y,
+template <int NT, typename WT>
+static void linear_rows(const float* x, int64_t ldx, const WT* w, int64_t ldw, const float* bias, float* y,
                         int64_t ldy, int K, int M, const char* pf, int64_t pf_bytes) {
   const int tiles = (M + kLinearMT - 1) / kLinearMT;
   const int lines = static_cast<int>(pf_bytes / 64), per = (lines + tiles - 1) / tiles;
@@ -1054,19 +1097,20 @@ static void linear_rows(const float* x, int64_t ldx, const float* w, int64_t ldw
 }
 
 // Output columns [n0, n1) for rows [m0, m1).
-static void linear_block(const float* x, const float* w, const float* bias, float* y, int K, int N, int m0,
+template <typename WT>
+static void linear_block(const float* x, const WT* w, const float* bias, float* y, int K, int N, int m0,
                          int m1, int n0, int n1) {
   const int M = m1 - m0;
   const float* xb = x + static_cast<int64_t>(m0) * K;
   float* yb = y + static_cast<int64_t>(m0) * N;
   constexpr int NT = kLinearNT;
   for (int n = n0; n < n1; n += NT) {
-    const float* wn = w + static_cast<int64_t>(n) * K;
+    const WT* wn = w + static_cast<int64_t>(n) * K;
     const float* bn = bias ? bias + n : nullptr;
     // The weights stream from memory once per step: the next NT rows are fetched while these work.
     const int ahead = n + NT;
     const char* pf = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead) * K);
-    const int64_t pf_bytes = ahead < n1 ? static_cast<int64_t>(std::min(NT, n1 - ahead)) * K * sizeof(float) : 0;
+    const int64_t pf_bytes = ahead < n1 ? static_cast<int64_t>(std::min(NT, n1 - ahead)) * K * sizeof(WT) : 0;
     switch (std::min(NT, n1 - n)) {
       case 6: linear_rows<std::min(6, NT)>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
       case 5: linear_rows<std::min(5, NT)>(xb, K, wn, K, bn, yb + n, N, K, M, pf, pf_bytes); break;
@@ -1091,10 +1135,20 @@ class Linear : public mx::UnaryPrimitive {
     enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
                   y = out.data<float>(), M, K, N]() {
       if (M == 0 || N == 0) return;
-      std::vector<float> xbuf, wbuf, bbuf;
+      std::vector<float> xbuf, bbuf;
       const float* x = dense<float>(xa, xbuf);
-      const float* w = dense<float>(wa, wbuf);
       const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
+      if (wa.dtype() == mx::bfloat16) {
+        std::vector<uint16_t> wbuf;
+        run(x, dense<uint16_t>(wa, wbuf), b, y, M, K, N);
+      } else {
+        std::vector<float> wbuf;
+        run(x, dense<float>(wa, wbuf), b, y, M, K, N);
+      }
+    });
+  }
+  template <typename WT>
+  static void run(const float* x, const WT* w, const float* b, float* y, int M, int K, int N) {
       // Rows in blocks of 64 (x's block stays in L2 while the weights stream past it), columns in
       // multiples of the tile's 6 rows of w, about 8 column blocks per thread for balance.
       constexpr int MB = 64;
@@ -1106,7 +1160,6 @@ class Linear : public mx::UnaryPrimitive {
         const int mi = t / nblocks, ni = t % nblocks;
         linear_block(x, w, b, y, K, N, mi * MB, std::min(M, (mi + 1) * MB), ni * nb, std::min(N, (ni + 1) * nb));
       });
-    });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("parallm linear is a CPU kernel");
@@ -1125,7 +1178,7 @@ mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::
   const int K = weight.shape(1), N = weight.shape(0);
   if (x.shape(-1) != K) throw std::invalid_argument("linear: x's last axis must equal weight's second");
   require_f32(x, "linear x");
-  require_f32(weight, "linear weight");
+  require_f32_or_bf16(weight, "linear weight");
   auto stream = mx::default_stream(mx::default_device());
   std::vector<mx::array> inputs = {x, weight};
   if (bias) {
@@ -1169,8 +1222,11 @@ class GemmSplit : public mx::UnaryPrimitive {
                   y = out.data<float>(), M, K, N]() {
       if (M == 0 || N == 0) return;
       std::vector<float> xbuf, wbuf, bbuf;
+      std::vector<uint16_t> wbuf16;
+      const bool bf16 = wa.dtype() == mx::bfloat16;
       const float* x = dense<float>(xa, xbuf);
-      const float* w = dense<float>(wa, wbuf);
+      const float* w = bf16 ? nullptr : dense<float>(wa, wbuf);
+      const uint16_t* w16 = bf16 ? dense<uint16_t>(wa, wbuf16) : nullptr;
       const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
       const SgemmFn sgemm = find_sgemm();
       const int parts = std::max(1, std::min(Pool::get().size(), N / 64));
@@ -1178,9 +1234,24 @@ class GemmSplit : public mx::UnaryPrimitive {
       Pool::get().run(parts, [&](int t) {
         const int n0 = t * nb, n1 = t + 1 == parts ? N : std::min(N, (t + 1) * nb);
         if (n1 <= n0) return;
-        // Row-major: y[:, n0:n1] = x (M x K) @ w[n0:n1].T (K x (n1 - n0)).
-        sgemm(101 /* RowMajor */, 111 /* NoTrans */, 112 /* Trans */, M, n1 - n0, K, 1.0f, x, K,
-              w + static_cast<int64_t>(n0) * K, K, 0.0f, y + n0, N);
+        if (bf16) {
+          // bfloat16 weights: widened to float32 a block of rows at a time into a scratch buffer that
+          // stays in cache while the sgemm reads it.
+          constexpr int kBlock = 256;
+          std::vector<float> scratch(static_cast<size_t>(std::min(kBlock, n1 - n0)) * K);
+          for (int c0 = n0; c0 < n1; c0 += kBlock) {
+            const int c1 = std::min(n1, c0 + kBlock);
+            const uint16_t* src = w16 + static_cast<int64_t>(c0) * K;
+            const int64_t count = static_cast<int64_t>(c1 - c0) * K;
+#pragma omp simd
+            for (int64_t i = 0; i < count; ++i) scratch[i] = bf16_to_f32(src[i]);
+            sgemm(101, 111, 112, M, c1 - c0, K, 1.0f, x, K, scratch.data(), K, 0.0f, y + c0, N);
+          }
+        } else {
+          // Row-major: y[:, n0:n1] = x (M x K) @ w[n0:n1].T (K x (n1 - n0)).
+          sgemm(101 /* RowMajor */, 111 /* NoTrans */, 112 /* Trans */, M, n1 - n0, K, 1.0f, x, K,
+                w + static_cast<int64_t>(n0) * K, K, 0.0f, y + n0, N);
+        }
         if (b)
           for (int m = 0; m < M; ++m) {
             float* row = y + static_cast<int64_t>(m) * N;
@@ -1207,7 +1278,7 @@ mx::array gemm_split(const mx::array& x, const mx::array& weight, std::optional<
   const int K = weight.shape(1), N = weight.shape(0);
   if (x.shape(-1) != K) throw std::invalid_argument("gemm_split: x's last axis must equal weight's second");
   require_f32(x, "gemm_split x");
-  require_f32(weight, "gemm_split weight");
+  require_f32_or_bf16(weight, "gemm_split weight");
   auto stream = mx::default_stream(mx::default_device());
   std::vector<mx::array> inputs = {x, weight};
   if (bias) {

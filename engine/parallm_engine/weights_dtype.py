@@ -1,0 +1,93 @@
+"""The CPU backend's weight storage: float32 (the default) or bfloat16 (``weights_dtype="bfloat16"``).
+
+bfloat16 keeps each Linear / Embedding weight in half the memory, so a decode step, which streams
+every weight once, reads half the bytes. Only the storage changes: activations, norms, biases and the
+KV cache stay float32, and every matmul widens the weights to float32 exactly (bf16 -> fp32 is a
+16-bit shift) with float32 accumulation:
+
+- native kernels (``cpu-native``): the decode linear widens them in registers (``kernels.cpp``); a
+  prefill's many rows widen a block of weight rows at a time into a scratch buffer (in cache) for the BLAS
+  (``gemm_split``), which measured faster on the 2-core CI machine than MLX's bfloat16 matmul.
+- pure MLX (``cpu-mlx``): MLX promotes ``float32 @ bfloat16`` to float32 (a widened copy of the weight
+  per call): slower, the same math.
+
+The only error against float32 is the weights' rounding to bfloat16 (8 bits of mantissa);
+``tests/test_bf16.py`` bounds its effect on the default model's logprobs. Metal and CUDA keep the
+checkpoint's own dtype (their matmuls read half precision natively); the option applies to the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .errors import InvalidRequestError
+
+logger = logging.getLogger("parallm_engine")
+
+WEIGHTS_DTYPES = ("float32", "bfloat16")
+
+
+def resolve_weights_dtype(value: str | None, device: str) -> str | None:
+    """The weight dtype a new engine uses on ``device``: ``value`` (or ``PARALLM_WEIGHTS_DTYPE``), default
+    float32 on the CPU; None (the checkpoint's own dtype) on Metal and CUDA."""
+    given = value if value is not None else (os.environ.get("PARALLM_WEIGHTS_DTYPE", "").strip() or None)
+    chosen = None
+    if given is not None:
+        chosen = str(given).lower()
+        chosen = {"bf16": "bfloat16", "fp32": "float32"}.get(chosen, chosen)
+        if chosen not in WEIGHTS_DTYPES:
+            where = "weights_dtype" if value is not None else "PARALLM_WEIGHTS_DTYPE"
+            raise InvalidRequestError(f"{where} must be one of {', '.join(WEIGHTS_DTYPES)}, got {given!r}",
+                                      param="weights_dtype")
+    if device != "cpu":
+        if chosen is not None:
+            logger.info("weights_dtype=%s applies to the CPU backend; %s keeps the model's dtype", chosen, device)
+        return None
+    return chosen or "float32"
+
+
+def _embedding_class():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class Bf16Embedding(nn.Embedding):
+        """An ``nn.Embedding`` holding bfloat16 rows whose lookups come back float32 (exact), so the
+        residual stream stays float32; a tied head (``as_linear``) promotes to float32 by itself."""
+
+        def __call__(self, x):
+            return super().__call__(x).astype(mx.float32)
+
+    Bf16Embedding.__module__, Bf16Embedding.__qualname__ = __name__, "Bf16Embedding"
+    return Bf16Embedding
+
+
+_BF16_EMBEDDING = None
+
+
+def bf16_embedding_class():
+    global _BF16_EMBEDDING
+    if _BF16_EMBEDDING is None:
+        _BF16_EMBEDDING = _embedding_class()
+    return _BF16_EMBEDDING
+
+
+def store_weights_bf16(net) -> int:
+    """Cast every float32 ``nn.Linear`` / ``nn.Embedding`` weight of ``net`` (a float32 model) to
+    bfloat16 in place; return how many. Norms, biases and everything else stay float32."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    emb_cls = bf16_embedding_class()
+    count = 0
+    for _, module in net.named_modules():
+        embedding = type(module) is nn.Embedding  # a subclass may read its rows its own way: left float32
+        if not (isinstance(module, nn.Linear) or embedding) or "weight" not in module:
+            continue
+        if module.weight.dtype != mx.float32:
+            continue
+        module.weight = module.weight.astype(mx.bfloat16)
+        if embedding:
+            module.__class__ = emb_cls
+        count += 1
+    return count

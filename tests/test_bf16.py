@@ -1,0 +1,132 @@
+"""weights_dtype="bfloat16" on the CPU: bf16 weight storage, float32 math.
+
+The native linear on bf16 weights is bitwise the float32 linear on the same weights widened (the
+widening is exact); the engine's logprobs on the default model stay within a stated bound of the
+float32 engine's; and the engine's own invariants (batched == alone, cache hit == cold) hold within
+bf16 mode. Runs on both backends (cpu-native and PARALLM_BACKEND=cpu-mlx)."""
+
+from __future__ import annotations
+
+import pytest
+
+import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
+import mlx.core as mx
+
+from parallm_engine import native
+from parallm_engine.engine import Engine
+from parallm_engine.errors import InvalidRequestError
+from parallm_engine.weights_dtype import resolve_weights_dtype
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Water boils at", "The three primary colors are"]
+NEW_TOKENS = 24
+# Measured on the default model (SmolLM2-135M, these prompts, 24 greedy tokens): mean |drift| of the
+# chosen tokens' logprobs ~0.01, max ~0.04; the first divergence from fp32's greedy tokens came after
+# 12+ tokens (a near-tie), 4 of 5 prompts identical throughout. The bounds leave room for BLAS
+# and CPU differences.
+MEAN_DRIFT_BOUND = 0.05
+MAX_DRIFT_BOUND = 0.25
+MIN_AGREED_PREFIX = 6  # every prompt's first greedy tokens equal fp32's
+MIN_AGREEMENT = 0.6  # of all generated positions, before each prompt's first divergence
+
+
+@pytest.fixture(scope="module")
+def bf16_engine():
+    eng = Engine(weights_dtype="bfloat16", max_batch_size=16)
+    yield eng
+    eng.shutdown()
+
+
+def _run(engine, prompts):
+    return engine.generate(prompts, max_tokens=NEW_TOKENS, temperature=0, logprobs=True)
+
+
+def test_native_linear_reads_bf16_weights_exactly():
+    nat = native.load()
+    if nat is None or not nat.linear_lanes():
+        pytest.skip(f"native linear not in use here: {native.status()}")
+    mx.random.seed(3)
+    for M, K, N in [(1, 576, 40), (5, 77, 13), (16, 64, 19), (3, 8, 6)]:
+        x = mx.random.normal((M, K))
+        w = mx.random.normal((N, K)).astype(mx.bfloat16)
+        b = mx.random.normal((N,))
+        widened = w.astype(mx.float32)
+        for bias in (None, b):
+            assert mx.array_equal(nat.linear(x, w, bias), nat.linear(x, widened, bias)).item()
+            ref = x @ widened.T + (0 if bias is None else bias)
+            assert mx.allclose(nat.linear(x, w, bias), ref, atol=1e-4, rtol=1e-4).item()
+            if nat.has_sgemm():  # prefill's path: weight rows widened into a scratch buffer, then the BLAS
+                assert mx.allclose(nat.gemm_split(x, w, bias), ref, atol=1e-4, rtol=1e-4).item()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        nat.linear(mx.ones((1, 8)), mx.ones((4, 8), dtype=mx.float16))
+
+
+def test_weights_stored_bf16(bf16_engine, engine):
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(bf16_engine.model.parameters()))
+    linear = [k for k in params if k.endswith("proj.weight") or k.endswith("embed_tokens.weight")]
+    assert linear and all(params[k].dtype == mx.bfloat16 for k in linear)
+    norms = [k for k in params if "norm" in k]
+    assert norms and all(params[k].dtype == mx.float32 for k in norms)
+    total = sum(a.nbytes for a in params.values())
+    fp32_total = sum(a.nbytes for _, a in tree_flatten(engine.model.parameters()))
+    assert total < 0.55 * fp32_total
+    assert bf16_engine.model_info.dtype == "float32"  # activations (and so the KV cache)
+    assert bf16_engine.backend.dtype.startswith("bfloat16")
+
+
+def test_logprob_drift_vs_fp32_bounded(bf16_engine, engine):
+    ref, got = _run(engine, PROMPTS), _run(bf16_engine, PROMPTS)
+    drifts, agreed, total = [], 0, 0
+    for r, g in zip(ref, got):
+        same = 0
+        for a, b in zip(r.token_ids, g.token_ids):
+            if a != b:
+                break
+            same += 1
+        assert same >= MIN_AGREED_PREFIX, (r.text, g.text)
+        agreed, total = agreed + same, total + len(r.token_ids)
+        # up to and including the first divergent position both saw the same context
+        for lr, lg in list(zip(r.choices[0].logprobs, g.choices[0].logprobs))[: same + (same < len(r.token_ids))]:
+            if lr.token_id == lg.token_id:
+                drifts.append(abs(lr.logprob - lg.logprob))
+    mean, worst = sum(drifts) / len(drifts), max(drifts)
+    print(f"bf16 vs fp32: mean |logprob drift| {mean:.4f}, max {worst:.4f}, greedy agreement {agreed}/{total}")
+    assert mean <= MEAN_DRIFT_BOUND and worst <= MAX_DRIFT_BOUND
+    assert agreed / total >= MIN_AGREEMENT
+
+
+def _same_logprobs(engine, a, b):
+    """Bitwise with the native kernels (every row's sums in a fixed order); MLX's own BLAS matmul (cpu-mlx)
+    may round a row differently with the batch's size, so there the tokens are what must match."""
+    la, lb = [lp.logprob for lp in a.choices[0].logprobs], [lp.logprob for lp in b.choices[0].logprobs]
+    if engine._scheduler.native_kernels:
+        return la == lb
+    return max(abs(x - y) for x, y in zip(la, lb)) < 1e-3
+
+
+def test_bf16_batched_equals_alone_and_cache_hit_equals_cold(bf16_engine):
+    batched = _run(bf16_engine, PROMPTS)
+    for i in (0, 3):
+        alone = _run(bf16_engine, [PROMPTS[i]])[0]
+        assert alone.token_ids == batched[i].token_ids
+        assert _same_logprobs(bf16_engine, alone, batched[i])
+    long_prompt = "A short report on rivers. " + " ".join(f"River {i} flows north." for i in range(12))
+    cold = _run(bf16_engine, [long_prompt])[0]
+    hit = _run(bf16_engine, [long_prompt])[0]
+    assert cold.usage.cached_tokens == 0 and hit.usage.cached_tokens > 0
+    assert hit.token_ids == cold.token_ids
+    assert _same_logprobs(bf16_engine, hit, cold)
+
+
+def test_bad_weights_dtype_is_a_typed_error(monkeypatch):
+    with pytest.raises(InvalidRequestError, match="weights_dtype must be one of"):
+        Engine(weights_dtype="fp8")
+    monkeypatch.setenv("PARALLM_WEIGHTS_DTYPE", "int4")
+    with pytest.raises(InvalidRequestError, match="PARALLM_WEIGHTS_DTYPE"):
+        resolve_weights_dtype(None, "cpu")
+    assert resolve_weights_dtype("bf16", "cpu") == "bfloat16"
+    assert resolve_weights_dtype("bfloat16", "gpu") is None  # Metal / CUDA keep the model's dtype
+    monkeypatch.delenv("PARALLM_WEIGHTS_DTYPE")
+    assert resolve_weights_dtype(None, "cpu") == "float32"

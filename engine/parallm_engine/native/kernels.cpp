@@ -1173,22 +1173,31 @@ class Linear : public mx::UnaryPrimitive {
   bool has_bias_;
 };
 
-mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
-  if (x.ndim() < 1 || weight.ndim() != 2) throw std::invalid_argument("linear: x (..., K) and weight (N, K)");
+// x (..., K) @ weight (N, K).T (+ bias (N,)) as primitive P: the checks and the graph node `linear` and
+// `gemm_split` share.
+template <typename P>
+static mx::array linear_node(const char* name, const mx::array& x, const mx::array& weight,
+                             std::optional<mx::array> bias) {
+  const std::string what(name);
+  if (x.ndim() < 1 || weight.ndim() != 2) throw std::invalid_argument(what + ": x (..., K) and weight (N, K)");
   const int K = weight.shape(1), N = weight.shape(0);
-  if (x.shape(-1) != K) throw std::invalid_argument("linear: x's last axis must equal weight's second");
-  require_f32(x, "linear x");
-  require_f32_or_bf16(weight, "linear weight");
+  if (x.shape(-1) != K) throw std::invalid_argument(what + ": x's last axis must equal weight's second");
+  require_f32(x, (what + " x").c_str());
+  require_f32_or_bf16(weight, (what + " weight").c_str());
   auto stream = mx::default_stream(mx::default_device());
   std::vector<mx::array> inputs = {x, weight};
   if (bias) {
-    if (bias->ndim() != 1 || bias->shape(0) != N) throw std::invalid_argument("linear: bias must be (N,)");
-    require_f32(*bias, "linear bias");
+    if (bias->ndim() != 1 || bias->shape(0) != N) throw std::invalid_argument(what + ": bias must be (N,)");
+    require_f32(*bias, (what + " bias").c_str());
     inputs.push_back(*bias);
   }
   auto shape = x.shape();
   shape.back() = N;
-  return mx::array(shape, mx::float32, std::make_shared<Linear>(stream, bias.has_value()), std::move(inputs));
+  return mx::array(shape, mx::float32, std::make_shared<P>(stream, bias.has_value()), std::move(inputs));
+}
+
+mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
+  return linear_node<Linear>("linear", x, weight, bias);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1274,21 +1283,7 @@ class GemmSplit : public mx::UnaryPrimitive {
 
 mx::array gemm_split(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
   if (!find_sgemm()) throw std::runtime_error("gemm_split: no cblas_sgemm in this process");
-  if (x.ndim() < 1 || weight.ndim() != 2) throw std::invalid_argument("gemm_split: x (..., K) and weight (N, K)");
-  const int K = weight.shape(1), N = weight.shape(0);
-  if (x.shape(-1) != K) throw std::invalid_argument("gemm_split: x's last axis must equal weight's second");
-  require_f32(x, "gemm_split x");
-  require_f32_or_bf16(weight, "gemm_split weight");
-  auto stream = mx::default_stream(mx::default_device());
-  std::vector<mx::array> inputs = {x, weight};
-  if (bias) {
-    if (bias->ndim() != 1 || bias->shape(0) != N) throw std::invalid_argument("gemm_split: bias must be (N,)");
-    require_f32(*bias, "gemm_split bias");
-    inputs.push_back(*bias);
-  }
-  auto shape = x.shape();
-  shape.back() = N;
-  return mx::array(shape, mx::float32, std::make_shared<GemmSplit>(stream, bias.has_value()), std::move(inputs));
+  return linear_node<GemmSplit>("gemm_split", x, weight, bias);
 }
 
 // ---------------------------------------------------------------------------------------------

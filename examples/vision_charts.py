@@ -2,9 +2,9 @@
 
     python examples/vision_charts.py [VLM_DIR]
 
-VLM_DIR: a local LLaVA / SmolVLM (Idefics3) checkpoint in MLX format. Without one (ParaLLM never
-downloads), a tiny random-weight LLaVA is built (parallm_engine.vision_tiny): its answers are noise, and
-it says so; the cache hit rate, the encoder-run counts and the timings are real.
+VLM_DIR: a local LLaVA / SmolVLM (Idefics3) / Pixtral / Mistral 3 / Gemma 3 checkpoint in MLX format.
+Without one (ParaLLM never downloads), a tiny random-weight LLaVA is built (parallm_engine.vision_tiny):
+its answers are noise, and it says so; the cache hit rate, the encoder-run counts and the timings are real.
 
 Prints: the chain's answers, the prefix-cache hit rate, the speedup of the cached run over a cold one
 (the same chain on an engine with the prefix cache and the image-feature cache off), and a bench line:

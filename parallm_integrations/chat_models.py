@@ -320,6 +320,13 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             return chat_prompt(engine, dicts, req.tools, {"allow_remote_images": self.allow_remote_images})
         return engine.apply_chat_template(dicts, tools=req.tools, allow_special_tokens=self.allow_special_tokens)
 
+    async def _aprompt(self, engine, messages: list[BaseMessage], req: EngineRequest):
+        """:meth:`_prompt` for the async paths: a chat with content lists (images) is prepared on a worker
+        thread (decoding, hashing, the image processor), never on the event loop."""
+        if any(isinstance(m.content, list) for m in messages):
+            return await asyncio.to_thread(self._prompt, engine, messages, req)
+        return self._prompt(engine, messages, req)
+
     def _remote_params(self, req: EngineRequest) -> dict[str, Any]:
         params = super()._remote_params(req)
         if self.allow_special_tokens:  # a ParaLLM extension: sent only when it differs from the default
@@ -366,7 +373,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
                 self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
             )
         engine = await self._aget_engine(req.model)
-        call = EngineCall(engine, self._prompt(engine, messages, req), req, loop=asyncio.get_running_loop())
+        call = EngineCall(engine, await self._aprompt(engine, messages, req), req, loop=asyncio.get_running_loop())
         async for _ in call:
             pass
         return self._chat_result(call.result, req, engine.model_name)
@@ -415,7 +422,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
                 yield chunk
             return
         engine = await self._aget_engine(req.model)
-        prompt = self._prompt(engine, messages, req)
+        prompt = await self._aprompt(engine, messages, req)
         builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls,
                                 _chat_format().parser_for(getattr(engine, "tokenizer", None)), prompt)
         call = EngineCall(engine, prompt, req, loop=asyncio.get_running_loop())

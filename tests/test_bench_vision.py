@@ -21,6 +21,10 @@ def test_vision_workload_encodes_each_image_once(tiny_engine, tmp_path, monkeypa
     assert v["same_tokens"] is True  # the full cache hit gives the cold run's greedy tokens
     assert v["image_tokens"] == 4 and v["prompt_tokens"] > v["image_tokens"]
     assert 0 < v["later_ttft_p50_s"] <= v["later_ttft_max_s"] and v["cold_ttft_s"] > 0
+    # A running stream while a new image was encoded (on the vision worker): the encoder ran, the
+    # stream's gaps were measured around it.
+    assert v["encode_s"] > 0 and v["stream_itl_p50_before_ms"] is not None
+    assert v["stream_max_gap_during_encode_ms"] is not None
     lines = bench_vision.format_lines(v)
     assert "encoder runs 1" in lines[1] and "encoder runs 0" in lines[1]
     assert "vision (tiny random VLM" in bench.format_table(result)

@@ -1,6 +1,9 @@
-"""Images in the conversation: tiny random-weight VLMs of two mlx-vlm families (LLaVA, Idefics3/SmolVLM)
-built here, images drawn with PIL. The engine's greedy tokens must equal mlx-vlm's own generation
-(``generate_step`` on the processor's inputs), batched or alone, cold or from the image caches."""
+"""Images in the conversation: tiny random-weight VLMs of four mlx-vlm families (LLaVA, Idefics3/SmolVLM,
+Mistral 3 (Pixtral tower), Gemma 3 (sliding-window layers: the engine's "mixed" cache layout)) built
+here, images drawn with PIL. The engine's greedy tokens must equal mlx-vlm's own generation
+(``generate_step`` on the processor's inputs), batched or alone, cold or from the image caches; the
+vision encoder runs off the engine thread and the async entry points prepare images off the event loop;
+M-RoPE models (Qwen2.5-VL) are refused images with a typed error that says why."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from parallm_engine.errors import ImageInputError, InvalidRequestError
 from parallm_engine.vision_inputs import decode_image
 from parallm_engine.vision_tiny import build_tiny_vlm
 
-FAMILIES = ["llava", "idefics3"]
+FAMILIES = ["llava", "idefics3", "mistral3", "gemma3"]
 N_TOKENS = 10
 
 
@@ -71,8 +74,9 @@ def reference(eng: Engine, messages: list[dict], n: int = N_TOKENS) -> list[int]
     else:
         inputs = {"input_ids": mx.array([enc.tokenizer.encode(text, add_special_tokens=False)])}
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+    mask = inputs.get("attention_mask") if images else None  # gemma3's merge reads it
     out = []
-    for tok, _ in generate_step(inputs["input_ids"], enc.vlm, inputs.get("pixel_values"), None,
+    for tok, _ in generate_step(inputs["input_ids"], enc.vlm, inputs.get("pixel_values"), mask,
                                 max_tokens=n, temperature=0.0, **extra):
         out.append(int(tok))
         if len(out) == n:
@@ -109,7 +113,6 @@ def test_16_concurrent_over_4_images_equal_alone(vlm_engine):
     images = [chart(20 + i) for i in range(4)]
     questions = ["What is the max?", "What is the min?", "How many bars?", "Which colour?"]
     convs = [ask(q, im) for im in images for q in questions]
-    from parallm_engine.vision import VisionPrompt  # noqa: F401  (chat prompts are submitted together)
     from parallm_engine.vision_chat import chat_prompt
 
     prompts = [chat_prompt(vlm_engine, m, None, {}) for m in convs]
@@ -180,7 +183,12 @@ def test_known_image_skips_the_processor_even_after_eviction(vlm_engine):
     # A system message before the image: the radix tree has no prefix through it, so its rows prefill.
     msgs = [{"role": "system", "content": "You read charts."}, *ask("What is the last bar?", image)]
     known = enc.build_prompt(msgs)
-    assert known.image_inputs == [None] and enc._splice_ok is True
+    if enc.family == "gemma3":
+        # Its processor wraps the image in "\n\n", which merges with the text's newlines: splicing the
+        # span cannot give the processor's ids, so every prompt goes through the processor.
+        assert enc._splice_ok is False and known.image_inputs[0] is not None
+    else:
+        assert known.image_inputs == [None] and enc._splice_ok is True
     stripped, images = extract_images(msgs)
     own = enc.processor(text=[enc._render(stripped, None, 1, {})], images=[im.image for im in images])
     assert known.token_ids == np.array(own["input_ids"])[0].tolist()
@@ -203,6 +211,133 @@ def test_8_concurrent_on_one_image_encode_once(vlm_engine):
     assert sum(1 for r in results if r.usage.cached_tokens > 0) >= 7  # the image's prefix computed once
     for conv, res in zip(convs[:3], results[:3]):
         assert res.token_ids == reference(vlm_engine, conv)
+
+
+def test_running_stream_decodes_while_an_image_is_encoded(vlm_engine):
+    """The vision encoder runs off the engine thread: while it is held up (here: waiting for the image
+    processor, which the test holds), a running text stream keeps receiving tokens; then the image
+    request completes with mlx-vlm's tokens."""
+    import contextlib
+    import time
+
+    from parallm_engine.errors import RequestCancelledError
+    from parallm_engine.vision_chat import chat_prompt
+
+    enc = vlm_engine.model.vision
+    msgs = ask("What is the middle bar?", chart(110))
+    prompt = chat_prompt(vlm_engine, msgs, None, {})
+    prompt.image_inputs = [None] * len(prompt.images)  # a known image: the worker re-runs the processor
+    enc.clear()
+    text = vlm_engine.submit(vlm_engine.encode("Count slowly:"), max_tokens=400, temperature=0.0,
+                             ignore_eos=True)
+    got: list[float] = []
+
+    def consume():
+        with contextlib.suppress(RequestCancelledError):
+            for _ in text:
+                got.append(time.monotonic())
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    try:
+        with enc._lock:  # the worker's processor call waits for this
+            image = vlm_engine.submit(prompt, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+            start = len(got)
+            deadline = time.monotonic() + 60
+            while len(got) < start + 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(got) >= start + 20  # the engine thread was not waiting on the encoder
+            assert not image.request.finished and image.request.first_token_time is None
+        tokens = [t for delta in image for t in delta.token_ids]
+    finally:
+        text.abort()
+        reader.join(30)
+    assert tokens == reference(vlm_engine, msgs)
+
+
+def test_abort_while_the_image_is_encoded(vlm_engine):
+    """A request aborted while its image waits for the encoder ends cancelled once encoded, and frees its
+    queue slot; a failing encode fails that request alone, with a typed error."""
+    import time
+
+    import mlx.core as mx
+    import numpy as np
+
+    from parallm_engine.errors import RequestCancelledError
+    from parallm_engine.vision_chat import chat_prompt
+
+    enc = vlm_engine.model.vision
+    prompt = chat_prompt(vlm_engine, ask("Which bar?", chart(120)), None, {})
+    prompt.image_inputs = [None] * len(prompt.images)  # the worker re-runs the processor (held below)
+    enc.clear()
+    with enc._lock:
+        handle = vlm_engine.submit(prompt, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+        handle.abort()
+    with pytest.raises(RequestCancelledError):
+        for _ in handle:
+            pass
+    deadline = time.monotonic() + 30
+    while vlm_engine.stats()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert vlm_engine.stats()["in_flight"] == 0
+    broken = chat_prompt(vlm_engine, ask("Which bar?", chart(121)), None, {})
+    # pixels of 7 channels: the vision tower cannot read them
+    pixels = mx.array(np.zeros((1, 7, 32, 32), np.float32))
+    broken.image_inputs = [{**broken.image_inputs[0], "pixel_values": pixels}]
+    with pytest.raises(ImageInputError, match="vision encoder failed"):
+        vlm_engine.generate([broken], max_tokens=2)
+    msgs = ask("Still fine?", chart(122))
+    assert greedy(vlm_engine, msgs) == reference(vlm_engine, msgs)
+
+
+def test_async_paths_prepare_images_off_the_event_loop(vlm_engine):
+    """Engine.achat, ChatParaLLM.ainvoke and ParaLLMLlamaIndex.achat decode and process images on a worker
+    thread: while the image processor is held up (the test holds its lock), the event loop keeps
+    running; then each answer is mlx-vlm's."""
+    import asyncio
+
+    from langchain_core.messages import HumanMessage
+    from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock
+
+    from parallm_integrations import ChatParaLLM
+    from parallm_integrations.llama_index import ParaLLMLlamaIndex
+
+    enc = vlm_engine.model.vision
+    path = str(vlm_engine.model_info.path)
+    q = "What is the first bar?"
+    images = [chart(130), chart(131), chart(132)]
+    lc = ChatParaLLM(model=path, temperature=0.0, max_tokens=N_TOKENS)
+    li = ParaLLMLlamaIndex(model=path, temperature=0.0, max_tokens=N_TOKENS)
+    calls = [
+        lambda: vlm_engine.achat(ask(q, images[0]), max_tokens=N_TOKENS, temperature=0.0),
+        lambda: lc.ainvoke([HumanMessage(content=[
+            {"type": "image_url", "image_url": {"url": data_url(png_bytes(images[1]))}},
+            {"type": "text", "text": q}])]),
+        lambda: li.achat([ChatMessage(role="user", blocks=[
+            ImageBlock(image=png_bytes(images[2]), image_mimetype="image/png"), TextBlock(text=q)])]),
+    ]
+
+    async def one(call) -> tuple[int, object]:
+        ticks = 0
+        enc._lock.acquire()  # the image processor waits for this
+        try:
+            task = asyncio.ensure_future(call())
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert not task.done()
+        finally:
+            enc._lock.release()
+        return ticks, await asyncio.wait_for(task, 60)
+
+    async def main():
+        return [await one(c) for c in calls]
+
+    (t1, r1), (t2, r2), (t3, r3) = asyncio.run(main())
+    assert t1 == t2 == t3 == 20
+    want = [vlm_engine.tokenizer.decode(reference(vlm_engine, ask(q, im))) for im in images]
+    assert r1.token_ids == reference(vlm_engine, ask(q, images[0]))
+    assert r2.content == want[1] and r3.message.content == want[2]
 
 
 def test_langchain_v0_block_and_several_images_in_two_messages(vlm_engine):
@@ -273,6 +408,36 @@ def test_remote_image_only_when_allowed(vlm_engine):
 def test_images_to_a_text_model_are_refused(tiny_engine):
     with pytest.raises(ImageInputError, match="no vision"):
         tiny_engine.chat(ask("What is this?", chart(1)), max_tokens=2)
+
+
+def test_mrope_vlm_runs_text_only_and_refuses_images(tmp_path):
+    """A Qwen2.5-VL checkpoint (M-RoPE) loads text-only through mlx-lm: text requests are the model's
+    own tokens; image requests get a typed error that says why."""
+    import json
+
+    from mlx_lm.utils import load as mlx_load
+
+    from parallm_engine import Engine
+    from tests.model_zoo import build, default_tokenizer, reference_greedy
+
+    tok_dir, vocab = default_tokenizer()
+    path = build("qwen2", tmp_path / "qwen25vl", tok_dir, vocab)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="qwen2_5_vl", image_token_id=vocab - 1,
+                  vision_config={"depth": 2, "hidden_size": 32, "out_hidden_size": 64})
+    (path / "config.json").write_text(json.dumps(config))
+    eng = Engine(str(path))
+    try:
+        assert getattr(eng.model, "vision", None) is None
+        with pytest.raises(ImageInputError, match="M-RoPE") as err:
+            eng.chat(ask("What is this?", chart(1)), max_tokens=2)
+        assert "qwen2_5_vl" in str(err.value) and "_rope_deltas" in str(err.value)
+        ids = eng.encode("Tell me about charts.")
+        got = eng.generate([ids], max_tokens=8, temperature=0.0, ignore_eos=True)[0].token_ids
+        model, _ = mlx_load(str(path))
+        assert got == reference_greedy(model, ids, 8)
+    finally:
+        eng.shutdown()
 
 
 def test_langchain_image_blocks(vlm_engine):

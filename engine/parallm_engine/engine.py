@@ -43,7 +43,8 @@ from .scheduler import Scheduler, SchedulerConfig
 from .stats import EngineStats
 from .validation import check_text
 from .vision import VisionPrompt
-from .vision_chat import chat_prompt
+from .vision_chat import achat_prompt, achat_stream, chat_prompt
+from .vision_worker import note_abort, submit_after_encoding
 
 logger = logging.getLogger("parallm_engine")
 
@@ -366,6 +367,8 @@ class Engine:
                       tools=list(tools) if tools else None, priority=priority, group=group)
         if isinstance(prompt, VisionPrompt):
             req.vision = prompt
+            if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first
+                return RequestHandle(self, req)
         self._commands.put(("add", req))
         self._wake.set()
         return RequestHandle(self, req)
@@ -389,6 +392,7 @@ class Engine:
                 if not request.finished:
                     self._aborting.add(request.id)
             request = request.id
+        note_abort(self, request)  # still at the vision encoder: cancelled once it reaches the scheduler
         self._commands.put(("abort", request))
         self._wake.set()
 
@@ -431,13 +435,14 @@ class Engine:
         return self.generate([chat_prompt(self, messages, tools, sampling)], tools=tools, **sampling)[0]
 
     async def achat(self, messages: list[dict], *, tools: list[dict] | None = None, **sampling) -> GenerationResult:
-        return (await self.agenerate([chat_prompt(self, messages, tools, sampling)], tools=tools, **sampling))[0]
+        prompt = await achat_prompt(self, messages, tools, sampling)  # images: prepared off the event loop
+        return (await self.agenerate([prompt], tools=tools, **sampling))[0]
 
     def chat_stream(self, messages: list[dict], *, tools=None, **sampling) -> Iterator[StreamDelta]:
         return self.stream(chat_prompt(self, messages, tools, sampling), tools=tools, **sampling)
 
     def achat_stream(self, messages: list[dict], *, tools=None, **sampling) -> AsyncIterator[StreamDelta]:
-        return self.astream(chat_prompt(self, messages, tools, sampling), tools=tools, **sampling)
+        return achat_stream(self, messages, tools, sampling)  # images: prepared off the event loop
 
     @staticmethod
     def _as_list(prompts) -> list:
@@ -580,3 +585,5 @@ class Engine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        if getattr(self.model, "vision", None) is not None:
+            self.model.vision.close()

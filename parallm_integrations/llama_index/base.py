@@ -36,6 +36,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     CompletionResponseAsyncGen,
     CompletionResponseGen,
+    ImageBlock,
     LLMMetadata,
     MessageRole,
     ToolCallBlock,
@@ -108,6 +109,14 @@ def _env_secret(name: str):
 # --------------------------------------------------------------------------------------------
 # The LLM
 # --------------------------------------------------------------------------------------------
+
+
+async def _amessages_to_dicts(messages) -> list[dict[str, Any]]:
+    """``messages_to_dicts`` for the async paths: messages with image blocks (read and base64-encoded)
+    are converted on a worker thread, never on the event loop."""
+    if any(isinstance(b, ImageBlock) for m in messages for b in (getattr(m, "blocks", None) or [])):
+        return await asyncio.to_thread(messages_to_dicts, messages)
+    return messages_to_dicts(messages)
 
 
 class ParaLLMLlamaIndex(FunctionCallingLLM):
@@ -428,7 +437,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._build_request(kwargs)
         backend = await self._abackend()
-        result = await backend.arun(messages_to_dicts(messages), req)
+        result = await backend.arun(await _amessages_to_dicts(messages), req)
         return chat_response(result, req.tools, req.parallel_tool_calls is False, self._model_name(backend, result))
 
     @llm_chat_callback()
@@ -456,7 +465,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         req = self._build_request(kwargs)
         self._check_streamable(req)
         backend = await self._abackend()
-        deltas = backend.astream(messages_to_dicts(messages), req)
+        deltas = backend.astream(await _amessages_to_dicts(messages), req)
 
         async def gen() -> ChatResponseAsyncGen:
             state = ChatStream(req.tools, req.parallel_tool_calls is False, backend.tool_markup_in_text,

@@ -9,6 +9,9 @@ other) so that neither's peak memory includes the other's:
   ``engine.generate``. KV: the engine's own gauges (``peak_kv_bytes``: the running batch at its largest,
   a shared prefix counted once; ``peak_kv_bytes_held``, where the engine has it: running batch + prefix
   cache, each byte once; ``memory``: running rows and prefix cache, sampled every 20 ms).
+- ``parallm_kv8`` / ``parallm_kv4``: the same engine with its KV stored at 8 / 4 bits (``Engine(kv_bits=)``):
+  peak KV and tok/s against ``parallm``, and the logprob drift that costs (``bench_kv_quant``, teacher-forced
+  on the bench's model, in the parent process).
 - ``mlx_lm_batch``: mlx-lm's ``BatchGenerator`` on the same weights (``loader.load_model``, the engine's
   dtype), with its prompt cache: the prefix prefilled once, deep-copied into every request's cache (the
   ``fanout`` baseline). KV: the sum of its caches' ``nbytes`` (pending requests' caches, the prompt
@@ -46,6 +49,8 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+
+from .kv_quant import KVFormat
 
 MB = 2**20
 
@@ -114,7 +119,7 @@ def _digest(outputs: list[list[int]]) -> str:
 def _run_parallm(job: dict) -> dict:
     from .engine import Engine
 
-    cfg = {k: job[k] for k in ("backend", "max_batch_size") if job.get(k)}
+    cfg = {k: job[k] for k in ("backend", "max_batch_size", "kv_bits") if job.get(k)}
     engine = Engine(job["model"], **cfg)
     try:
         engine.generate([[300, 301, 302]], max_tokens=2, temperature=0)  # warm-up (kernels, first graph)
@@ -146,6 +151,8 @@ def _run_parallm(job: dict) -> dict:
             "peak_kv_bytes_held": stats.get("peak_kv_bytes_held"),
             "memory": stats.get("memory") or {}, "bytes_per_token": engine.model_info.kv_bytes_per_token(),
             "prefill_tokens": stats["prefill_tokens"], "backend": engine.backend.name,
+            "kv_bytes_per_token": (stats.get("memory") or {}).get("kv_bytes_per_token"),
+            "tokens_per_s": round(len(outputs) * job["new_tokens"] / wall, 1),
             **_common(outputs, wall, rss_load, reset_ok),
         }
     finally:
@@ -204,7 +211,9 @@ def _common(outputs, wall, rss_load, reset_ok) -> dict:
     }
 
 
-SYSTEMS = {"parallm": _run_parallm, "mlx_lm_batch": _run_mlx_lm_batch}
+SYSTEMS = {"parallm": _run_parallm, "mlx_lm_batch": _run_mlx_lm_batch,
+           "parallm_kv8": lambda job: _run_parallm({**job, "kv_bits": 8}),
+           "parallm_kv4": lambda job: _run_parallm({**job, "kv_bits": 4})}
 
 
 def run_system_in_process(system: str, job: dict, timeout: float = 3600) -> dict:
@@ -231,7 +240,10 @@ def run_memory_workload(engine, sz: MemorySizes, tick=None) -> dict:
     job = {"model": str(info.source), "backend": engine.backend.name, "max_batch_size": engine.config.max_batch_size,
            "prompts": prompts, "prefix_len": sz.prefix_tokens, "new_tokens": sz.new_tokens}
     entry: dict = {"sizes": asdict(sz)}
+    kv_formats = _kv_formats(engine)
     for system in SYSTEMS:
+        if system.startswith("parallm_kv") and not isinstance(kv_formats[int(system[10:])], KVFormat):
+            continue  # the model cannot store quantized KV: the error is in entry["kv_quant"]
         tick(f"memory: {system} (own process)")
         entry[system] = run_system_in_process(system, job)
     p, m = entry["parallm"], entry["mlx_lm_batch"]
@@ -255,7 +267,46 @@ def run_memory_workload(engine, sz: MemorySizes, tick=None) -> dict:
     }
     if p.get("peak_kv_bytes_held"):
         entry["ratios"]["kv_held_vs_bound"] = round(p["peak_kv_bytes_held"] / bound, 3)
+    entry["kv_quant"] = _kv_quant_rows(engine, entry, kv_formats, tick)
     return entry
+
+
+def _kv_formats(engine) -> dict:
+    """Per bit width, the model's quantized KV format, or why it has none."""
+    from . import kv_quant
+
+    sched, out = engine._scheduler, {}
+    for bits in (8, 4):
+        try:
+            out[bits] = kv_quant.format_for_model(bits, engine.model, sched.n_layers, sched.layout)
+        except kv_quant.KVQuantizationError as exc:
+            out[bits] = str(exc)
+    return out
+
+
+def _kv_quant_rows(engine, entry: dict, kv_formats: dict, tick) -> dict:
+    """KV quantization on vs off: peak KV held, tok/s, same tokens as float, and the logprob drift."""
+    from .bench_kv_quant import logprob_drift
+
+    p, out = entry["parallm"], {}
+    sched = engine._scheduler
+    for bits in (8, 4):
+        fmt = kv_formats[bits]
+        if not isinstance(fmt, KVFormat):
+            out[f"kv{bits}"] = {"error": fmt}
+            continue
+        q = entry[f"parallm_kv{bits}"]
+        row = {"peak_kv_bytes_held": q.get("peak_kv_bytes_held"), "tokens_per_s": q["tokens_per_s"],
+               "kv_bytes_per_token": q.get("kv_bytes_per_token"),
+               "same_tokens_as_float": q["outputs_digest"] == p["outputs_digest"]}
+        if p.get("peak_kv_bytes_held") and q.get("peak_kv_bytes_held"):
+            row["kv_held_float_vs_quantized"] = round(p["peak_kv_bytes_held"] / q["peak_kv_bytes_held"], 2)
+        row["tok_s_vs_float"] = round(q["tokens_per_s"] / p["tokens_per_s"], 2) if p.get("tokens_per_s") else None
+        tick(f"memory: logprob drift at {bits}-bit KV")
+        row["drift"] = engine.run_on_engine_thread(
+            lambda: logprob_drift(engine.model, engine.tokenizer, sched.n_layers, fmt))
+        out[f"kv{bits}"] = row
+    return out
 
 
 def format_lines(entry: dict) -> list[str]:
@@ -275,7 +326,18 @@ def format_lines(entry: dict) -> list[str]:
             f"running + prefix cache at most {p['kv_bytes_max_sampled'] / MB:.1f} MB "
             f"({r['kv_with_prefix_cache_vs_bound']:.2f}x; the batch's shared prefix is the cache's own copy, "
             "counted in both)") + f"; private copies would be {entry['kv_private_bytes'] / MB:.1f} MB",
-    ]
+    ] + [_kv_quant_line(bits, q, p) for bits, q in ((b, entry.get("kv_quant", {}).get(f"kv{b}")) for b in (8, 4)) if q]
+
+
+def _kv_quant_line(bits: int, q: dict, p: dict) -> str:
+    if "error" in q:
+        return f"  KV {bits}-bit: not run ({q['error']})"
+    d = q["drift"]
+    return (f"  KV {bits}-bit (Engine(kv_bits={bits})): peak KV held {(q['peak_kv_bytes_held'] or 0) / MB:.1f} MB "
+            f"({q.get('kv_held_float_vs_quantized')}x less than float), {q['tokens_per_s']} tok/s "
+            f"({q['tok_s_vs_float']}x float's {p.get('tokens_per_s')}); logprob drift vs float mean "
+            f"{d['mean_abs_logprob_drift']}, max {d['max_abs_logprob_drift']}, top-1 agreement "
+            f"{d['top1_agreement']:.1%} over {d['positions']} positions")
 
 
 def _worker_main(path: str) -> int:

@@ -20,6 +20,8 @@ def _engine_config(args) -> dict:
         cfg["enable_prefix_cache"] = False
     if getattr(args, "kv_memory", None) is not None:
         cfg["kv_memory"] = args.kv_memory
+    if getattr(args, "kv_bits", None) is not None:
+        cfg["kv_bits"] = args.kv_bits
     return cfg
 
 
@@ -214,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--kv-memory", type=_kv_memory, default=None, metavar="F|SIZE",
                         help="KV budget shared by running requests and the prefix cache: a fraction of "
                              "device memory or a size such as 4GiB (default 0.25)")
+        sp.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                        help="store the KV cache at 8 or 4 bits (about 3.6x / 6.4x less KV memory than "
+                             "float32; default: unquantized; PARALLM_KV_BITS)")
 
     sp = sub.add_parser("info", help="backend, dtype and BLAS in use; the default model")
     sp.add_argument("--model", default=None)

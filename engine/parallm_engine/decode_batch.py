@@ -30,9 +30,9 @@ from .kv_cache import BatchKV, SharedPrefix
 class DecodeLane:
     """A share of the running sequences with its KV and (when there are several lanes) its stream."""
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, fmt=None):
         self.seqs: list = []
-        self.kv = [BatchKV() for _ in range(n_layers)]
+        self.kv = [BatchKV(fmt) for _ in range(n_layers)]
         self.stream = None
 
     def context(self):
@@ -40,11 +40,13 @@ class DecodeLane:
 
 
 class DecodeBatch:
-    def __init__(self, n_layers: int, n_lanes: int = 1):
+    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None):
+        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats)."""
         if n_lanes < 1:
             raise ValueError(f"n_lanes must be >= 1, got {n_lanes}")
         self.n_layers = n_layers
-        self.lanes = [DecodeLane(n_layers) for _ in range(n_lanes)]
+        self.fmt = fmt
+        self.lanes = [DecodeLane(n_layers, fmt) for _ in range(n_lanes)]
         self._streams_made = n_lanes == 1
         self.shared: SharedPrefix | None = None
 
@@ -141,7 +143,7 @@ class DecodeBatch:
     def clear(self) -> None:
         for lane in self.lanes:
             lane.seqs = []
-            lane.kv = [BatchKV() for _ in range(self.n_layers)]
+            lane.kv = [BatchKV(self.fmt) for _ in range(self.n_layers)]
         if self.shared is not None:
             self._release_shared()
 

@@ -10,12 +10,18 @@ leaves by having its row dropped, after which common left padding is trimmed.
 A prefix that several rows continue (the agent fan-out's system prompt and tools) can be held once
 for the whole batch (:class:`SharedPrefix`): those rows store only the tokens after it, and attention
 reads it once per step for all of them (``cpu_kernels.cascade_attention``) instead of once per row.
+
+With KV quantization on (``fmt``: a ``kv_quant.KVFormat``) every cache stores its KV quantized
+(``kv_quant.QuantizedKV``, which the operations below accept in place of arrays) and hands attention the
+dequantized values.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
+
+from . import kv_quant as kvq
 
 STEP = 256  # the largest capacity step (mlx-lm grows every cache by 256)
 MIN_STEP = 32
@@ -42,7 +48,8 @@ class SequenceKV:
 
     mask_5d = False
 
-    def __init__(self, keys: mx.array | None = None, values: mx.array | None = None):
+    def __init__(self, keys: mx.array | None = None, values: mx.array | None = None, fmt=None):
+        self.fmt = fmt
         self.keys = None
         self.values = None
         self.offset = 0
@@ -50,18 +57,19 @@ class SequenceKV:
             n = keys.shape[2]
             cap = _round_up(n + 1)
             pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
-            self.keys = mx.pad(keys, pad)
-            self.values = mx.pad(values, pad)
+            self.keys = kvq.pad(keys, pad)
+            self.values = kvq.pad(values, pad)
             self.offset = n
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        keys, values = kvq.store(keys, self.fmt), kvq.store(values, self.fmt)
         prev = self.offset
         n = keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
             cap = _round_up(prev + n)
             B, H, _, D = keys.shape
-            new_k = mx.zeros((B, H, cap, D), keys.dtype)
-            new_v = mx.zeros((B, H, cap, values.shape[3]), values.dtype)
+            new_k = kvq.zeros((B, H, cap, D), keys)
+            new_v = kvq.zeros((B, H, cap, values.shape[3]), values)
             if self.keys is not None:
                 new_k[..., :prev, :] = self.keys[..., :prev, :]
                 new_v[..., :prev, :] = self.values[..., :prev, :]
@@ -69,7 +77,7 @@ class SequenceKV:
         self.keys[..., prev : prev + n, :] = keys
         self.values[..., prev : prev + n, :] = values
         self.offset = prev + n
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return kvq.as_float(self.keys[..., : self.offset, :]), kvq.as_float(self.values[..., : self.offset, :])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
@@ -83,8 +91,8 @@ class SequenceKV:
     def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         """A private copy of columns [start, end), for the radix tree."""
         return (
-            mx.contiguous(self.keys[..., start:end, :]),
-            mx.contiguous(self.values[..., start:end, :]),
+            kvq.contiguous(self.keys[..., start:end, :]),
+            kvq.contiguous(self.values[..., start:end, :]),
         )
 
     def valid(self) -> tuple[mx.array | None, mx.array | None]:
@@ -135,17 +143,18 @@ class BatchKV:
 
     mask_5d = False
 
-    def __init__(self):
+    def __init__(self, fmt=None):
+        self.fmt = fmt
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.idx = 0
         self.left_pad: list[int] = []
         self._lp = mx.array([], dtype=mx.int32)
         self.offset = mx.array([], dtype=mx.int32)
-        # A shared prefix (this layer's (1, H, P, D) keys and values) and which rows continue it.
-        # Those rows store only their tokens after it; their positions start at P.
-        self.shared_keys: mx.array | None = None
-        self.shared_values: mx.array | None = None
+        # A shared prefix (this layer's (1, H, P, D) keys and values, as stored) and which rows continue
+        # it. Those rows store only their tokens after it; their positions start at P.
+        self._shared_k = None
+        self._shared_v = None
         self.shared_len = 0
         self.shared_rows: list[bool] = []
         self.shared_mask: mx.array | None = None  # (B,) bool: row attends to the prefix
@@ -154,10 +163,19 @@ class BatchKV:
     def batch_size(self) -> int:
         return len(self.left_pad)
 
+    @property
+    def shared_keys(self) -> mx.array | None:
+        """The shared prefix's keys as attention reads them (None: no prefix)."""
+        return kvq.as_float(self._shared_k)
+
+    @property
+    def shared_values(self) -> mx.array | None:
+        return kvq.as_float(self._shared_v)
+
     def _sync(self) -> None:
         self._lp = mx.array(self.left_pad, dtype=mx.int32)
         self.offset = self.idx - self._lp
-        if self.shared_keys is not None:
+        if self._shared_k is not None:
             uses = mx.array(self.shared_rows, dtype=mx.bool_)
             self.offset = self.offset + uses.astype(mx.int32) * self.shared_len
             self.shared_mask = None if all(self.shared_rows) else uses  # None: every row continues it
@@ -166,28 +184,29 @@ class BatchKV:
         """Hold this (1, H, P, D) prefix once for the rows that will continue it (None: no prefix).
         Only while no row uses a shared prefix."""
         assert not any(self.shared_rows), "rows still continue the current shared prefix"
-        self.shared_keys, self.shared_values = keys, values
+        self._shared_k, self._shared_v = keys, values
         self.shared_len = 0 if keys is None else keys.shape[2]
         self.shared_mask = None
         self._sync()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        keys, values = kvq.store(keys, self.fmt), kvq.store(values, self.fmt)
         prev = self.idx
         n = keys.shape[2]
         if self.keys is None:  # every row joined with nothing prefilled (one-token prompts)
             B, H, _, D = keys.shape
-            self.keys = mx.zeros((B, H, _round_up(prev + n), D), keys.dtype)
-            self.values = mx.zeros((B, H, _round_up(prev + n), values.shape[3]), values.dtype)
+            self.keys = kvq.zeros((B, H, _round_up(prev + n), D), keys)
+            self.values = kvq.zeros((B, H, _round_up(prev + n), values.shape[3]), values)
         elif prev + n > self.keys.shape[2]:
             grow = _round_up(prev + n) - self.keys.shape[2]
             pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
-            self.keys = mx.pad(self.keys, pad)
-            self.values = mx.pad(self.values, pad)
+            self.keys = kvq.pad(self.keys, pad)
+            self.values = kvq.pad(self.values, pad)
         self.keys[..., prev : prev + n, :] = keys
         self.values[..., prev : prev + n, :] = values
         self.idx = prev + n
         self.offset = self.offset + n
-        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+        return kvq.as_float(self.keys[..., : self.idx, :]), kvq.as_float(self.values[..., : self.idx, :])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
@@ -204,7 +223,7 @@ class BatchKV:
         ones are longer) is written into it with slice updates, which MLX performs in place: one copy
         of each row, where padding and concatenating row by row made three."""
         shared = shared or [False] * len(rows)
-        if any(shared) and self.shared_keys is None:
+        if any(shared) and self._shared_k is None:
             raise ValueError("rows continue a shared prefix but none is set")
         lengths = [0 if k is None else k.shape[2] for k, _ in rows]
         new_idx = max([self.idx] + lengths)
@@ -219,9 +238,9 @@ class BatchKV:
             self._sync()
             return
         ref_k, ref_v = ref if ref is not None else (self.keys, self.values)
-        H, Dk, Dv, dtype = ref_k.shape[1], ref_k.shape[3], ref_v.shape[3], ref_k.dtype
-        keys = mx.zeros((old + len(rows), H, cap, Dk), dtype)
-        values = mx.zeros((old + len(rows), H, cap, Dv), dtype)
+        H, Dk, Dv = ref_k.shape[1], ref_k.shape[3], ref_v.shape[3]
+        keys = kvq.zeros((old + len(rows), H, cap, Dk), ref_k)
+        values = kvq.zeros((old + len(rows), H, cap, Dv), ref_v)
         if old:
             shift = new_idx - self.idx
             if self.keys is not None:
@@ -250,8 +269,8 @@ class BatchKV:
         assert min(lengths) >= 0, "a row is shorter than the prefix it would share"
         new_idx = max(lengths)
         B, H, _, Dk = self.keys.shape
-        keys = mx.zeros((B, H, _round_up(new_idx + 1), Dk), self.keys.dtype)
-        values = mx.zeros((B, H, keys.shape[2], self.values.shape[3]), self.values.dtype)
+        keys = kvq.zeros((B, H, _round_up(new_idx + 1), Dk), self.keys)
+        values = kvq.zeros((B, H, keys.shape[2], self.values.shape[3]), self.values)
         for i, L in enumerate(lengths):
             if L:
                 keys[i : i + 1, :, new_idx - L : new_idx, :] = self.keys[i : i + 1, :, self.idx - L : self.idx, :]
@@ -299,14 +318,14 @@ class BatchKV:
         lp = self.left_pad[i]
         ks, vs = [], []
         if start < P:
-            ks.append(self.shared_keys[..., start : min(end, P), :])
-            vs.append(self.shared_values[..., start : min(end, P), :])
+            ks.append(self._shared_k[..., start : min(end, P), :])
+            vs.append(self._shared_v[..., start : min(end, P), :])
         if end > P:
             a, b = lp + max(start, P) - P, lp + end - P
             ks.append(self.keys[i : i + 1, :, a:b, :])
             vs.append(self.values[i : i + 1, :, a:b, :])
-        cat = lambda parts: parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-        return mx.contiguous(cat(ks)), mx.contiguous(cat(vs))
+        cat = lambda parts: parts[0] if len(parts) == 1 else kvq.concatenate(parts, axis=2)
+        return kvq.contiguous(cat(ks)), kvq.contiguous(cat(vs))
 
     def nbytes(self) -> int:
         """Bytes of the rows' own storage (a shared prefix is counted by its owner, once)."""
@@ -342,7 +361,7 @@ class FrozenKV:
             first = (0 if self._prefix is not None else P) + L - n  # column of token p
             a = max(start, p) - p
             parts.append(block[i : i + 1, :, first + a : first + end - p, :])
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+        return parts[0] if len(parts) == 1 else kvq.concatenate(parts, axis=2)
 
     def valid(self) -> tuple[mx.array, mx.array]:
         return self._take(0, 0, self.offset), self._take(1, 0, self.offset)
@@ -351,7 +370,7 @@ class FrozenKV:
         return self._take(0, start, self.offset), self._take(1, start, self.offset)
 
     def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        return mx.contiguous(self._take(0, start, end)), mx.contiguous(self._take(1, start, end))
+        return kvq.contiguous(self._take(0, start, end)), kvq.contiguous(self._take(1, start, end))
 
 
 class PrefillBatchKV:
@@ -371,22 +390,33 @@ class PrefillBatchKV:
     mask_5d = False  # the scheduler shapes this cache's mask itself
 
     def __init__(self, prefix_keys: mx.array | None, prefix_values: mx.array | None, offset: mx.array,
-                 mask: mx.array, shared: bool = False):
+                 mask: mx.array, shared: bool = False, fmt=None):
+        self.fmt = fmt
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
         self.offset = offset
         self._mask = mask
         self.keys = self.values = None
-        self.shared_keys = self.shared_values = self.shared_mask = None
+        self.shared = shared
+        self.shared_mask = None
         if shared:
-            self.shared_keys, self.shared_values = prefix_keys, prefix_values
             self._mask = mask[..., prefix_keys.shape[2]:]
 
+    @property
+    def shared_keys(self) -> mx.array | None:
+        """The prefix every row continues, as attention reads it (None: rows hold their own)."""
+        return kvq.as_float(self.prefix_keys) if self.shared else None
+
+    @property
+    def shared_values(self) -> mx.array | None:
+        return kvq.as_float(self.prefix_values) if self.shared else None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self.prefix_keys is not None and self.shared_keys is None:
-            keys = mx.concatenate([self.prefix_keys, keys], axis=2)
-            values = mx.concatenate([self.prefix_values, values], axis=2)
+        keys, values = kvq.store(keys, self.fmt), kvq.store(values, self.fmt)
+        if self.prefix_keys is not None and not self.shared:
+            keys = kvq.concatenate([self.prefix_keys, keys], axis=2)
+            values = kvq.concatenate([self.prefix_values, values], axis=2)
         self.keys, self.values = keys, values
-        return keys, values
+        return kvq.as_float(keys), kvq.as_float(values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
@@ -394,7 +424,7 @@ class PrefillBatchKV:
         return self._mask
 
     def row(self, i: int, p: int, n: int, P: int, L: int) -> FrozenKV:
-        prefix = (self.shared_keys, self.shared_values) if self.shared_keys is not None else None
+        prefix = (self.prefix_keys, self.prefix_values) if self.shared else None
         return FrozenKV(self.keys, self.values, i, p, n, P, L, prefix)
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import kv_quant as kvq
 from .kv_cache import PrefillBatchKV, prefill_layout
 from .vision import prefill_forward
 
 
 def run_prefill_group(model, batch, group: list, n_layers: int, stats, *, share_prefix: bool,
-                      mask_5d: bool) -> list[tuple]:
+                      mask_5d: bool, fmt=None) -> list[tuple]:
     """Prefill ``group`` (sequences with ``prefill_ids``, ``pos``, ``cached_tokens``, ``prefix_kv``):
     the group is split into token-balanced shares that run at the same time on the decode lanes'
     streams (one share on Metal/CUDA). Returns ``(sequence, its per-layer KV)`` in group order; each
@@ -28,7 +29,7 @@ def run_prefill_group(model, batch, group: list, n_layers: int, stats, *, share_
     arrays, rows = [], []
     for share, ctx in zip(shares, batch.lane_contexts()):
         with ctx:
-            arr, cut = _forward_share(model, share, n_layers, stats, share_prefix, mask_5d)
+            arr, cut = _forward_share(model, share, n_layers, stats, share_prefix, mask_5d, fmt)
         arrays += arr
         rows.append(cut)
     mx.eval(arrays)
@@ -38,7 +39,7 @@ def run_prefill_group(model, batch, group: list, n_layers: int, stats, *, share_
     return out
 
 
-def _forward_share(model, group: list, n_layers: int, stats, share_prefix: bool, mask_5d: bool):
+def _forward_share(model, group: list, n_layers: int, stats, share_prefix: bool, mask_5d: bool, fmt):
     """Lazy: the share's new KV arrays, and a function that cuts out each sequence's KV."""
     prefix_lens = [s.cached_tokens for s in group]
     new_lens = [len(s.prefill_ids) - s.pos for s in group]
@@ -55,10 +56,10 @@ def _forward_share(model, group: list, n_layers: int, stats, share_prefix: bool,
             # broadcast, and the attention's concatenation makes the only copy.
             k, v = group[0].prefix_kv[layer]
             if share_prefix:
-                caches.append(PrefillBatchKV(k, v, offset, mask, shared=True))
+                caches.append(PrefillBatchKV(k, v, offset, mask, shared=True, fmt=fmt))
             else:
-                caches.append(PrefillBatchKV(mx.broadcast_to(k, (len(group), *k.shape[1:])),
-                                             mx.broadcast_to(v, (len(group), *v.shape[1:])), offset, mask))
+                caches.append(PrefillBatchKV(kvq.broadcast_rows(k, len(group)), kvq.broadcast_rows(v, len(group)),
+                                             offset, mask, fmt=fmt))
         elif P:
             # Rows without a prefix are padded with zeros shaped like another row's prefix (the
             # layer's own KV shape: MLA latents and per-layer head counts included).
@@ -68,14 +69,14 @@ def _forward_share(model, group: list, n_layers: int, stats, share_prefix: bool,
                 if p:
                     k, v = s.prefix_kv[layer]
                     pad = [(0, 0), (0, 0), (P - p, 0), (0, 0)]
-                    pk.append(mx.pad(k, pad))
-                    pv.append(mx.pad(v, pad))
+                    pk.append(kvq.pad(k, pad))
+                    pv.append(kvq.pad(v, pad))
                 else:
-                    pk.append(mx.zeros((1, ref_k.shape[1], P, ref_k.shape[3]), ref_k.dtype))
-                    pv.append(mx.zeros((1, ref_v.shape[1], P, ref_v.shape[3]), ref_v.dtype))
-            caches.append(PrefillBatchKV(mx.concatenate(pk), mx.concatenate(pv), offset, mask))
+                    pk.append(kvq.zeros((1, ref_k.shape[1], P, ref_k.shape[3]), ref_k))
+                    pv.append(kvq.zeros((1, ref_v.shape[1], P, ref_v.shape[3]), ref_v))
+            caches.append(PrefillBatchKV(kvq.concatenate(pk), kvq.concatenate(pv), offset, mask, fmt=fmt))
         else:
-            caches.append(PrefillBatchKV(None, None, offset, mask))
+            caches.append(PrefillBatchKV(None, None, offset, mask, fmt=fmt))
     prefill_forward(model, tokens, caches, [(s, s.pos, n) for s, n in zip(group, new_lens)])
     stats.prefill_tokens += sum(new_lens)
     stats.prefill_forwards += 1
@@ -87,7 +88,7 @@ def _forward_share(model, group: list, n_layers: int, stats, share_prefix: bool,
             s.prefix_kv = None
         return out
 
-    return [a for c in caches for a in (c.keys, c.values)], cut
+    return [a for c in caches for x in (c.keys, c.values) for a in kvq.arrays(x)], cut
 
 
 def split_balanced(items: list, weights: list[int], n: int) -> list[list]:

@@ -16,7 +16,9 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-# One KV segment: per layer (keys, values), each (1, H, n, D).
+from . import kv_quant as kvq
+
+# One KV segment: per layer (keys, values), each (1, H, n, D) (``kv_quant.QuantizedKV`` when quantized).
 Segment = list[tuple[mx.array, mx.array]]
 
 
@@ -24,9 +26,13 @@ def _segment_nbytes(seg: Segment) -> int:
     return sum(k.nbytes + v.nbytes for k, v in seg)
 
 
+def _segment_arrays(seg: Segment) -> list[mx.array]:
+    return [a for k, v in seg for x in (k, v) for a in kvq.arrays(x)]
+
+
 def _slice_segment(seg: Segment, start: int, end: int | None) -> Segment:
-    out = [(mx.contiguous(k[..., start:end, :]), mx.contiguous(v[..., start:end, :])) for k, v in seg]
-    mx.eval(out)
+    out = [(kvq.contiguous(k[..., start:end, :]), kvq.contiguous(v[..., start:end, :])) for k, v in seg]
+    mx.eval(_segment_arrays(out))
     return out
 
 
@@ -118,8 +124,8 @@ class RadixCache:
         layers = len(nodes[0].kv)
         return [
             (
-                mx.concatenate([nd.kv[l][0] for nd in nodes], axis=2),
-                mx.concatenate([nd.kv[l][1] for nd in nodes], axis=2),
+                kvq.concatenate([nd.kv[l][0] for nd in nodes], axis=2),
+                kvq.concatenate([nd.kv[l][1] for nd in nodes], axis=2),
             )
             for l in range(layers)
         ]
@@ -153,7 +159,7 @@ class RadixCache:
         m.held = m.length
         if m.length < len(tokens):
             seg = kv_for(m.length, len(tokens))
-            mx.eval(seg)
+            mx.eval(_segment_arrays(seg))
             leaf = RadixNode(tuple(tokens[m.length :]), seg, m.node)
             m.node.children[leaf.tokens[0]] = leaf
             self.total_bytes += leaf.nbytes

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cpu_kernels, memory_recovery
+from . import cpu_kernels, kv_quant, memory_recovery
 from .constrained import apply_constraints
 from .decode_batch import DecodeBatch
 from .errors import RequestCancelledError
@@ -50,6 +50,9 @@ from .stats import EngineStats
 from .vision import prefill_forward
 
 logger = logging.getLogger("parallm_engine")
+
+NO_SPECULATION_MIXED = ("speculative decoding needs KV that can be rolled back; this model has sliding-window "
+                        "or recurrent layers (cache layout 'mixed'), which is not supported yet")
 
 
 # A match whose last node adds only a few tokens (a fan-out's " Question 1" reaching into the sibling
@@ -83,6 +86,7 @@ class SchedulerConfig:
     step_time_target_s: float = 0.25
     min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
     speculative: object = None  # the engine-wide default SpeculativeConfig (speculative.py), or None
+    kv_bits: int | None = None  # KV stored at 8 or 4 bits (kv_quant.py); None: the model's dtype
 
 
 class Scheduler:
@@ -101,7 +105,9 @@ class Scheduler:
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
-        self.kv_bytes_per_token = model_info.kv_bytes_per_token()
+        self.kv_format = kv_quant.format_for_model(config.kv_bits, model, self.n_layers, self.layout)
+        self.kv_bytes_per_token = kv_quant.bytes_per_token(model, self.n_layers, self.kv_format) \
+            if self.kv_format else model_info.kv_bytes_per_token()
         self.preemptions = 0
         self.allocation_failures = 0  # steps that failed to allocate (memory_recovery.py)
         self.failure_streak = 0  # of those, in a row
@@ -113,7 +119,7 @@ class Scheduler:
         # Build/load the native kernels now, not in the middle of the first decode step.
         self.native_kernels = bool(self._cpu_kernels and cpu_kernels.native_available())
         if self.layout == "attention":
-            self.batch = DecodeBatch(self.n_layers, config.decode_lanes)
+            self.batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format)
             self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self.snapshots = None
             # Decode rows continuing one cached prefix hold it once (cascade attention): needs the
@@ -128,9 +134,13 @@ class Scheduler:
             self.snapshots = SnapshotCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self._share_prefix = False
         self.kv = KVManager(config, self.kv_bytes_per_token, self.batch, self.prefix_cache)
-        # Speculative decoding needs KV it can roll back: the engine's own (attention layout) only.
+        # Speculative decoding needs KV it can roll back: the engine's own (attention layout) only; and
+        # not quantized KV (kv_quant.NO_SPECULATION says why).
+        self.no_speculation = None if self.layout == "attention" else NO_SPECULATION_MIXED
+        if self.kv_format is not None:
+            self.no_speculation = kv_quant.NO_SPECULATION
         self.speculator = Speculator(config.speculative, stats, model_info.context_window) \
-            if self.layout == "attention" else None
+            if self.no_speculation is None else None
         # Models whose attention scores are (B, KV heads, repeats, L, S) need masks with one more axis.
         self._mask_5d = model_type == "gemma2"
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
@@ -431,8 +441,8 @@ class Scheduler:
                 return self.snapshots.restore(seq.match)
             return make_cache(self.model)
         if seq.prefix_kv is not None:
-            return [SequenceKV(k, v) for k, v in seq.prefix_kv]
-        return [SequenceKV() for _ in range(self.n_layers)]
+            return [SequenceKV(k, v, self.kv_format) for k, v in seq.prefix_kv]
+        return [SequenceKV(fmt=self.kv_format) for _ in range(self.n_layers)]
 
     def _prefill_chunk(self, seq: Sequence, n_max: int, done: list[Sequence]) -> int:
         """One chunk of one sequence's context through its own caches."""
@@ -461,7 +471,7 @@ class Scheduler:
     def _cache_state(self, caches: list) -> list:
         if self.layout == "mixed":
             return cache_arrays(caches)
-        return [a for c in caches for a in (c.keys, c.values) if a is not None]
+        return [a for c in caches for x in (c.keys, c.values) for a in kv_quant.arrays(x)]
 
     def _mask_adapter(self, caches: list) -> list:
         if self._mask_5d:
@@ -472,7 +482,7 @@ class Scheduler:
     def _prefill_group(self, group: list[Sequence], done: list[Sequence]) -> None:
         """Prefill several short contexts together (``prefill_runner``), then hand each its KV."""
         finished = run_prefill_group(self.model, self.batch, group, self.n_layers, self.stats,
-                                     share_prefix=self._share_prefix, mask_5d=self._mask_5d)
+                                     share_prefix=self._share_prefix, mask_5d=self._mask_5d, fmt=self.kv_format)
         for seq, row in finished:
             self._prompt_done(seq, row, done)
 
@@ -627,6 +637,7 @@ class Scheduler:
             "kv_bytes_prefix_cache": cache.total_bytes if cache is not None else 0,
             "kv_bytes_held": self.kv_bytes_held(),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bits": self.kv_format.bits if self.kv_format else None,
             "preemptions": self.preemptions,
             **mlx_memory(),
         }

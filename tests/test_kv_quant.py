@@ -22,13 +22,15 @@ PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonac
            "Write one sentence about the sea."]
 
 
+Q8 = {"kv_bits": 8, "max_batch_size": 16, "decode_lanes": 1}
+
+
 @pytest.fixture(scope="module")
 def q8_engine(engine):
-    from parallm_engine import Engine
+    """The process-wide engine for these settings (what ChatParaLLM(engine_kwargs=Q8) resolves to)."""
+    from parallm_engine import get_engine
 
-    e = Engine(kv_bits=8, max_batch_size=16, decode_lanes=1)
-    yield e
-    e.shutdown()
+    return get_engine(**Q8)
 
 
 def _fake_quant_cache(model, bits: int, group_size: int = 64):
@@ -134,6 +136,17 @@ def test_speculation_is_refused_with_quantized_kv(q8_engine):
         Engine(kv_bits=8, speculative={"method": "ngram", "num_tokens": 4})
 
 
+def test_chat_model_on_quantized_kv(q8_engine):
+    """LangChain users pick it through engine_kwargs: the same process-wide engine, same tokens."""
+    from parallm_integrations import ChatParaLLM
+
+    llm = ChatParaLLM(engine_kwargs=Q8, max_tokens=8, temperature=0.0)
+    assert llm._get_engine(None) is q8_engine
+    msg = llm.invoke("The capital of France is")
+    ids = q8_engine.apply_chat_template([{"role": "user", "content": "The capital of France is"}])
+    assert msg.content == q8_engine.generate([ids], max_tokens=8, temperature=0.0)[0].text
+
+
 def test_q8_holds_less_memory(engine, q8_engine):
     """The same long prompt held in the prefix cache: 8-bit bytes are the fp32 bytes / 3.56."""
     text = "Notes: " + " ".join(f"line {i} says {i * 3}" for i in range(120))
@@ -219,3 +232,13 @@ def test_q8_logprob_drift_is_bounded(engine):
     assert d["mean_abs_logprob_drift"] < 0.03
     assert d["max_abs_logprob_drift"] < 0.5
     assert d["top1_agreement"] > 0.95
+
+
+def test_cli_kv_bits():
+    from parallm_engine import cli
+
+    args = cli.build_parser().parse_args(["serve", "--kv-bits", "8"])
+    assert cli._engine_config(args)["kv_bits"] == 8
+    assert "kv_bits" not in cli._engine_config(cli.build_parser().parse_args(["serve"]))
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--kv-bits", "3"])

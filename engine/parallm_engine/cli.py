@@ -58,8 +58,14 @@ def cmd_info(args) -> int:
     except ParaLLMError as exc:
         out["weights_dtype"] = f"error: {exc}"
     kv_budget = engine_backend.kv_budget(getattr(args, "kv_memory", None))
+    from .kv_quant import resolve_kv_bits
+
+    try:
+        kv_bits = resolve_kv_bits(None)
+    except ParaLLMError as exc:
+        kv_bits = f"error: {exc}"
     out["memory"] = {"device_bytes": engine_backend.memory_bytes, "source": engine_backend.memory_source,
-                     "kv_budget_bytes": kv_budget,
+                     "kv_budget_bytes": kv_budget, "kv_bits": kv_bits,
                      "mlx_limits": mlx_limits(engine_backend.device, engine_backend.memory_bytes, kv_budget, 0)}
     if out["cpu_kernels"]:
         from . import native
@@ -98,6 +104,9 @@ def cmd_info(args) -> int:
     print(f"memory  : {mem['device_bytes'] / 2**30:.1f} GiB ({mem['source']}); KV budget "
           f"{mem['kv_budget_bytes'] / 2**30:.1f} GiB shared by running requests and the prefix cache "
           "(--kv-memory / Engine(kv_memory=))")
+    bits = mem["kv_bits"]
+    stored = f"at {bits} bits" if isinstance(bits, int) else bits or "unquantized"
+    print(f"          KV stored {stored} (--kv-bits 8|4 / Engine(kv_bits=) / PARALLM_KV_BITS)")
     limits = ", ".join(f"{k} {v / 2**30:.1f} GiB" + (" + the weights" if k == "wired" else "")
                        for k, v in mem["mlx_limits"].items())
     print(f"          MLX limits: {limits}")

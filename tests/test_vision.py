@@ -1,9 +1,10 @@
-"""Images in the conversation: tiny random-weight VLMs of four mlx-vlm families (LLaVA, Idefics3/SmolVLM,
-Mistral 3 (Pixtral tower), Gemma 3 (sliding-window layers: the engine's "mixed" cache layout)) built
-here, images drawn with PIL. The engine's greedy tokens must equal mlx-vlm's own generation
-(``generate_step`` on the processor's inputs), batched or alone, cold or from the image caches; the
-vision encoder runs off the engine thread and the async entry points prepare images off the event loop;
-M-RoPE models (Qwen2.5-VL) are refused images with a typed error that says why."""
+"""Images in the conversation: tiny random-weight VLMs of the mlx-vlm families (LLaVA, Idefics3/SmolVLM,
+Mistral 3 (Pixtral tower), Gemma 3 (sliding-window layers: the engine's "mixed" cache layout),
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL (+ MoE) (M-RoPE: per-sequence 3-D positions; Qwen3-VL's DeepStack
+features)) built here, images drawn with PIL. The engine's greedy tokens must equal mlx-vlm's own
+generation (``generate_step`` on the processor's inputs), batched or alone, cold or from the image
+caches; the vision encoder runs off the engine thread and the async entry points prepare images off the
+event loop; a checkpoint the engine cannot batch exactly is refused images with a typed error."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from parallm_engine.errors import ImageInputError, InvalidRequestError
 from parallm_engine.vision_inputs import decode_image
 from parallm_engine.vision_tiny import build_tiny_vlm
 
-FAMILIES = ["llava", "idefics3", "mistral3", "gemma3"]
+FAMILIES = ["llava", "idefics3", "mistral3", "gemma3", "qwen2_5_vl", "qwen3_vl"]
+MROPE_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"]
 N_TOKENS = 10
+_BUILT: dict = {}  # family -> its tiny checkpoint (one per test session: the engines are shared)
 
 
 def chart(seed: int, size=(48, 40)) -> Image.Image:
@@ -51,12 +54,25 @@ def ask(question: str, *images) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
+def tiny_vlm_path(family: str, tmp_path_factory):
+    if family not in _BUILT:
+        _BUILT[family] = build_tiny_vlm(family, tmp_path_factory.mktemp(family))
+    return _BUILT[family]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm_engine(request, tmp_path_factory):
     from parallm_engine import get_engine
 
-    path = build_tiny_vlm(request.param, tmp_path_factory.mktemp(request.param))
-    return get_engine(str(path))  # the shared engine: ChatParaLLM(model=path) finds the same one
+    # the shared engine: ChatParaLLM(model=path) finds the same one
+    return get_engine(str(tiny_vlm_path(request.param, tmp_path_factory)))
+
+
+@pytest.fixture(scope="module", params=MROPE_FAMILIES)
+def mrope_engine(request, tmp_path_factory):
+    from parallm_engine import get_engine
+
+    return get_engine(str(tiny_vlm_path(request.param, tmp_path_factory)))
 
 
 def reference(eng: Engine, messages: list[dict], n: int = N_TOKENS) -> list[int]:
@@ -410,9 +426,10 @@ def test_images_to_a_text_model_are_refused(tiny_engine):
         tiny_engine.chat(ask("What is this?", chart(1)), max_tokens=2)
 
 
-def test_mrope_vlm_runs_text_only_and_refuses_images(tmp_path):
-    """A Qwen2.5-VL checkpoint (M-RoPE) loads text-only through mlx-lm: text requests are the model's
-    own tokens; image requests get a typed error that says why."""
+def test_unsupported_vlm_runs_text_only_and_refuses_images(tmp_path):
+    """A Mistral 3 checkpoint whose language model is Ministral 3 (attention scaled by a position factor
+    mlx-vlm takes from the first row only) loads text-only through mlx-lm: text requests are the
+    model's own tokens; image requests get a typed error that says why."""
     import json
 
     from mlx_lm.utils import load as mlx_load
@@ -421,23 +438,106 @@ def test_mrope_vlm_runs_text_only_and_refuses_images(tmp_path):
     from tests.model_zoo import build, default_tokenizer, reference_greedy
 
     tok_dir, vocab = default_tokenizer()
-    path = build("qwen2", tmp_path / "qwen25vl", tok_dir, vocab)
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="qwen2_5_vl", image_token_id=vocab - 1,
-                  vision_config={"depth": 2, "hidden_size": 32, "out_hidden_size": 64})
+    path = build("ministral3", tmp_path / "ministral3vl", tok_dir, vocab)
+    text = json.loads((path / "config.json").read_text())
+    config = {"model_type": "mistral3", "text_config": text, "image_token_index": vocab - 1,
+              "vision_config": {"model_type": "pixtral", "hidden_size": 32}}
     (path / "config.json").write_text(json.dumps(config))
     eng = Engine(str(path))
     try:
         assert getattr(eng.model, "vision", None) is None
-        with pytest.raises(ImageInputError, match="M-RoPE") as err:
+        with pytest.raises(ImageInputError, match="position-dependent factor") as err:
             eng.chat(ask("What is this?", chart(1)), max_tokens=2)
-        assert "qwen2_5_vl" in str(err.value) and "_rope_deltas" in str(err.value)
+        assert "mistral3" in str(err.value) and "ministral3" in str(err.value)
         ids = eng.encode("Tell me about charts.")
         got = eng.generate([ids], max_tokens=8, temperature=0.0, ignore_eos=True)[0].token_ids
         model, _ = mlx_load(str(path))
         assert got == reference_greedy(model, ids, 8)
     finally:
         eng.shutdown()
+
+
+# -- M-RoPE (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): every row its own 3-D positions and rope delta ------------
+def test_mrope_batch_of_different_grids_and_text_equals_alone(mrope_engine):
+    """One batch: images of different grids (so different rope deltas), two images in one prompt, and a
+    text-only request; each answer equals that request alone through mlx-vlm (whose model object keeps
+    one rope delta for the whole batch)."""
+    from parallm_engine.vision_chat import chat_prompt
+
+    convs = [ask("What is the max?", chart(140)),
+             ask("What is the max?", chart(141, size=(64, 24))),
+             ask("Compare them.", chart(142, size=(24, 56)), chart(143)),
+             [{"role": "user", "content": "Tell me a story about bars."}],
+             ask("Which colour?", chart(144, size=(40, 40)))]
+    prompts = [chat_prompt(mrope_engine, m, None, {}) for m in convs]
+    deltas = {p.rope_delta for p in prompts if hasattr(p, "rope_delta")}
+    assert len(deltas) >= 3  # the rows really need different positions
+    results = mrope_engine.generate(prompts, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+    for conv, res in zip(convs, results):
+        assert res.token_ids == reference(mrope_engine, conv)
+
+
+def test_mrope_positions_of_any_window_are_the_prompts(mrope_engine):
+    """Every window of positions the engine passes (a decode / verification block starting at any KV
+    length, a left-padded prefill chunk starting anywhere) is the slice of mlx-vlm's ``get_rope_index``
+    on the prompt followed by the answer: image grids inside the prompt, index + rope delta after it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from parallm_engine.vision_mrope import decode_positions, image_grid, prefill_positions, prompt_positions
+
+    enc = mrope_engine.model.vision
+    prompt = enc.build_prompt(ask("Compare them.", chart(170, size=(64, 24)), chart(171)))
+    L, W = len(prompt.token_ids), 3
+    # the prompt and 4 answer tokens, as the model would see them in one forward
+    grids = [image_grid(inp) for inp in prompt.image_inputs]  # new images: processed
+    full, delta = prompt_positions(enc.vlm, prompt.token_ids + [1, 2, 3, 4], grids)
+    assert delta == prompt.rope_delta != 0 and (full[:, :L] == prompt.mrope).all()
+    for k in range(L + 4 - W + 1):
+        seq = SimpleNamespace(request=SimpleNamespace(vision=prompt), consumed=k, output_ids=[1, 2, 3, 4])
+        assert (np.array(decode_positions([seq], W))[:, 0] == full[:, k:k + W]).all(), k
+        padded = np.array(prefill_positions([(seq, k, W)], W + 2))[:, 0]
+        assert (padded[:, 2:] == full[:, k:k + W]).all(), k
+
+
+def test_mrope_chunked_prefill_and_prefix_hit_equal_cold(mrope_engine):
+    """Prefill in 5-token chunks (chunks start mid-image and after it: each takes its own columns of the
+    prompt's positions); a second question on the same image resumes after the cached prefix; a
+    preempted-and-resumed or cache-hit row continues at its own positions. All equal mlx-vlm's."""
+    from parallm_engine import Engine
+
+    eng = Engine(str(mrope_engine.model_info.path), prefill_chunk=5)
+    try:
+        system = {"role": "system", "content": "You read charts."}
+        first = [system, *ask("What is the first bar?", chart(150, size=(56, 40)))]
+        assert greedy(eng, first) == reference(eng, first)
+        second = [system, *ask("And the last bar?", chart(150, size=(56, 40)))]
+        warm = eng.chat(second, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+        assert warm.usage.cached_tokens > 0 and warm.token_ids == reference(eng, second)
+        # The next turn: the whole first exchange (image and answer, at their positions) is the prefix.
+        answer = eng.tokenizer.decode(greedy(eng, first))
+        turn = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+        again = eng.chat(turn, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+        assert again.token_ids == reference(eng, turn)
+    finally:
+        eng.shutdown()
+
+
+def test_mrope_speculative_verification_equals_plain(mrope_engine):
+    """n-gram speculation verifies W > 1 positions per row in one forward: each row's block continues
+    its own positions (its rope delta included), so greedy output is unchanged."""
+    from parallm_engine.vision_chat import chat_prompt
+
+    convs = [ask("Repeat: red blue red blue red blue red blue", chart(160, size=(64, 24))),
+             ask("Repeat: one two one two one two", chart(161))]
+    prompts = [chat_prompt(mrope_engine, m, None, {}) for m in convs]
+    before = mrope_engine.stats()["spec_steps"]
+    spec = mrope_engine.generate(prompts, max_tokens=40, temperature=0.0, ignore_eos=True,
+                                 speculative={"method": "ngram", "num_tokens": 4, "min_match": 1})
+    assert mrope_engine.stats()["spec_steps"] > before  # verification forwards of W > 1 ran
+    for conv, res in zip(convs, spec):
+        assert res.token_ids == reference(mrope_engine, conv, 40)
 
 
 def test_langchain_image_blocks(vlm_engine):

@@ -168,7 +168,9 @@ class DecodeBatch:
                 continue
             with lane.context():
                 rows = tokens if n == len(tokens) else tokens[start : start + n]
-                logits = model(rows, cache=lane.kv)
+                # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
+                extra = model.decode_kwargs(lane.seqs, rows.shape[1]) if hasattr(model, "decode_kwargs") else {}
+                logits = model(rows, cache=lane.kv, **extra)
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)

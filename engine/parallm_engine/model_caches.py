@@ -244,7 +244,8 @@ class MixedDecodeBatch:
 
     def forward(self, model, tokens: mx.array) -> mx.array:
         """Lazy float32 logits, one row per running sequence: the model's own forward."""
-        return model(tokens[:, None], cache=self.caches)[:, -1, :].astype(mx.float32)
+        extra = model.decode_kwargs(self.running, 1) if hasattr(model, "decode_kwargs") else {}  # M-RoPE positions
+        return model(tokens[:, None], cache=self.caches, **extra)[:, -1, :].astype(mx.float32)
 
     def row_caches(self, seq) -> list:
         """``seq``'s own per-layer caches, extracted from the batch (for a snapshot)."""

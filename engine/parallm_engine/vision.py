@@ -11,7 +11,8 @@ How an image request runs:
    derived from that image's pixel hash (outside the vocabulary), so two different images never share
    a key and the same picture in any encoding does. Each image's token span is remembered by pixel
    hash: once splicing spans into the tokenized prompt has reproduced the processor's ids for this
-   model, a prompt whose images were all seen before skips the image processor entirely.
+   model, a prompt whose images were all seen before skips the image processor entirely. M-RoPE models
+   (Qwen-VL) also get the prompt's 3-D positions and rope delta here (``vision_mrope``).
 2. Before the scheduler (``Engine.submit`` -> ``vision_worker``): each image's features come from the
    per-image cache (keyed by pixel hash, LRU under a byte budget) or, on a miss, from mlx-vlm's own
    ``get_input_embeddings`` on the image alone (vision tower + projector, exactly its merge), run on the
@@ -20,16 +21,21 @@ How an image request runs:
 3. Engine thread (:func:`prefill_forward`, called by the scheduler for every prefill forward): rows of a
    sequence with images get embeddings instead of token ids: the language model's own token
    embeddings, with image positions replaced by the image's vision features. A prompt whose image and
-   text up to it are already in the radix tree skips both the encoder and the prefill.
-4. Decoding is the language model's own forward on token ids, batched with text requests.
+   text up to it are already in the radix tree skips both the encoder and the prefill. M-RoPE models
+   get every row's own positions (and Qwen3-VL its DeepStack rows): ``vision_mrope``.
+4. Decoding is the language model's own forward on token ids, batched with text requests (M-RoPE
+   models: with each row's positions, through the decode batch's ``decode_kwargs`` hook).
 
 Families: those whose language model uses plain 1-D positions and causal attention over image tokens,
 so image rows are ordinary prompt rows: LLaVA, Idefics3 / SmolVLM, Pixtral and Mistral 3 (Mistral Small
 3.1: [IMG] rows read features, [IMG_BREAK] / [IMG_END] are text), and Gemma 3 (mlx-vlm's gemma3 attends
 causally over image tokens: the 4-D mask its merge builds is never passed to the language model; its
-sliding-window layers run in the engine's "mixed" cache layout, ``make_cache`` below). Refused with a
-typed error that says why (``UNSUPPORTED_VISION``): M-RoPE models (Qwen2/2.5/3-VL) and PaliGemma's
-prefix-LM attention; their text checkpoints still load text-only via mlx-lm.
+sliding-window layers run in the engine's "mixed" cache layout, ``make_cache`` below); and the M-RoPE
+families Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE, whose image tokens take 3-D positions from
+the image grid: the engine passes each row its own positions instead of mlx-vlm's batch-wide
+``_rope_deltas`` (``vision_mrope``). Refused with a typed error that says why (``UNSUPPORTED_VISION``):
+PaliGemma's prefix-LM attention, and Mistral 3 checkpoints with a Ministral 3 language model; their text
+checkpoints still load text-only via mlx-lm.
 """
 
 from __future__ import annotations
@@ -48,20 +54,14 @@ import numpy as np
 
 from .errors import ImageInputError, ModelLoadError
 from .vision_inputs import DecodedImage, extract_images
+from .vision_mrope import (MROPE_FAMILIES, decode_positions, deepstack_inputs, image_grid, prefill_positions,
+                           prompt_positions)
 
 #: Families ParaLLM runs with images (model_type in config.json).
-VISION_FAMILIES = ("llava", "idefics3", "smolvlm", "mistral3", "pixtral", "gemma3")
+VISION_FAMILIES = ("llava", "idefics3", "smolvlm", "mistral3", "pixtral", "gemma3") + MROPE_FAMILIES
 #: Vision families the engine cannot batch correctly yet, and why (their text checkpoints still load
 #: text-only through mlx-lm; image requests get an ImageInputError with this reason).
-_MROPE = ("M-RoPE: image tokens get 3-D (time, height, width) positions from the image grid, and every "
-          "later token a per-sequence position offset (rope delta); mlx-vlm keeps that offset on the model "
-          "object (_rope_deltas), one for the whole batch, and the engine's decode forward does not pass "
-          "per-row positions yet")
 UNSUPPORTED_VISION = {
-    "qwen2_vl": _MROPE,
-    "qwen2_5_vl": _MROPE,
-    "qwen3_vl": _MROPE,
-    "qwen3_vl_moe": _MROPE,
     "paligemma": "prefix-LM attention: the prompt, image included, attends bidirectionally",
 }
 #: mistral3 checkpoints whose language model is not plain Mistral: Ministral 3 scales attention by a
@@ -133,7 +133,7 @@ def load_vision_model(path: Path):
     _eval_each_linear(vlm)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=getattr(vlm.config, "eos_token_id", None))
     encoder = VisionEncoder(vlm, processor, tokenizer)
-    return VisionLanguageModel(vlm.language_model, encoder), tokenizer
+    return VisionLanguageModel(vlm.language_model, encoder, mrope=encoder.family in MROPE_FAMILIES), tokenizer
 
 
 def _materialize(vlm) -> None:
@@ -177,10 +177,11 @@ class VisionLanguageModel(nn.Module):
     caches in, logits out), optionally with input embeddings; ``vision`` holds the rest (not a child
     module: the engine's kernels and dtype conversion touch only the language model)."""
 
-    def __init__(self, language_model: nn.Module, encoder: "VisionEncoder"):
+    def __init__(self, language_model: nn.Module, encoder: "VisionEncoder", mrope: bool = False):
         super().__init__()
         self.language_model = language_model
         self.vision = encoder
+        self.mrope = mrope  # every forward gets per-row position_ids (vision_mrope)
 
     @property
     def layers(self):
@@ -209,8 +210,14 @@ class VisionLanguageModel(nn.Module):
     def embed(self, ids: mx.array) -> mx.array:
         return self.vision.vlm.get_input_embeddings(input_ids=ids).inputs_embeds
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None):
-        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache)
+    def decode_kwargs(self, seqs: list, width: int) -> dict:
+        """Extra arguments of a decode forward of ``seqs`` over ``width`` positions per row (the decode
+        batch's hook): an M-RoPE model's per-row positions."""
+        return {"position_ids": decode_positions(seqs, width)} if self.mrope else {}
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None, **kwargs):
+        """``kwargs``: an M-RoPE model's ``position_ids`` (and Qwen3-VL's DeepStack inputs: vision_mrope)."""
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
         return getattr(out, "logits", out)
 
 
@@ -229,6 +236,9 @@ class VisionPrompt:
     # worker, or the cache at submit)
     feature_parts: list | None = field(repr=False, default=None)
     features: Any = field(repr=False, default=None)  # engine thread: (rows, hidden), once computed
+    # M-RoPE models (vision_mrope): the prompt's (3, len) positions and the offset of every later token
+    mrope: np.ndarray | None = field(repr=False, default=None)
+    rope_delta: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -262,6 +272,7 @@ class VisionEncoder:
         # Per pixel hash: the image's token span (LRU). ``_splice_ok``: whether splicing spans into the
         # tokenized prompt gave the processor's own ids (None: not checked yet; False: never splice).
         self._spans: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._grids: dict[bytes, np.ndarray] = {}  # per pixel hash: an M-RoPE image's (t, h, w) grid
         self._splice_ok: bool | None = None
         self._frame: list[int] | None = None  # the tokenizer's ids for the image marker alone
         self._marker_id: int | None = None  # the marker's own token id
@@ -275,9 +286,12 @@ class VisionEncoder:
         remote = self.allow_remote_images if allow_remote_images is None else bool(allow_remote_images)
         stripped, images = extract_images(messages, allow_remote=remote, max_pixels=self.max_image_pixels)
         text = self._render(stripped, tools, len(images), template_kwargs)
+        mrope = self.family in MROPE_FAMILIES
         with self._lock:
             known = [self._spans.get(im.digest) for im in images]
-        token_ids = self._spliced(text, known) if self._splice_ok and all(k is not None for k in known) else None
+            grids = [self._grids.get(im.digest) for im in images]
+        token_ids = self._spliced(text, known) if self._splice_ok and all(k is not None for k in known) and not (
+            mrope and any(g is None for g in grids)) else None
         if token_ids is not None:
             # Every image seen before: no image processing at all. Its pixel inputs are made on the engine
             # thread only if its features are gone from the cache by then (see ``_image_features``).
@@ -285,6 +299,7 @@ class VisionEncoder:
             counts = [sum(1 for t in span if t == self.image_token_id) for span in known]
         else:
             token_ids, inputs, counts = self._process(text, images)
+            grids = [image_grid(inp) for inp in inputs] if mrope else grids
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if sum(counts) != len(positions):
             raise ImageInputError(
@@ -302,7 +317,10 @@ class VisionEncoder:
         if token_ids and row_index[-1] >= 0:
             raise ImageInputError("the prompt must not end with an image (add text or a generation prompt)",
                                   param="messages")
-        return VisionPrompt(token_ids, key_ids, images, row_index, inputs)
+        prompt = VisionPrompt(token_ids, key_ids, images, row_index, inputs)
+        if mrope:  # the prompt's own 3-D positions (vision_mrope)
+            prompt.mrope, prompt.rope_delta = prompt_positions(self.vlm, token_ids, grids)
+        return prompt
 
     def _process(self, text: str, images: list[DecodedImage]) -> tuple[list[int], list[dict], list[int]]:
         """mlx-vlm's processor on the whole prompt (its token ids) and on each image alone (its pixel
@@ -325,11 +343,14 @@ class VisionEncoder:
             self._splice_ok = ok if self._splice_ok is None else (self._splice_ok and ok)
         if self._splice_ok:
             with self._lock:
-                for image, span in zip(images, spans):
+                for image, span, inp in zip(images, spans, inputs):
                     self._spans[image.digest] = span
                     self._spans.move_to_end(image.digest)
+                    if "image_grid_thw" in inp:  # M-RoPE: the image's grid gives its tokens' positions
+                        self._grids[image.digest] = image_grid(inp)
                 while len(self._spans) > MAX_KNOWN_SPANS:
-                    self._spans.popitem(last=False)
+                    old, _ = self._spans.popitem(last=False)
+                    self._grids.pop(old, None)
         return token_ids, inputs, counts
 
     def _text_ids(self, text: str) -> list[int]:
@@ -445,9 +466,12 @@ class VisionEncoder:
         if self.family == "gemma3":  # its merge builds a (never used) 4-D mask from the attention mask
             extra["mask"] = mx.ones(ids.shape, dtype=mx.int32)
         t0 = time.monotonic()
-        merged = self.vlm.get_input_embeddings(input_ids=ids, **extra).inputs_embeds[0]
+        out = self.vlm.get_input_embeddings(input_ids=ids, **extra)
         rows = np.nonzero(np.array(ids[0]) == self.image_token_id)[0]
-        feats = merged[mx.array(rows)]
+        feats = out.inputs_embeds[0][mx.array(rows)]
+        deepstack = getattr(out, "deepstack_visual_embeds", None)
+        if deepstack is not None:  # Qwen3-VL: each DeepStack layer's rows, side by side (vision_mrope)
+            feats = mx.concatenate([feats, *[d.astype(feats.dtype) for d in deepstack]], axis=-1)
         mx.eval(feats)
         with self._cache_lock:
             self.last_encode = (t0, time.monotonic())
@@ -480,10 +504,12 @@ def prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
     (left-padded to ``tokens.shape[1]``): the row covers context positions ``[start, start + n)``. Rows
     of image requests read embeddings (their images' feature rows at image positions); other calls are
     the model's plain forward on token ids."""
-    if not any(getattr(seq.request, "vision", None) is not None for seq, _, _ in rows):
-        return model(tokens, cache=cache)
-    encoder: VisionEncoder = model.vision
     B, L = tokens.shape
+    # M-RoPE: every row's own positions, text rows included (the model must never derive them itself)
+    kwargs = {"position_ids": prefill_positions(rows, L)} if getattr(model, "mrope", False) else {}
+    if not any(getattr(seq.request, "vision", None) is not None for seq, _, _ in rows):
+        return model(tokens, cache=cache, **kwargs)
+    encoder: VisionEncoder = model.vision
     real = np.array(tokens)
     r_idx, c_idx, f_idx, feats, offset = [], [], [], [], 0
     for r, (seq, start, n) in enumerate(rows):
@@ -506,5 +532,9 @@ def prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
     embeds = model.embed(ids)
     if r_idx:
         rows_all = mx.concatenate(feats) if len(feats) > 1 else feats[0]
-        embeds[mx.array(r_idx), mx.array(c_idx)] = rows_all[mx.array(f_idx)].astype(embeds.dtype)
-    return model(ids, cache=cache, input_embeddings=embeds)
+        picked = rows_all[mx.array(f_idx)].astype(embeds.dtype)
+        H = embeds.shape[-1]
+        embeds[mx.array(r_idx), mx.array(c_idx)] = picked[:, :H]
+        if picked.shape[-1] > H:  # Qwen3-VL's DeepStack rows, in the batch's row-major image order
+            kwargs.update(deepstack_inputs(picked, H, r_idx, c_idx, B, L))
+    return model(ids, cache=cache, input_embeddings=embeds, **kwargs)

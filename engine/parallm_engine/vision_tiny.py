@@ -8,7 +8,9 @@ image processor / processor configs. Families: ``"llava"`` (CLIP tower, 4 image 
 ``"idefics3"`` (SigLIP-style tower + pixel-shuffle connector, SmolVLM's layout, 4 image tokens),
 ``"pixtral"`` / ``"mistral3"`` (Pixtral tower at the image's own aspect ratio, [IMG] rows broken by
 [IMG_BREAK]; mistral3 adds the 2x2 patch merger), ``"gemma3"`` (SigLIP tower pooled to 4 tokens between
-<start_of_image> / <end_of_image>; sliding-window layers with an 8-token window).
+<start_of_image> / <end_of_image>; sliding-window layers with an 8-token window), ``"qwen2_vl"`` /
+``"qwen2_5_vl"`` / ``"qwen3_vl"`` / ``"qwen3_vl_moe"`` (M-RoPE language model, ViT patches merged 2x2,
+the image's token grid follows its aspect ratio; Qwen3-VL adds DeepStack, its MoE variant 4 experts).
 
 Weights are not mlx's plain init (whose outputs barely depend on the context): embeddings ~ N(0, 0.5^2),
 other matrices x3, as ``tests/model_zoo`` does for text models, so greedy tokens depend on the image
@@ -40,7 +42,14 @@ _IMAGE_TOKENS = {
     "mistral3": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
     "pixtral": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
     "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>", "<pad>"],
+    "qwen2_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
+    "qwen2_5_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
+    "qwen3_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
+    "qwen3_vl_moe": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
 }
+#: What the chat template writes for one image part, where it is not the family's image token alone.
+_IMAGE_MARKUP = {f: "<|vision_start|><|image_pad|><|vision_end|>"
+                 for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")}
 #: Named special tokens a family's processor reads from its tokenizer (``tokenizer.boi_token`` ...).
 _NAMED_TOKENS = {"gemma3": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
                             "eoi_token": "<end_of_image>"}}
@@ -148,7 +157,51 @@ def _tiny_files(family: str, tok_ids: dict, vocab: int) -> tuple[dict, dict, dic
                "image_std": _STD, "resample": 2, "rescale_factor": 1 / 255, "size": {"height": 32, "width": 32}}
         proc = {"processor_class": "Gemma3Processor", "image_seq_length": 4}
         return config, pre, proc
-    raise ValueError(f"no tiny builder for vision family {family!r} (have: llava, idefics3, mistral3, pixtral, gemma3)")
+    if family.startswith(("qwen2_vl", "qwen2_5_vl", "qwen3_vl")):
+        return _qwen_vl_files(family, tok_ids, vocab)
+    raise ValueError(f"no tiny builder for vision family {family!r} (have: llava, idefics3, mistral3, pixtral, "
+                     "gemma3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe)")
+
+
+def _qwen_vl_files(family: str, tok_ids: dict, vocab: int) -> tuple[dict, dict, dict]:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: M-RoPE language model (3-D positions, sections 2/3/3 of a
+    16-wide head), a ViT over 8-pixel patches merged 2x2 into one image token (a 48x40 chart: 2x3 = 6
+    tokens; 2.5 adds window attention; Qwen3-VL's DeepStack adds the tower's first-layer features to
+    the language model's first layer at image positions). Qwen2/2.5 keep the text config at the top
+    level, as in the real checkpoints (mlx-vlm's config reads it there); Qwen3-VL nests it."""
+    text = {**_TEXT, "model_type": family, "vocab_size": vocab,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    if family.startswith("qwen3_vl"):
+        text.update(head_dim=16, attention_bias=False)
+        if family == "qwen3_vl_moe":  # 4 experts, 2 per token, in every layer
+            text.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                        moe_intermediate_size=64)
+        vision = {"model_type": family, "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                  "out_hidden_size": 64, "num_heads": 2, "patch_size": 8, "spatial_patch_size": 8,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+                  "deepstack_visual_indexes": [0], "in_channels": 3}
+    elif family == "qwen2_5_vl":
+        vision = {"model_type": family, "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                  "out_hidden_size": 64, "num_heads": 2, "patch_size": 8, "spatial_patch_size": 8,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 32,
+                  "fullatt_block_indexes": [1], "in_channels": 3}
+    else:
+        vision = {"model_type": family, "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                  "mlp_ratio": 2, "patch_size": 8, "spatial_patch_size": 8, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "in_channels": 3}
+    config = {**(text if not family.startswith("qwen3_vl") else {"model_type": family, "vocab_size": vocab,
+                                                     "tie_word_embeddings": False}),
+              "text_config": dict(text), "vision_config": vision,
+              "image_token_id": tok_ids["<|image_pad|>"], "video_token_id": tok_ids["<|video_pad|>"],
+              "vision_start_token_id": tok_ids["<|vision_start|>"],
+              "vision_end_token_id": tok_ids["<|vision_end|>"]}
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 8, "temporal_patch_size": 2,
+           "merge_size": 2, "min_pixels": 16 * 16, "max_pixels": 48 * 48, "image_mean": _MEAN,
+           "image_std": _STD, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+           "do_convert_rgb": True}
+    proc = {"processor_class": {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                                "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}[family]}
+    return config, pre, proc
 
 
 def build_tiny_vlm(family: str, out_dir, seed: int = 0) -> Path:
@@ -172,7 +225,7 @@ def build_vlm(family: str, out_dir, size: str = "tiny", seed: int = 0) -> Path:
     tok = AutoTokenizer.from_pretrained(str(tok_src))
     extra = _IMAGE_TOKENS.get(family, _IMAGE_TOKENS["idefics3"])
     tok.add_special_tokens({"additional_special_tokens": extra})
-    tok.chat_template = CHAT_TEMPLATE.replace("<image>", extra[0])
+    tok.chat_template = CHAT_TEMPLATE.replace("<image>", _IMAGE_MARKUP.get(family, extra[0]))
     tok.save_pretrained(str(out))
     if family in _NAMED_TOKENS:
         cfg_path = out / "tokenizer_config.json"
@@ -191,6 +244,9 @@ def build_vlm(family: str, out_dir, size: str = "tiny", seed: int = 0) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
     (out / "processor_config.json").write_text(json.dumps(proc, indent=1))
+    if family in _IMAGE_MARKUP:  # read by mlx-vlm's Qwen-VL processor (which else asks the hub for it)
+        video = {**pre, "video_processor_type": "Qwen2VLVideoProcessor"}
+        (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
 
     arch, _ = get_model_and_args(config)
     model_config = arch.ModelConfig.from_dict(config)

@@ -2,7 +2,8 @@
 
     python examples/vision_charts.py [VLM_DIR]
 
-VLM_DIR: a local LLaVA / SmolVLM (Idefics3) / Pixtral / Mistral 3 / Gemma 3 checkpoint in MLX format.
+VLM_DIR: a local LLaVA / SmolVLM (Idefics3) / Pixtral / Mistral 3 / Gemma 3 / Qwen2.5-VL / Qwen3-VL checkpoint in MLX
+format.
 Without one (ParaLLM never downloads), a tiny random-weight LLaVA is built (parallm_engine.vision_tiny):
 its answers are noise, and it says so; the cache hit rate, the encoder-run counts and the timings are real.
 

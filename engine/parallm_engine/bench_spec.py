@@ -7,6 +7,12 @@ prompts run greedy with and without ``speculative={"method": "ngram", ...}`` at 
 agent case; the timed runs then measure decoding, not prefill); reported per concurrency: tok/s of each
 (generated tokens / wall, the better of the runs), the ratio, whether every request produced the same tokens, and
 the acceptance rate (accepted / proposed drafted tokens).
+
+The draft-model method (``draft`` entry): the loaded model as the target and, as its draft, a copy of it
+cut to its first ``DRAFT_LAYERS`` layers (same embeddings, final norm and head: no training), built in
+memory through the engine's loader; the same prompts, plain vs ``{"method": "draft", ...}``, at
+``draft_concurrency`` (speculation runs only for small batches: ``speculative.MAX_SPEC_BATCH``). An
+untrained cut of a 135M model is a weak draft: the line reports what it gains or costs as measured.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ import random
 import time
 
 SPEC = {"method": "ngram", "num_tokens": 4}
-FULL_SPEC = {"concurrency": (1, 8, 32), "new_tokens": 160, "runs": 2}
-QUICK_SPEC = {"concurrency": (1, 8), "new_tokens": 48, "runs": 1}
+FULL_SPEC = {"concurrency": (1, 8, 32), "new_tokens": 160, "runs": 2, "draft_concurrency": (1, 4)}
+QUICK_SPEC = {"concurrency": (1, 8), "new_tokens": 48, "runs": 1, "draft_concurrency": (1,)}
+#: Layers of the target the draft model keeps (SmolLM2-135M has 30).
+DRAFT_LAYERS = 8
+DRAFT_TOKENS = 3
 
 
 def _json_block(rng: random.Random) -> dict:
@@ -102,6 +111,53 @@ def run_spec(engine, sizes: dict | None = None, tick=lambda msg: None) -> dict:
             "accepted_tokens": accepted,
             "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
         }
+    if sizes.get("draft_concurrency"):
+        out["draft"] = run_draft(engine, sizes, tick)
+    return out
+
+
+def truncated_draft(engine, layers: int = DRAFT_LAYERS):
+    """A copy of the engine's model (loaded again by the engine's loader) keeping its first ``layers``
+    layers, for the draft-model method."""
+    from .loader import load_model
+
+    net, _, _ = load_model(engine.model_info.source)
+    inner = getattr(net, "model", net)
+    layers = min(layers, len(inner.layers))
+    inner.layers = inner.layers[:layers]
+    if hasattr(net.args, "num_hidden_layers"):
+        net.args.num_hidden_layers = layers
+    return net
+
+
+def run_draft(engine, sizes: dict, tick=lambda msg: None, layers: int = DRAFT_LAYERS) -> dict:
+    """Plain vs a draft model cut from the target, greedy, on the copy-heavy prompts."""
+    draft = truncated_draft(engine, layers)
+    spec = {"method": "draft", "model": draft, "num_tokens": DRAFT_TOKENS}
+    out: dict = {"layers": len(draft.layers), "target_layers": len(engine.model.layers),
+                 "num_tokens": DRAFT_TOKENS}
+    engine.generate(copy_prompts(engine, 1, seed=99), max_tokens=8, temperature=0, speculative=spec)  # warm up
+    for conc in sizes["draft_concurrency"]:
+        tick(f"spec: {conc} concurrent, draft model ({out['layers']} layers) vs plain")
+        prompts = copy_prompts(engine, conc, seed=conc)
+        engine.generate(prompts, max_tokens=1, temperature=0)
+        plain, spec_runs = [], []
+        for _ in range(sizes["runs"]):
+            plain.append(_run(engine, prompts, sizes["new_tokens"], False))
+            spec_runs.append(_run(engine, prompts, sizes["new_tokens"], spec))
+        best_plain = max(plain, key=lambda r: r["tok_s"])
+        best_spec = max(spec_runs, key=lambda r: r["tok_s"])
+        proposed = sum(r["proposed"] for r in spec_runs)
+        accepted = sum(r["accepted"] for r in spec_runs)
+        out[f"batch_{conc}"] = {
+            "plain_tok_s": round(best_plain["tok_s"], 2),
+            "draft_tok_s": round(best_spec["tok_s"], 2),
+            "speedup": round(best_spec["tok_s"] / best_plain["tok_s"], 3) if best_plain["tok_s"] else 0.0,
+            "same_tokens": all(r["ids"] == plain[0]["ids"] for r in plain + spec_runs),
+            "proposed_tokens": proposed,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+        }
     return out
 
 
@@ -112,4 +168,13 @@ def format_lines(entry: dict) -> list[str]:
             lines.append(f"  {key[6:]:>3} concurrent: plain {row['plain_tok_s']:8.1f} tok/s  ngram "
                          f"{row['ngram_tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  acceptance "
                          f"{row['acceptance_rate']:.2f}  same tokens: {row['same_tokens']}")
+    draft = entry.get("draft")
+    if draft:
+        lines.append(f"  draft model (first {draft['layers']} of {draft['target_layers']} layers, "
+                     f"{draft['num_tokens']} tokens):")
+        for key, row in draft.items():
+            if key.startswith("batch_"):
+                lines.append(f"  {key[6:]:>3} concurrent: plain {row['plain_tok_s']:8.1f} tok/s  draft "
+                             f"{row['draft_tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  acceptance "
+                             f"{row['acceptance_rate']:.2f}  same tokens: {row['same_tokens']}")
     return lines

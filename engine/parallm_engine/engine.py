@@ -169,6 +169,7 @@ class Engine:
         self._scheduler = Scheduler(self.model, self.tokenizer, self.model_info, self.config, self._stats)
         if speculative is not None and speculative.enabled and self._scheduler.speculator is None:
             raise InvalidRequestError(self._scheduler.no_speculation, param="speculative")
+        self._check_draft(speculative)
         if self.backend.name == "cpu-native" and not self._scheduler.native_kernels:
             self.backend.name = "cpu-mlx"  # the native kernels could not be built: MLX-op kernels
         self.backend.decode_lanes = self.config.decode_lanes
@@ -385,6 +386,15 @@ class Engine:
         if params.needs_penalties:
             raise InvalidRequestError("speculative decoding is not supported together with repetition / "
                                       "presence / frequency penalties", param="speculative")
+        self._check_draft(spec)
+
+    def _check_draft(self, spec) -> None:
+        """The draft-model method: its model is loaded (once per process) and checked against this
+        engine's model here, on the caller's thread, so the engine thread finds it ready."""
+        if spec is not None and spec.enabled and spec.method == "draft":
+            from .draft_model import resolve_draft
+
+            resolve_draft(spec, self.model, self.tokenizer, self.model_info, kernels=self.config.cpu_kernels)
 
     def abort(self, request: str | Request) -> None:
         """Abort a request (its id, or the ``Request``; ``RequestHandle.abort`` passes the latter). The

@@ -21,6 +21,7 @@ class KVManager:
         self.cache = cache  # RadixCache, SnapshotCache or None
         self.cache_cap = int(config.radix_budget_bytes)  # the prefix cache's own limit within the budget
         self.evicted_for_rows = 0  # prefix-cache bytes evicted to make room for running rows
+        self.draft_kv_bytes = lambda: 0  # speculative decoding's draft-model KV for the rows (draft_model.py)
 
     @property
     def budget(self) -> int:
@@ -34,7 +35,7 @@ class KVManager:
     def rows_bytes(self, extra: int) -> int:
         """The running rows after ``extra`` more decode steps, a shared prefix owned by the tree excepted."""
         tree_owned = self.batch.nbytes() - self.batch.held_nbytes()
-        return self.batch.footprint(extra, self.bytes_per_token) - tree_owned
+        return self.batch.footprint(extra, self.bytes_per_token) - tree_owned + self.draft_kv_bytes()
 
     def pinned_cache_bytes(self) -> int:
         """Prefix-cache bytes that cannot be evicted now."""

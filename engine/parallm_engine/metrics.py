@@ -165,6 +165,7 @@ _ENGINE_METRICS = (
     ("spec_proposed_tokens", "spec_proposed_tokens_total", "counter", "Speculative draft tokens verified."),
     ("spec_accepted_tokens", "spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted."),
     ("spec_acceptance_rate", "spec_acceptance_rate", "gauge", "Accepted / proposed speculative draft tokens."),
+    ("spec_draft_kv_bytes", "spec_draft_kv_bytes", "gauge", "Bytes of KV the draft model holds for its rows."),
     ("generation_tps_busy", "generation_tokens_per_busy_second", "gauge",
      "Generated tokens per second of engine busy time."),
     ("ttft_p50_s", "engine_ttft_p50_seconds", "gauge", "Median time to first token (engine, recent window)."),

@@ -141,6 +141,8 @@ class Scheduler:
             self.no_speculation = kv_quant.NO_SPECULATION
         self.speculator = Speculator(config.speculative, stats, model_info.context_window) \
             if self.no_speculation is None else None
+        if self.speculator is not None:  # a draft model's KV for its rows counts with the rows (draft_model.py)
+            self.kv.draft_kv_bytes = self.speculator.draft_rows.nbytes
         # Models whose attention scores are (B, KV heads, repeats, L, S) need masks with one more axis.
         self._mask_5d = model_type == "gemma2"
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
@@ -610,6 +612,8 @@ class Scheduler:
     def _drop_rows(self, rows: set[int]) -> None:
         """Remove the sequences whose ``id()`` is in ``rows`` from the batch and the step in flight."""
         self.batch.drop(rows)
+        if self.speculator is not None:
+            self.speculator.drop(rows)
         if self._pending is not None:
             seqs, toks, lp_rows, chosen = self._pending
             kept = [i for i, s in enumerate(seqs) if id(s) not in rows]

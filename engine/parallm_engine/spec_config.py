@@ -9,15 +9,22 @@ A request (or the engine, as its default) asks for speculation with ``speculativ
 - ``False`` / ``"off"`` / ``{"method": "none"}``: no speculation for this request (even with an
   engine-wide default); ``None``: the engine's default.
 
-The draft-model method (``{"method": "draft", ...}``) is refused with an :class:`InvalidRequestError`:
-it is not implemented yet. The scheduler runs the settings (``speculative.py``); the integrations and the
-server import this module to check them at construction / request time without loading MLX.
+- ``{"method": "draft", "model": <path or loaded mlx-lm model>, "num_tokens": k}``: a smaller model of
+  the same vocabulary proposes ``k`` tokens greedily (``draft_model.py``). A path is checked here (it
+  must exist, or look like a Hugging Face id for the local cache); the model is loaded once per process
+  and checked against the target (vocabulary, plain-attention caches) when a request or the engine
+  first asks for it.
+
+The scheduler runs the settings (``speculative.py``); the integrations and the server import this module
+to check them at construction / request time without loading MLX.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import InvalidRequestError
@@ -29,17 +36,24 @@ _KEYS = {"method", "num_tokens", "min_match", "max_match", "adaptive"}
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"  # "ngram" or "none"
+    method: str = "ngram"  # "ngram", "draft" or "none"
     num_tokens: int = 4  # drafted tokens per step, at most (adaptive k may propose fewer)
     min_match: int = 2  # shortest n-gram that counts as a match
     max_match: int = 4  # longest n-gram tried first
     adaptive: bool = True  # per-row k from the recent acceptance rate, none in large batches
+    # "draft": what identifies the draft model (a resolved path, or "<object id>" for a loaded model) ...
+    draft_key: str | None = None
+    # ... and the model as given (a path, or a loaded mlx-lm model: not compared, not printed).
+    model: Any = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
         return self.method != "none" and self.num_tokens > 0
 
     def as_dict(self) -> dict:
+        if self.method == "draft":
+            shown = str(self.model) if isinstance(self.model, (str, os.PathLike)) else self.draft_key
+            return {"method": "draft", "model": shown, "num_tokens": self.num_tokens, "adaptive": self.adaptive}
         return {"method": self.method, "num_tokens": self.num_tokens, "min_match": self.min_match,
                 "max_match": self.max_match, "adaptive": self.adaptive}
 
@@ -79,10 +93,9 @@ def parse_speculative(value: Any) -> SpeculativeConfig | None:
     if method in ("none", "off"):
         return OFF
     if method == "draft":
-        raise InvalidRequestError("speculative method 'draft' (a draft model) is not supported yet; "
-                                  "use {'method': 'ngram'}", param="speculative")
+        return _parse_draft(value)
     if method != "ngram":
-        raise InvalidRequestError(f"unknown speculative method {method!r}; expected 'ngram' or 'none'",
+        raise InvalidRequestError(f"unknown speculative method {method!r}; expected 'ngram', 'draft' or 'none'",
                                   param="speculative")
     if "model" in value:
         raise InvalidRequestError("speculative.model applies to the 'draft' method only", param="speculative")
@@ -93,3 +106,42 @@ def parse_speculative(value: Any) -> SpeculativeConfig | None:
     if not isinstance(adaptive, bool):
         raise InvalidRequestError("speculative.adaptive must be a bool", param="speculative")
     return SpeculativeConfig("ngram", num_tokens, min_match, max_match, adaptive)
+
+
+def _adaptive(value: Mapping) -> bool:
+    adaptive = value.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise InvalidRequestError("speculative.adaptive must be a bool", param="speculative")
+    return adaptive
+
+
+def _parse_draft(value: Mapping) -> SpeculativeConfig:
+    for name in ("min_match", "max_match"):
+        if name in value:
+            raise InvalidRequestError(f"speculative.{name} applies to the 'ngram' method only", param="speculative")
+    model = value.get("model")
+    if model is None:
+        raise InvalidRequestError("speculative method 'draft' needs 'model': a model directory or .gguf file "
+                                  "(or a loaded mlx-lm model) with the target's vocabulary", param="speculative")
+    num_tokens = _int("num_tokens", value.get("num_tokens", 4), 1, MAX_SPEC_TOKENS)
+    return SpeculativeConfig("draft", num_tokens, adaptive=_adaptive(value), draft_key=draft_key(model), model=model)
+
+
+def draft_key(model: Any) -> str:
+    """What identifies a draft model (the per-process cache's key): a path resolved, a Hugging Face id
+    (looked up in the local cache when loaded), or a loaded model's identity. A path that does not exist
+    is refused here, before anything is loaded."""
+    if isinstance(model, (str, os.PathLike)):
+        text = str(model)
+        path = Path(text).expanduser()
+        if text and path.exists():
+            return str(path.resolve())
+        if text == "default":
+            return text
+        if "/" in text and not text.startswith((".", "/", "~")):
+            return text  # an HF repo id: only the local hub cache is looked at (loader.resolve_model)
+        raise InvalidRequestError(f"speculative.model: no such file or directory: {text!r}", param="speculative")
+    if callable(model) and hasattr(model, "layers"):  # a loaded mlx-lm model (an mlx.nn.Module)
+        return f"<{type(model).__module__}.{type(model).__name__} object at {id(model):#x}>"
+    raise InvalidRequestError("speculative.model must be a path to a model directory / .gguf file or a loaded "
+                              f"mlx-lm model, got {type(model).__name__}", param="speculative")

@@ -1,5 +1,7 @@
 """Speculative decoding inside the running batch: n-gram (prompt lookup) proposals, verification of
 every speculating row's 1 + k positions in one forward of the target, exact acceptance, KV rollback.
+Rows asking for the draft-model method get their proposals from a draft model instead (``plan`` hands
+them to ``draft_model.DraftRows``: greedy drafts, so the same acceptance test is exact for them too).
 
 A step speculates when some running row asks for it (``SamplingParams.speculative`` or the engine's
 default) and the batch is small enough for the extra positions to be nearly free (see
@@ -40,6 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from .constrained import apply_constraints
+from .draft_model import DraftRows, loaded_draft
 from .sampling import sample_batch
 from .spec_config import SpeculativeConfig
 
@@ -56,6 +59,7 @@ MAX_SPEC_BATCH = 4
 #: A row whose acceptance rate falls below this rests for ``_REST`` steps, then tries again.
 _MIN_RATE = 0.15
 _REST = 8
+_MAX_DRAFT_REST = 64
 #: Steps without looking for drafts after a step found none in any row.
 _COOLDOWN = 2
 
@@ -97,6 +101,7 @@ class RowState:
     index: NgramIndex
     rate: float = 1.0  # recent acceptance rate (exponential average)
     rest: int = 0  # steps left without speculation after a run of rejections
+    draft_rest: int = 8  # the draft-model method's next rest (doubles while its drafts keep failing)
     proposed: int = 0
     accepted: int = 0
 
@@ -129,6 +134,7 @@ class Speculator:
         self.max_batch = max_batch
         self.token_budget = token_budget
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.draft_rows = DraftRows()  # the draft-model method's per-row draft KV (draft_model.py)
         # Steps left before looking for drafts again after a step found none: looking needs the step in
         # flight delivered first, which costs the pipelined overlap when there is nothing to copy.
         self._cooldown = 0
@@ -171,7 +177,7 @@ class Speculator:
     def plan(self, running: list) -> list[list[int]]:
         """Each row's drafted tokens (empty for rows that do not speculate this step)."""
         width = self.token_budget // len(running)  # positions per row this step, at most
-        drafts = []
+        drafts, by_model = [], []
         for s in running:
             cfg = self.config_for(s)
             if cfg is None or s.finish_reason is not None:
@@ -179,11 +185,23 @@ class Speculator:
                 continue
             st = self._state(s, cfg)
             k = self._k_for(s, st, min(MAX_K, width - (s.total_len - s.consumed)))
-            draft = st.index.propose(s.request.prompt_ids + s.output_ids, k) if k > 0 else []
-            if draft and s.constraint is not None:  # drafted tokens the grammar forbids are cut first
-                draft = draft[: s.constraint.matcher.validate_tokens(draft)]
-            drafts.append(draft)
+            if cfg.method == "draft" and k > 0:  # a draft model's rows propose together, below
+                by_model.append((len(drafts), s, loaded_draft(cfg.draft_key), k))
+            draft = st.index.propose(s.request.prompt_ids + s.output_ids, k) if k > 0 and cfg.method == "ngram" else []
+            drafts.append(_grammar_cut(s, draft))
+        if by_model:  # draft_model.py
+            self.draft_rows.retain(running)
+            proposed = self.draft_rows.propose([job[1:] for job in by_model])
+            for (i, s, _, _), draft in zip(by_model, proposed):
+                drafts[i] = _grammar_cut(s, draft)
+            self.stats.spec_draft_kv_bytes = self.draft_rows.nbytes()
         return drafts
+
+    def drop(self, seq_ids) -> None:
+        """Rows leaving the batch (finished, cancelled, preempted) free their draft-model KV."""
+        if len(self.draft_rows):
+            self.draft_rows.drop(seq_ids)
+            self.stats.spec_draft_kv_bytes = self.draft_rows.nbytes()
 
     # -- the speculative step ------------------------------------------------------------------
     def step(self, sched) -> bool:
@@ -289,6 +307,11 @@ class Speculator:
             st.rate = 0.7 * st.rate + 0.3 * (accepted / proposed)
             if st.config.adaptive and st.rate < _MIN_RATE:
                 st.rest, st.rate = _REST, 0.5  # rest, then try again from a middling estimate
+                if st.config.method == "draft":  # drafting costs forwards: retry with one token, rest longer
+                    st.rest, st.rate = st.draft_rest, 0.2
+                    st.draft_rest = min(2 * st.draft_rest, _MAX_DRAFT_REST)
+            elif st.rate >= 0.5:
+                st.draft_rest = _REST
         usage = s.request.usage
         usage.spec_proposed_tokens += proposed
         usage.spec_accepted_tokens += accepted
@@ -297,6 +320,13 @@ class Speculator:
 
 
 MAX_K = 16
+
+
+def _grammar_cut(seq, draft: list[int]) -> list[int]:
+    """Drafted tokens the row's grammar forbids are cut (with everything after them) before verifying."""
+    if draft and seq.constraint is not None:
+        draft = draft[: seq.constraint.matcher.validate_tokens(draft)]
+    return draft
 
 
 def _backlog(seq) -> bool:

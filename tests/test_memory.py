@@ -247,6 +247,8 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
 
         assert eng.run_on_engine_thread(lambda: budget(1000.0, 0.05)) == 200
         assert eng.run_on_engine_thread(lambda: budget(100.0, 0.5)) == sched.config.min_prefill_tokens
+        # A decode step longer than the target (a large batch): prefill gets as long as the decode.
+        assert eng.run_on_engine_thread(lambda: budget(1000.0, 0.4)) == 400
         assert eng.run_on_engine_thread(lambda: budget(1e6, 0.0)) == 2048
         # With nothing decoding, a step prefills a whole chunk: no stream's inter-token latency is at stake.
         vocab = eng.model_info.vocab_size

@@ -285,14 +285,20 @@ class Scheduler:
 
     def prefill_token_budget(self) -> int:
         """Prefill tokens this step may spend: what fits in the step-time target next to the rest of
-        the step (decode, sampling, delivery) at the measured rate; ``prefill_budget`` until measured."""
+        the step (decode, sampling, delivery) at the measured rate, and at least as long as that rest
+        takes; ``prefill_budget`` until measured."""
         if not self.config.step_time_target_s:
             return self.config.prefill_budget
         if self._prefill_rate is None:  # not measured yet: one chunk, then the rate is known
             return min(self.config.prefill_budget, self.config.prefill_chunk)
-        room = max(0.0, self.config.step_time_target_s - self._other_step_s)
-        fit = int(room * self._prefill_rate)
+        fit = int(self._prefill_room_s() * self._prefill_rate)
         return max(self.config.min_prefill_tokens, min(self.config.prefill_budget, fit))
+
+    def _prefill_room_s(self) -> float:
+        """Seconds of prefill a step may take: what the step-time target leaves next to the rest of the
+        step, and at least as long as that rest (a large batch's decode alone may take the whole target:
+        inter-token latency then at most doubles while prompts wait, and they never starve)."""
+        return max(self.config.step_time_target_s - self._other_step_s, self._other_step_s)
 
     def _admit(self) -> None:
         """Admit by what a sequence takes now (its context plus the watermark), not by its max_tokens:
@@ -395,13 +401,16 @@ class Scheduler:
         forward passes (groups) of at most one chunk of tokens, except those whose uncached prefix a
         group member is computing. Sequences whose context is all cached need no forward."""
         budget = self.prefill_token_budget()
-        if not self.running:  # no stream's inter-token latency at stake: at least a whole chunk
+        if len(self.prefilling) > len(self.running):
+            # Nothing decoding, or a burst (more prompts waiting for their first token than streams
+            # waiting for their next): at least a whole chunk per step. The running streams pay a few
+            # long steps; the arrivals' TTFT does not wait behind dozens of short ones.
             budget = max(budget, min(self.config.prefill_chunk, self.config.prefill_budget))
         chunk = min(self.config.prefill_chunk, budget)
         done: list[Sequence] = []
         # The token budget follows the measured rate; the clock also stops the step's prefill once the
         # target has passed (a rate measured on an idle machine may not hold on a busy one).
-        deadline = time.perf_counter() + self.config.step_time_target_s if self.config.step_time_target_s else None
+        deadline = time.perf_counter() + self._prefill_room_s() if self.config.step_time_target_s else None
         while self.prefilling and budget > 0 and (deadline is None or time.perf_counter() < deadline):
             head = self.prefilling[0]
             if not head.started:

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from parallm_engine import Engine, cpu_kernels
-from parallm_engine.decode_batch import DecodeBatch
+from parallm_engine.decode_batch import LANE_FILL_ROWS, DecodeBatch
 from parallm_engine.prefill_runner import split_balanced as _split_balanced
 
 
@@ -97,22 +97,28 @@ def test_split_balanced_keeps_order_and_balances():
     assert _split_balanced(items, weights, 1) == [items]
 
 
-def test_decode_batch_places_rows_on_the_least_loaded_lane():
+def test_decode_batch_fills_a_lane_then_places_rows_on_the_least_loaded():
     class Seq:
         def __init__(self):
             kv = mx.zeros((1, 2, 3, 4))
             self.cache = [type("C", (), {"valid": lambda self, kv=kv: (kv, kv)})() for _ in range(2)]
 
     batch = DecodeBatch(n_layers=2, n_lanes=2)
+    assert batch.fill_rows == LANE_FILL_ROWS >= 16  # a small batch decodes on one lane
+    small = [Seq() for _ in range(3)]
+    batch.join(small)
+    assert [len(lane.seqs) for lane in batch.lanes] == [3, 0]
+    batch.drop({id(s) for s in small})
+    batch.fill_rows = 2
     seqs = [Seq() for _ in range(5)]
-    batch.join(seqs[:3])
+    batch.join(seqs[:3])  # the first lane up to 2 rows, then the least loaded
     assert [len(lane.seqs) for lane in batch.lanes] == [2, 1]
-    batch.drop({id(seqs[0]), id(seqs[2])})
+    batch.drop({id(seqs[0]), id(seqs[1])})
     assert [len(lane.seqs) for lane in batch.lanes] == [0, 1]
     batch.join(seqs[3:])
     assert [len(lane.seqs) for lane in batch.lanes] == [2, 1]
     # Row order is lane by lane.
-    assert [id(s) for s in batch.running] == [id(seqs[3]), id(seqs[4]), id(seqs[1])]
+    assert [id(s) for s in batch.running] == [id(seqs[3]), id(seqs[4]), id(seqs[2])]
     assert batch.nbytes() > 0
     batch.drop({id(s) for s in seqs})
     assert len(batch) == 0 and batch.nbytes() == 0
@@ -126,6 +132,7 @@ def _tokens(engine, prompts, **kw):
 def lane_engines(tiny_model_dir):
     one = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=32)
     three = Engine(str(tiny_model_dir), decode_lanes=3, prefill_chunk=32)
+    three._scheduler.batch.fill_rows = 1  # a few rows over all three lanes
     yield one, three
     one.shutdown()
     three.shutdown()

@@ -18,6 +18,8 @@ def engines(tiny_model_dir):
     shared = Engine(str(tiny_model_dir), decode_lanes=2)
     copies = Engine(str(tiny_model_dir), decode_lanes=2)
     copies._scheduler._share_prefix = False
+    for e in (shared, copies):
+        e._scheduler.batch.fill_rows = 1  # a few rows over both lanes
     assert shared._scheduler._share_prefix, "the tiny llama runs through the engine's attention hook"
     yield shared, copies
     shared.shutdown()

@@ -209,13 +209,15 @@ def llama_server(binary: str, gguf: str, slots: int, ctx_per_slot: int, log_path
     return ServerProcess("llama-server", argv, port, log_path, env=llama_env())
 
 
-def parallm_server(model: str, log_path: str, max_batch_size: int | None = None) -> ServerProcess:
+def parallm_server(model: str, log_path: str, max_batch_size: int | None = None,
+                   bf16_weights: bool = False) -> ServerProcess:
     port = free_port()
     argv = [sys.executable, "-m", "parallm_engine.cli", "serve", "--model", model, "--port", str(port),
             "--log-level", "warning", "--served-model-name", SERVED_NAME]
     if max_batch_size:
         argv += ["--max-batch-size", str(max_batch_size)]
-    return ServerProcess("parallm serve", argv, port, log_path)
+    env = dict(os.environ, PARALLM_WEIGHTS_DTYPE="bfloat16") if bf16_weights else None
+    return ServerProcess("parallm serve", argv, port, log_path, env=env)
 
 
 # -- the client: the same for both servers ---------------------------------------------------------
@@ -311,16 +313,19 @@ def run_llamacpp_workload(engine, prompt_len: int, new_tokens: int, concurrency=
     rng = random.Random(seed)
     vocab = engine.model_info.vocab_size
     slots = max(concurrency)
+    bf16 = engine.backend.dtype.startswith("bfloat16")  # --weights-dtype bfloat16: the server runs the same
     entry: dict = {
         "dtypes": {"llama_cpp": f"{gguf_dtype(gguf)} (the GGUF's own quantization)",
-                   "parallm": f"{engine.model_info.dtype} (dequantised on load)"},
+                   "parallm": (f"{engine.backend.dtype} (dequantised on load)" if bf16 else
+                               f"{engine.model_info.dtype} (dequantised on load)")},
         "llama_server": {"binary": binary, "slots": slots, "threads": llama_threads(),
                          "omp_wait_policy": llama_env()["OMP_WAIT_POLICY"]},
         "gguf": gguf, "prompt_len": prompt_len, "new_tokens": new_tokens, "levels": {},
     }
     with tempfile.TemporaryDirectory(prefix="parallm-bench-") as logs, \
             llama_server(binary, gguf, slots, prompt_len + new_tokens + 16, f"{logs}/llama.log") as lc, \
-            parallm_server(gguf, f"{logs}/parallm.log", max_batch_size=engine.config.max_batch_size) as pm:
+            parallm_server(gguf, f"{logs}/parallm.log", max_batch_size=engine.config.max_batch_size,
+                           bf16_weights=bf16) as pm:
         warm = _prompts(rng, 2, 8, vocab)
         run_load(lc.url, warm, 4)  # first requests: allocations, thread start-up
         run_load(pm.url, warm, 4)

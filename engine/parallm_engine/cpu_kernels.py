@@ -101,6 +101,18 @@ def enabled(on: bool = True):
         _state.on = prev
 
 
+@contextlib.contextmanager
+def solo_lane(on: bool = True):
+    """The graphs built on this thread inside the block run on the only busy decode lane: the kernels'
+    threads are its alone, so the native linear takes more rows (``NATIVE_LINEAR_ROWS_AVX2_SOLO``)."""
+    prev = getattr(_state, "solo", False)
+    _state.solo = on
+    try:
+        yield
+    finally:
+        _state.solo = prev
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
     """Softmax attention, same contract as ``mx.fast.scaled_dot_product_attention`` without sinks:
     queries (B, H, L, D), keys/values (B, KH, T, D) with H a multiple of KH, mask None, "causal",
@@ -255,6 +267,10 @@ NATIVE_LINEAR_ROWS = 64
 # against MKL's one: 1 row 27 vs 48 ms, 5 rows 32 vs 102, 8 rows 39 vs 104). Speculative verification
 # (a few positions per row) is what needs it: MKL's GEMM for 2-8 rows costs ~2x its 1-row GEMV.
 NATIVE_LINEAR_ROWS_AVX2 = 16
+# ... and while one decode lane runs alone (``solo_lane``: the kernel's threads are not shared with a
+# second lane's), up to this many: batch 32 on one lane 215-220 tok/s with the native linear for its 32
+# rows vs 187 on two lanes of 16 (decode_batch.LANE_FILL_ROWS).
+NATIVE_LINEAR_ROWS_AVX2_SOLO = 64
 
 
 def native_linear_rows() -> int:
@@ -266,7 +282,9 @@ def native_linear_rows() -> int:
 
 def _linear_rows(nat) -> int:
     lanes = nat.linear_lanes()
-    return NATIVE_LINEAR_ROWS if lanes == 16 else NATIVE_LINEAR_ROWS_AVX2 if lanes == 8 else 0
+    if lanes == 8:
+        return NATIVE_LINEAR_ROWS_AVX2_SOLO if getattr(_state, "solo", False) else NATIVE_LINEAR_ROWS_AVX2
+    return NATIVE_LINEAR_ROWS if lanes == 16 else 0
 
 
 def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:

@@ -66,10 +66,15 @@ def test_failed_steps_preempt_and_every_request_completes_with_its_tokens(eng):
     stats = eng.stats()
     assert stats["allocation_failures"] == 4 and stats["preemptions"] > 0
     assert stats["kv_bytes"] == 0 and stats["in_flight"] == 0
-    # The lowered budget grows back over healthy steps.
+    # The lowered budget grows back over healthy steps: 1/64 of it per step, so 100 decode steps restore
+    # it however few steps the recovery above happened to take.
     sched = eng._scheduler
-    eng.generate(["Healthy steps."] * 4, max_tokens=40, temperature=0, ignore_eos=True)
+    lowered = eng.run_on_engine_thread(lambda: sched.config.kv_budget_bytes)
+    configured = eng.run_on_engine_thread(lambda: sched.kv_budget_configured)
+    assert configured is not None and lowered < configured
+    eng.generate(["Healthy steps."] * 4, max_tokens=100, temperature=0, ignore_eos=True)
     assert eng.run_on_engine_thread(lambda: sched.kv_budget_configured is None)
+    assert eng.run_on_engine_thread(lambda: sched.config.kv_budget_bytes) == configured
 
 
 def test_a_request_that_fails_alone_gets_out_of_memory_and_the_engine_serves_on(eng):

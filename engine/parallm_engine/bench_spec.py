@@ -88,32 +88,37 @@ def run_spec(engine, sizes: dict | None = None, tick=lambda msg: None) -> dict:
     for conc in sizes["concurrency"]:
         tick(f"spec: {conc} concurrent, ngram vs plain")
         prompts = copy_prompts(engine, conc, seed=conc)
-        # The prompts are prefilled once, before either system runs (the agent case: a conversation's
-        # context is in the prefix cache), so tok/s measures decoding, which is what speculation changes.
-        engine.generate(prompts, max_tokens=1, temperature=0)
-        plain, spec = [], []
-        for _ in range(sizes["runs"]):  # alternate, so drift on a busy machine hits both
-            plain.append(_run(engine, prompts, sizes["new_tokens"], False))
-            spec.append(_run(engine, prompts, sizes["new_tokens"], SPEC))
-        best_plain = max(plain, key=lambda r: r["tok_s"])
-        best_spec = max(spec, key=lambda r: r["tok_s"])
-        proposed = sum(r["proposed"] for r in spec)
-        accepted = sum(r["accepted"] for r in spec)
-        out[f"batch_{conc}"] = {
-            "plain_tok_s": round(best_plain["tok_s"], 2),
-            "ngram_tok_s": round(best_spec["tok_s"], 2),
-            "speedup": round(best_spec["tok_s"] / best_plain["tok_s"], 3) if best_plain["tok_s"] else 0.0,
-            "runs_plain_tok_s": [round(r["tok_s"], 2) for r in plain],
-            "runs_ngram_tok_s": [round(r["tok_s"], 2) for r in spec],
-            "same_tokens": all(r["ids"] == plain[0]["ids"] for r in plain + spec),
-            "tokens": best_spec["tokens"],
-            "proposed_tokens": proposed,
-            "accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
-        }
+        out[f"batch_{conc}"] = _plain_vs(engine, prompts, sizes, SPEC, "ngram")
     if sizes.get("draft_concurrency"):
         out["draft"] = run_draft(engine, sizes, tick)
     return out
+
+
+def _plain_vs(engine, prompts, sizes: dict, spec: dict, name: str) -> dict:
+    """Plain decoding vs ``spec`` on ``prompts``, ``sizes["runs"]`` runs each, alternating (drift on a busy
+    machine hits both). The prompts are prefilled once first (the agent case: a conversation's context is
+    in the prefix cache), so tok/s measures decoding, which is what speculation changes."""
+    engine.generate(prompts, max_tokens=1, temperature=0)
+    plain, runs = [], []
+    for _ in range(sizes["runs"]):
+        plain.append(_run(engine, prompts, sizes["new_tokens"], False))
+        runs.append(_run(engine, prompts, sizes["new_tokens"], spec))
+    best_plain = max(plain, key=lambda r: r["tok_s"])
+    best_spec = max(runs, key=lambda r: r["tok_s"])
+    proposed = sum(r["proposed"] for r in runs)
+    accepted = sum(r["accepted"] for r in runs)
+    return {
+        "plain_tok_s": round(best_plain["tok_s"], 2),
+        f"{name}_tok_s": round(best_spec["tok_s"], 2),
+        "speedup": round(best_spec["tok_s"] / best_plain["tok_s"], 3) if best_plain["tok_s"] else 0.0,
+        "runs_plain_tok_s": [round(r["tok_s"], 2) for r in plain],
+        f"runs_{name}_tok_s": [round(r["tok_s"], 2) for r in runs],
+        "same_tokens": all(r["ids"] == plain[0]["ids"] for r in plain + runs),
+        "tokens": best_spec["tokens"],
+        "proposed_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+    }
 
 
 def truncated_draft(engine, layers: int = DRAFT_LAYERS):
@@ -140,24 +145,7 @@ def run_draft(engine, sizes: dict, tick=lambda msg: None, layers: int = DRAFT_LA
     for conc in sizes["draft_concurrency"]:
         tick(f"spec: {conc} concurrent, draft model ({out['layers']} layers) vs plain")
         prompts = copy_prompts(engine, conc, seed=conc)
-        engine.generate(prompts, max_tokens=1, temperature=0)
-        plain, spec_runs = [], []
-        for _ in range(sizes["runs"]):
-            plain.append(_run(engine, prompts, sizes["new_tokens"], False))
-            spec_runs.append(_run(engine, prompts, sizes["new_tokens"], spec))
-        best_plain = max(plain, key=lambda r: r["tok_s"])
-        best_spec = max(spec_runs, key=lambda r: r["tok_s"])
-        proposed = sum(r["proposed"] for r in spec_runs)
-        accepted = sum(r["accepted"] for r in spec_runs)
-        out[f"batch_{conc}"] = {
-            "plain_tok_s": round(best_plain["tok_s"], 2),
-            "draft_tok_s": round(best_spec["tok_s"], 2),
-            "speedup": round(best_spec["tok_s"] / best_plain["tok_s"], 3) if best_plain["tok_s"] else 0.0,
-            "same_tokens": all(r["ids"] == plain[0]["ids"] for r in plain + spec_runs),
-            "proposed_tokens": proposed,
-            "accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
-        }
+        out[f"batch_{conc}"] = _plain_vs(engine, prompts, sizes, spec, "draft")
     return out
 
 

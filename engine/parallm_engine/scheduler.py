@@ -150,6 +150,8 @@ class Scheduler:
         # Measured, for the step-time bound: prefill tokens per second and the rest of a step's time.
         self._prefill_rate: float | None = None
         self._other_step_s = 0.0
+        self._plain_rows = 0  # rows of this step's ordinary pipelined decode, for the speculator's costs
+        self._prefilled = 0  # prompt tokens this step prefilled
 
     @property
     def running(self) -> list[Sequence]:
@@ -259,6 +261,7 @@ class Scheduler:
         t0 = time.perf_counter()
         self._make_room()
         self._admit()
+        self._plain_rows = 0
         with cpu_kernels.enabled(self._cpu_kernels):
             joined, prefill_s = self._timed_prefill()
             if joined:
@@ -269,6 +272,8 @@ class Scheduler:
                 self._flush_pending()
         other = time.perf_counter() - t0 - prefill_s
         self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
+        if self._plain_rows and not joined and not self._prefilled:  # a steady decode step: what it costs
+            self.speculator.observe_plain_step(self._plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         memory_recovery.step_succeeded(self)
 
@@ -278,6 +283,7 @@ class Scheduler:
         joined = self._prefill()
         elapsed = time.perf_counter() - t0
         done = self.stats.prefill_tokens - before
+        self._prefilled = done
         if done >= 16 and elapsed > 0:
             rate = done / elapsed
             self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
@@ -542,6 +548,9 @@ class Scheduler:
             return
         pipelined = self.config.pipeline and not any(s.sampler.params.needs_penalties for s in self.running)
         constrained = pipelined and any(s.constraint is not None for s in self.running)
+        if self.speculator is not None and pipelined and self._pending is not None:
+            # a pipelined step after another: its wall time is the step's cost (spec_policy)
+            self._plain_rows = len(self.running)
         if self._pending is not None and not pipelined:
             self._flush_pending()
             if not self.running:

@@ -35,6 +35,7 @@ refuses speculation at submit.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -45,21 +46,25 @@ from .constrained import apply_constraints
 from .draft_model import DraftRows, loaded_draft
 from .sampling import sample_batch
 from .spec_config import SpeculativeConfig
+from .spec_policy import RealizedGain, StepCost, choose_width
 
-#: Positions (rows x width) one speculative forward may hold. On the CPU a forward's cost grows with its
-#: positions (2-core AVX2 machine, default model, 480-token rows, busy; best of 4-5: batch 1 width
-#: 1/2/5/8 = 41/48/67/96 ms, was 58/78/133/148 before the AVX2 native linear and the multi-position
-#: native RoPE; batch 8 width 1/2 = 92/142 ms), so speculation pays only while the batch is small: up
-#: to 4 rows, narrower as the batch grows, none above (batch 8 at width 2 would need ~1.5 tokens per
-#: row per step just to break even). What is left of the growth is mostly the native attention, which
-#: computes each verified position as its own task (~4x its decode cost at width 5).
-TOKEN_BUDGET = 8
-#: Above this many running rows a step does not speculate (the batch is compute-bound).
-MAX_SPEC_BATCH = 4
+#: Positions (rows x width) one speculative forward may hold, at most. Within it the width is chosen by
+#: what steps are measured to cost on this machine (``spec_policy``): a forward's cost grows with its
+#: positions where the step is compute-bound (a CPU's large batch) and hardly at all where it is bound by
+#: reading the weights.
+TOKEN_BUDGET = 256
+#: Above this many running rows a step does not speculate.
+MAX_SPEC_BATCH = 64
+#: Positions per row in one forward, at most: the scheduler's watermark (every running row has room for
+#: 16 more tokens of KV before a step starts).
+MAX_WIDTH = 16
 #: A row whose acceptance rate falls below this rests for ``_REST`` steps, then tries again.
 _MIN_RATE = 0.15
 _REST = 8
 _MAX_DRAFT_REST = 64
+#: Without speculating, a row's estimated acceptance rate recovers towards this by this fraction per step.
+_RETRY_RATE = 0.6
+_RATE_RECOVERY = 0.1
 #: Steps without looking for drafts after a step found none in any row.
 _COOLDOWN = 2
 
@@ -138,6 +143,9 @@ class Speculator:
         # Steps left before looking for drafts again after a step found none: looking needs the step in
         # flight delivered first, which costs the pipelined overlap when there is nothing to copy.
         self._cooldown = 0
+        self.cost = StepCost()  # seconds per step by positions, measured by the scheduler (observe_step)
+        self.realized = RealizedGain()  # what speculation delivered vs plain steps, per batch size
+        self._width = 1  # this step's forward width, chosen by wants()
 
     # -- which rows speculate, and how far -----------------------------------------------------
     def config_for(self, seq) -> SpeculativeConfig | None:
@@ -155,28 +163,60 @@ class Speculator:
         return st
 
     def wants(self, running: list) -> bool:
-        """Whether this step may speculate (checked before the pipelined step in flight is delivered)."""
+        """Whether this step may speculate (checked before the pipelined step in flight is delivered),
+        and how wide: the width whose expected tokens per measured second beats a plain step's
+        (``spec_policy.choose_width``; adaptive rows), or as wide as their drafts ask (non-adaptive)."""
+        self._width = 1
         if not running or len(running) > self.max_batch or self.token_budget // len(running) < 2:
             return False
-        return any(self.config_for(s) is not None for s in running)
+        rows, fixed = [], 1
+        for s in running:
+            cfg = self.config_for(s)
+            if cfg is None or s.finish_reason is not None:
+                rows.append((0.0, 0))
+                continue
+            st = self._state(s, cfg)
+            if not cfg.adaptive:
+                fixed = max(fixed, 1 + cfg.num_tokens)
+            rows.append((st.rate if st.rest == 0 else 0.0, cfg.num_tokens if st.rest == 0 else 0))
+        # Adaptive rows speculate as measured costs and their acceptance say, unless speculating has lately
+        # delivered less than plain steps for this batch size (spec_policy.RealizedGain).
+        adaptive = 1
+        if any(cap for _, cap in rows) and (fixed > 1 or self.realized.allows(len(running))):
+            adaptive = choose_width(self.cost, rows, self.token_budget)
+        self._width = min(max(adaptive, fixed), self.token_budget // len(running), MAX_WIDTH)
+        if self._width < 2:
+            for s in running:
+                st = self._rows.get(s)
+                if st is None:
+                    continue
+                if st.rest > 0:  # resting rows count their steps down whether or not the batch speculates
+                    st.rest -= 1
+                elif st.rate < _RETRY_RATE:
+                    # a rate is only measured by speculating: while the batch does not, it drifts back
+                    # towards a middling estimate, so a row whose text turns to copying is tried again
+                    st.rate += (_RETRY_RATE - st.rate) * _RATE_RECOVERY
+            return False
+        return True
+
+    def observe_plain_step(self, rows: int, seconds: float) -> None:
+        """An ordinary pipelined decode step's rows and seconds (the scheduler's timing, prefill
+        excluded); speculative steps time themselves."""
+        self.cost.observe(rows, seconds)
 
     def _k_for(self, seq, st: RowState, cap: int) -> int:
         cfg = st.config
         k = min(cfg.num_tokens, cap)
-        if cfg.adaptive:
-            if st.rest > 0:
-                st.rest -= 1
-                return 0
-            # Fewer drafts as fewer are accepted: an expected run of rate / (1 - rate) accepted tokens.
-            if st.rate < 0.9:
-                k = min(k, max(1, int(round(st.rate / (1.0 - st.rate))) + 1))
+        if cfg.adaptive and st.rest > 0:
+            st.rest -= 1
+            return 0
         if seq.max_new is not None:
             k = min(k, seq.max_new - len(seq.output_ids) - 1)  # never verify past max_tokens
         return max(0, min(k, self.context_window - seq.total_len - 1))
 
     def plan(self, running: list) -> list[list[int]]:
         """Each row's drafted tokens (empty for rows that do not speculate this step)."""
-        width = self.token_budget // len(running)  # positions per row this step, at most
+        width = self._width  # positions per row this step, at most (chosen by wants)
         drafts, by_model = [], []
         for s in running:
             cfg = self.config_for(s)
@@ -219,16 +259,21 @@ class Speculator:
             running = sched.running
             if not running:
                 return True
+        t0 = time.perf_counter()  # after the flush: the step in flight it waited for was a plain step
         drafts = self.plan(running) if self.wants(running) else [[] for _ in running]
         if not any(drafts) and not any(_backlog(s) for s in running):
             self._cooldown = _COOLDOWN
             return False
-        self.verify(sched, running, drafts)
+        positions, tokens = self.verify(sched, running, drafts)
+        seconds = time.perf_counter() - t0
+        self.cost.observe(positions, seconds)
+        self.realized.observe(len(running), tokens, seconds, self.cost)
         return True
 
-    def verify(self, sched, running: list, drafts: list[list[int]]) -> None:
+    def verify(self, sched, running: list, drafts: list[list[int]]) -> tuple[int, int]:
         """One forward over every row's pending context tokens (its last one, and any a previous step
-        left to recompute) and its drafts; accept, deliver, roll the KV back to what every row keeps."""
+        left to recompute) and its drafts; accept, deliver, roll the KV back to what every row keeps.
+        Returns the positions the forward computed and the tokens delivered."""
         B = len(running)
         pending = [(s.request.prompt_ids + s.output_ids)[s.consumed :] for s in running]
         W = max(len(u) + len(d) for u, d in zip(pending, drafts))
@@ -262,15 +307,25 @@ class Speculator:
         chosen = logprobs[mx.arange(len(flat)), toks] if logprobs is not None else None
         mx.eval([x for x in (toks, logprobs, chosen) if x is not None])
         tok_list = toks.tolist()
-        # Accept: every row emits its tokens up to and including the first that differs from its draft.
-        emit: list[int] = []
-        pos = 0
+        # Accept: a row's tokens up to and including the first that differs from its draft. The batch's
+        # rows end at one column, so every row's KV advances by the same count: each row emits only as
+        # many tokens as keep the rows level (the least any live row accepted, counted from its pending
+        # tokens). Emitting fewer of a correct chain is still exact; the rest are proposed again. (Letting
+        # rows run ahead and recomputing their surplus later left a permanent backlog: measured, a batch
+        # of 8 whose rows diverged once verified 3 positions per row per step for 1 token each.)
+        runs, starts, pos = [], [], 0
         for d in drafts:
             n = 1
             while n <= len(d) and tok_list[pos + n - 1] == d[n - 1]:
                 n += 1
-            emit.extend(range(pos, pos + min(n, len(d) + 1)))
+            runs.append(min(n, len(d) + 1))
+            starts.append(pos)
             pos += len(d) + 1
+        live = [len(u) + r - 1 for s, u, r in zip(running, pending, runs) if s.finish_reason is None]
+        level = min(live) if live else 0
+        emit: list[int] = []
+        for u, r, start in zip(pending, runs, starts):
+            emit.extend(range(start, start + max(1, min(r, level - len(u) + 1))))
         before = [len(s.output_ids) for s in running]
         lp_rows = None
         if logprobs is not None:
@@ -295,6 +350,7 @@ class Speculator:
         sched.batch.rollback(W - n)
         for s in running:
             s.consumed += n
+        return B * W, len(emit)
 
     def _account(self, s, proposed: int, accepted: int, chain) -> None:
         if chain:  # the row's key chain moves on by the tokens it emitted

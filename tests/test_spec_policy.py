@@ -1,0 +1,126 @@
+"""The adaptive speculative width (spec_policy): from measured step costs and each row's acceptance rate,
+speculate as wide as pays, not at all where the machine is compute-bound; and in the engine, adaptive
+rows follow what the costs say while the output stays the plain greedy output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parallm_engine.spec_policy import MIN_GAIN, StepCost, choose_width, expected_tokens
+
+
+def _costs(fn, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)) -> StepCost:
+    cost = StepCost()
+    for p in sizes:
+        cost.observe(p, fn(p))
+    return cost
+
+
+def test_expected_tokens_is_the_accepted_run_plus_one():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=0.01)
+
+
+def test_memory_bound_machine_speculates_wide_and_compute_bound_not_at_all():
+    flat = _costs(lambda p: 0.05)  # reading the weights dominates: positions are free
+    linear = _costs(lambda p: 0.01 * p)  # compute-bound: every position costs as much as a row
+    rows = [(0.9, 8)] * 4
+    assert choose_width(flat, rows, 256) == 9  # as wide as the rows' drafts go
+    assert choose_width(linear, rows, 256) == 1
+    # Rows that accept little do not pay for even free-ish positions beyond the gain margin.
+    assert choose_width(_costs(lambda p: 0.05 + 0.01 * p), [(0.05, 8)], 256) == 1
+    # The budget of positions caps the width.
+    assert choose_width(flat, rows, 16) == 4
+
+
+def test_nothing_measured_for_the_batch_means_no_speculation_and_sizes_are_learnt_one_at_a_time():
+    cost = StepCost()
+    assert choose_width(cost, [(1.0, 4)], 256) == 1  # a plain step of this batch size is measured first
+    cost.observe(1, 0.05)
+    assert choose_width(cost, [(1.0, 4)], 256) == 2  # the next size is tried (flat: optimistic)
+    cost.observe(2, 0.05)
+    assert choose_width(cost, [(1.0, 4)], 256) == 3
+    cost.observe(3, 0.15)  # costly: the line through 2 and 3 says 4 and 5 cost more still
+    assert choose_width(cost, [(1.0, 4)], 256) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(per_row=st.floats(0.001, 1.0), fixed=st.floats(0.0, 1.0), rate=st.floats(0.0, 1.0),
+       batch=st.integers(1, 64), cap=st.integers(0, 16))
+def test_the_chosen_width_never_promises_less_than_a_plain_step(per_row, fixed, rate, batch, cap):
+    cost = _costs(lambda p: fixed + per_row * p)
+    rows = [(rate, cap)] * batch
+    w = choose_width(cost, rows, 256)
+    assert 1 <= w <= max(1, min(cap + 1, 256 // batch))
+    if w > 1:
+        tokens = batch * expected_tokens(rate, min(w - 1, cap))
+        plain = batch / cost.estimate(batch)
+        assert tokens / cost.estimate(batch * w) > plain * MIN_GAIN - 1e-9
+
+
+def test_step_cost_averages_within_a_bucket_and_extrapolates_the_measured_slope():
+    cost = StepCost()
+    cost.observe(8, 0.1)
+    cost.observe(8, 0.2)
+    assert 0.1 < cost.estimate(8) < 0.2
+    assert cost.estimate(1) is None  # nothing measured at or below it
+    cost = StepCost()
+    cost.observe(4, 0.04)
+    cost.observe(8, 0.08)
+    assert math.isclose(cost.estimate(32), 0.32, rel_tol=1e-6)  # 0.01 s per position, as measured
+
+
+# -- in the engine -------------------------------------------------------------------------------
+class GivenCosts(StepCost):
+    """Step costs fixed by the test (the engine's measurements are ignored): what a machine of that
+    kind would have measured."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def observe(self, positions, seconds):
+        pass
+
+    def known(self, positions):
+        return True
+
+    def estimate(self, positions):
+        return self.fn(positions)
+
+
+def _copy_prompts(engine, n):
+    from parallm_engine.bench_spec import copy_prompts
+
+    return copy_prompts(engine, n, seed=5)  # JSON edits and quoted tool results: most drafts are accepted
+
+
+def test_adaptive_rows_speculate_where_positions_are_free_and_not_where_they_cost(engine):
+    sched = engine._scheduler
+    spec = {"method": "ngram", "num_tokens": 6}  # adaptive (the default)
+    prompts = _copy_prompts(engine, 1) * 4  # rows that accept alike (a batch advances by its least)
+    plain = [r.token_ids for r in engine.generate(prompts, max_tokens=40, temperature=0)]
+    saved = sched.speculator.cost
+    try:
+        # A flat cost, and slow enough that what speculation really delivers here beats it (RealizedGain).
+        sched.speculator.cost = GivenCosts(lambda p: 0.5)
+        free = engine.generate(prompts, max_tokens=40, temperature=0, speculative=spec)
+        sched.speculator.cost = GivenCosts(lambda p: 0.01 * p)
+        costly = engine.generate(prompts, max_tokens=40, temperature=0, speculative=spec)
+    finally:
+        sched.speculator.cost = saved
+    assert [r.token_ids for r in free] == plain == [r.token_ids for r in costly]
+    assert sum(r.usage.spec_accepted_tokens for r in free) > 20
+    assert sum(r.usage.spec_proposed_tokens for r in costly) == 0
+
+
+def test_the_engine_measures_its_steps(engine):
+    engine.generate(_copy_prompts(engine, 2), max_tokens=24, temperature=0, ignore_eos=True)
+    cost = engine.run_on_engine_thread(lambda: engine._scheduler.speculator.cost)
+    assert cost.known(2) and cost.estimate(2) > 0

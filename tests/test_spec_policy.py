@@ -124,3 +124,30 @@ def test_the_engine_measures_its_steps(engine):
     engine.generate(_copy_prompts(engine, 2), max_tokens=24, temperature=0, ignore_eos=True)
     cost = engine.run_on_engine_thread(lambda: engine._scheduler.speculator.cost)
     assert cost.known(2) and cost.estimate(2) > 0
+
+
+def test_a_batch_stays_level_whatever_its_rows_accept(engine):
+    """After every speculative step each unfinished row's KV holds all its context but its last token:
+    no row is left with accepted tokens to recompute (which used to make every later step verify them
+    again for one token per row), and the tokens are the plain ones."""
+    sched = engine._scheduler
+    spec = sched.speculator
+    prompts = _copy_prompts(engine, 4)  # JSON edits and tool-result summaries: they accept differently
+    plain = [r.token_ids for r in engine.generate(prompts, max_tokens=40, temperature=0)]
+    behind, widths = [], []
+    verify = spec.verify
+
+    def checked(sched_, running, drafts):
+        out = verify(sched_, running, drafts)
+        widths.append(out[0] // len(running))
+        behind.extend(s.total_len - s.consumed for s in running if s.finish_reason is None)
+        return out
+
+    spec.verify = checked
+    try:
+        got = engine.generate(prompts, max_tokens=40, temperature=0,
+                              speculative={"method": "ngram", "num_tokens": 4, "adaptive": False})
+    finally:
+        del spec.verify
+    assert [r.token_ids for r in got] == plain
+    assert widths and max(widths) <= 5 and set(behind) == {1}

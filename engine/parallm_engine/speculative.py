@@ -4,8 +4,9 @@ Rows asking for the draft-model method get their proposals from a draft model in
 them to ``draft_model.DraftRows``: greedy drafts, so the same acceptance test is exact for them too).
 
 A step speculates when some running row asks for it (``SamplingParams.speculative`` or the engine's
-default) and the batch is small enough for the extra positions to be nearly free (see
-:meth:`Speculator.plan`). Then the scheduler's pipelined step in flight is delivered first (proposals
+default) and, for adaptive rows (the default), when the width that the measured step costs and the
+rows' acceptance rates make best promises more tokens per second than a plain step (``spec_policy``;
+:meth:`Speculator.wants`). Then the scheduler's pipelined step in flight is delivered first (proposals
 need the latest tokens on the host), each row proposes up to ``k`` tokens (the continuation of the
 latest earlier occurrence of its context's last n-gram in its own prompt + output), and one forward
 runs every row over W = 1 + max k positions (rows with fewer drafts, and rows that do not speculate,
@@ -21,10 +22,12 @@ Greedy rows are argmax at every position. So the output equals non-speculative d
 token (greedy, and seeded sampling), and follows the target distribution otherwise.
 
 Rollback without copying: the batch's rows are left-padded and end at one column, so after the forward
-every row keeps as many of the W positions as the row that keeps the fewest (``BatchKV.rollback`` just
-moves the end back). A row that accepted more has the rest of its accepted tokens recomputed, as pending
-context, at the front of its next step (``Sequence.consumed`` counts what its KV holds); shifting rows
-to keep them instead costs a copy of every row's KV per step. The KV of rejected positions is never
+every row keeps the same number of the W positions (``BatchKV.rollback`` just moves the end back), and
+each row emits only as many tokens as the live row that accepted least: a correct prefix of its
+accepted chain, so still exact; what it accepted beyond that is proposed again next step. Batched rows
+therefore gain only as much as they agree (a plain row beside them keeps them at one token per step);
+``RealizedGain`` stops a batch size from speculating where that loses. Keeping each row's own surplus
+needs rows that end at different columns (paged KV) or a copy of the rows' KV per step. The KV of rejected positions is never
 read again and never reaches the radix tree (it stores only what ``consumed`` covers). A grammar-constrained row's drafts are cut where its grammar forbids a token
 (llguidance's ``validate_tokens``), and each verified position is masked with the grammar's state after
 the drafts before it (the matcher is rolled back afterwards). Rows with penalties (their distribution
@@ -337,19 +340,23 @@ class Speculator:
         self.stats.decode_steps += 1
         if any(drafts):
             self.stats.spec_steps += 1
-        # Row i's KV is right for its pending tokens and the drafts it accepted (all but the token it
-        # emitted last). Every row keeps as many positions as the row that keeps the fewest (the batch's
-        # rows end at one column); the rest of a row's accepted tokens are recomputed next step.
+        # Row i's KV is right for its pending tokens and the drafts it emitted (all but the token it
+        # emitted last). Every row keeps as many positions as the unfinished row that keeps the fewest (the
+        # batch's rows end at one column): all of them keep the level, unless a row had tokens left to
+        # recompute, which it then does next step. A row that finished in this delivery (a stop, its
+        # last token) is retired after the step and counts only its own positions (its KV past them is
+        # never read, and never reaches the prefix cache).
         keep = []
         for i, (s, u, d) in enumerate(zip(running, pending, drafts)):
             added = len(s.output_ids) - before[i]
             keep.append(len(u) + max(0, added - 1))
             if d:
                 self._account(s, len(d), max(0, min(added - 1, len(d))), chains[i])
-        n = min(keep)
+        going = [k for s, k in zip(running, keep) if s.finish_reason is None]
+        n = min(going or keep)
         sched.batch.rollback(W - n)
-        for s in running:
-            s.consumed += n
+        for s, k in zip(running, keep):
+            s.consumed += min(n, k)
         return B * W, len(emit)
 
     def _account(self, s, proposed: int, accepted: int, chain) -> None:

@@ -11,7 +11,7 @@ the acceptance rate (accepted / proposed drafted tokens).
 The draft-model method (``draft`` entry): the loaded model as the target and, as its draft, a copy of it
 cut to its first ``DRAFT_LAYERS`` layers (same embeddings, final norm and head: no training), built in
 memory through the engine's loader; the same prompts, plain vs ``{"method": "draft", ...}``, at
-``draft_concurrency`` (speculation runs only for small batches: ``speculative.MAX_SPEC_BATCH``). An
+``draft_concurrency`` (the speculator speculates only where measured step costs say it pays: ``spec_policy``). An
 untrained cut of a 135M model is a weak draft: the line reports what it gains or costs as measured.
 """
 

@@ -20,7 +20,7 @@ speculating row's next k tokens; the target verifies them in its batched step (`
   synchronisation per step. Rows of one draft model draft together: their caches are merged into
   mlx-lm's left-padded ``BatchKVCache`` for the k forwards (one forward per drafted position for the
   group) and extracted back to each row's own afterwards (copies of the draft KV, small next to the
-  forwards they save; speculation runs only for small batches: ``speculative.MAX_SPEC_BATCH``).
+  forwards they save; how wide a step drafts is the speculator's choice: ``spec_policy``).
 * Memory: a row's draft KV is freed when the row leaves the batch (finished, cancelled, preempted:
   :meth:`DraftRows.drop`, called from the scheduler) and counted in ``spec_draft_kv_bytes`` and in the
   running rows' share of the KV budget (``KVManager``).

@@ -40,7 +40,7 @@ class SpeculativeConfig:
     num_tokens: int = 4  # drafted tokens per step, at most (adaptive k may propose fewer)
     min_match: int = 2  # shortest n-gram that counts as a match
     max_match: int = 4  # longest n-gram tried first
-    adaptive: bool = True  # per-row k from the recent acceptance rate, none in large batches
+    adaptive: bool = True  # width from measured step costs and acceptance (spec_policy); False: always k
     # "draft": what identifies the draft model (a resolved path, or "<object id>" for a loaded model) ...
     draft_key: str | None = None
     # ... and the model as given (a path, or a loaded mlx-lm model: not compared, not printed).

@@ -5,7 +5,7 @@ rectangular, so B rows at width W compute B x W positions whatever each row draf
 depends on the hardware, not on a constant: where a decode step is bound by reading the weights (Apple
 silicon, GPUs, a CPU at batch 1) extra positions are nearly free; where it is bound by compute (a CPU at
 batch 32) each costs about as much as a row. So the scheduler times its steps and :class:`StepCost`
-keeps seconds per step by the positions it computed (buckets of powers of two); :func:`choose_width`
+keeps seconds per step by the positions it computed (half-octave buckets); :func:`choose_width`
 then picks the width whose expected tokens per second beats a plain step's, with each row's recent
 acceptance rate giving its expected tokens (a row accepting a fraction r of its drafts emits
 1 + r + ... + r^k tokens for k drafts).
@@ -109,8 +109,8 @@ class RealizedGain:
     """What speculation delivered, checked against what plain steps deliver, per batch size.
 
     :func:`choose_width` predicts from each row's acceptance rate; in a batch the prediction is
-    optimistic, because every row's KV advances by what the row that accepted least kept (the batch's
-    rows end at one column) and the others recompute the rest of theirs in later steps. So every
+    optimistic, because every row emits only as many drafts as the row that accepted least (the batch's
+    rows end at one column: ``speculative.py``), and rows that find no drafts hold the others. So every
     :data:`WINDOW` speculative steps of a batch size, their tokens per second are compared with a plain
     step's; a batch size that lost stops speculating for a while (:data:`BACKOFF` steps, doubling)."""
 

@@ -27,8 +27,9 @@ each row emits only as many tokens as the live row that accepted least: a correc
 accepted chain, so still exact; what it accepted beyond that is proposed again next step. Batched rows
 therefore gain only as much as they agree (a plain row beside them keeps them at one token per step);
 ``RealizedGain`` stops a batch size from speculating where that loses. Keeping each row's own surplus
-needs rows that end at different columns (paged KV) or a copy of the rows' KV per step. The KV of rejected positions is never
-read again and never reaches the radix tree (it stores only what ``consumed`` covers). A grammar-constrained row's drafts are cut where its grammar forbids a token
+needs rows that end at different columns (paged KV) or a copy of the rows' KV per step. The KV of
+rejected positions is never read again and never reaches the radix tree (it stores only what
+``consumed`` covers). A grammar-constrained row's drafts are cut where its grammar forbids a token
 (llguidance's ``validate_tokens``), and each verified position is masked with the grammar's state after
 the drafts before it (the matcher is rolled back afterwards). Rows with penalties (their distribution
 depends on counts the drafts would change) do not speculate (a request asking for both is refused at

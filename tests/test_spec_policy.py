@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallm_engine.spec_policy import MIN_GAIN, StepCost, choose_width, expected_tokens
+from parallm_engine.spec_policy import (BACKOFF, MIN_GAIN, WINDOW, RealizedGain, StepCost, choose_width,
+                                        expected_tokens)
 
 
 def _costs(fn, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)) -> StepCost:
@@ -74,6 +75,25 @@ def test_step_cost_averages_within_a_bucket_and_extrapolates_the_measured_slope(
     cost.observe(4, 0.04)
     cost.observe(8, 0.08)
     assert math.isclose(cost.estimate(32), 0.32, rel_tol=1e-6)  # 0.01 s per position, as measured
+
+
+def test_a_batch_size_whose_speculation_delivered_less_backs_off_doubling():
+    cost = _costs(lambda p: 0.1)  # a plain step of 8 rows: 80 tok/s
+    gain = RealizedGain()
+    for _ in range(WINDOW):  # 8 rows, 6 tokens per 0.1 s step: 60 tok/s, a loss
+        assert gain.allows(8)
+        gain.observe(8, 6, 0.1, cost)
+    assert sum(not gain.allows(8) for _ in range(BACKOFF)) == BACKOFF
+    assert gain.allows(8) and gain.allows(1)  # the backoff is over; other batch sizes never stopped
+    for _ in range(WINDOW):
+        gain.observe(8, 6, 0.1, cost)
+    assert sum(not gain.allows(8) for _ in range(4 * BACKOFF)) == 2 * BACKOFF  # lost again: twice as long
+    for _ in range(WINDOW):  # 16 tokens per step: 160 tok/s, a win, and the next loss backs off 32 again
+        gain.observe(8, 16, 0.1, cost)
+    assert gain.allows(8)
+    for _ in range(WINDOW):
+        gain.observe(8, 6, 0.1, cost)
+    assert sum(not gain.allows(8) for _ in range(4 * BACKOFF)) == BACKOFF
 
 
 # -- in the engine -------------------------------------------------------------------------------

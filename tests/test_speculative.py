@@ -52,8 +52,6 @@ def small_vocab_engine(tmp_path_factory, engine):
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
     eng = Engine(str(out), max_batch_size=128)
-    eng._scheduler.speculator.max_batch = 128  # speculate in the big sampling batches of this test
-    eng._scheduler.speculator.token_budget = 1024
     yield eng
     eng.shutdown()
 

@@ -151,7 +151,6 @@ class Scheduler:
         self._prefill_rate: float | None = None
         self._other_step_s = 0.0
         self._plain_rows = 0  # rows of this step's ordinary pipelined decode, for the speculator's costs
-        self._prefilled = 0  # prompt tokens this step prefilled
 
     @property
     def running(self) -> list[Sequence]:
@@ -263,7 +262,7 @@ class Scheduler:
         self._admit()
         self._plain_rows = 0
         with cpu_kernels.enabled(self._cpu_kernels):
-            joined, prefill_s = self._timed_prefill()
+            joined, prefill_s, prefilled = self._timed_prefill()
             if joined:
                 self._join(joined)
             if self.running:
@@ -272,22 +271,22 @@ class Scheduler:
                 self._flush_pending()
         other = time.perf_counter() - t0 - prefill_s
         self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
-        if self._plain_rows and not joined and not self._prefilled:  # a steady decode step: what it costs
+        if self._plain_rows and not joined and not prefilled:  # a steady decode step: what it costs
             self.speculator.observe_plain_step(self._plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         memory_recovery.step_succeeded(self)
 
-    def _timed_prefill(self) -> tuple[list[Sequence], float]:
+    def _timed_prefill(self) -> tuple[list[Sequence], float, int]:
+        """This step's prefill: the sequences that finished it, its seconds and its prompt tokens."""
         t0 = time.perf_counter()
         before = self.stats.prefill_tokens
         joined = self._prefill()
         elapsed = time.perf_counter() - t0
         done = self.stats.prefill_tokens - before
-        self._prefilled = done
         if done >= 16 and elapsed > 0:
             rate = done / elapsed
             self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
-        return joined, elapsed
+        return joined, elapsed, done
 
     def prefill_token_budget(self) -> int:
         """Prefill tokens this step may spend: what fits in the step-time target next to the rest of

@@ -147,7 +147,7 @@ class Speculator:
         # Steps left before looking for drafts again after a step found none: looking needs the step in
         # flight delivered first, which costs the pipelined overlap when there is nothing to copy.
         self._cooldown = 0
-        self.cost = StepCost()  # seconds per step by positions, measured by the scheduler (observe_step)
+        self.cost = StepCost()  # seconds per step by positions: plain steps (observe_plain_step) and verifies
         self.realized = RealizedGain()  # what speculation delivered vs plain steps, per batch size
         self._width = 1  # this step's forward width, chosen by wants()
 
@@ -189,19 +189,20 @@ class Speculator:
         if any(cap for _, cap in rows) and (fixed > 1 or self.realized.allows(len(running))):
             adaptive = choose_width(self.cost, rows, self.token_budget)
         self._width = min(max(adaptive, fixed), self.token_budget // len(running), MAX_WIDTH)
-        if self._width < 2:
-            for s in running:
-                st = self._rows.get(s)
-                if st is None:
-                    continue
-                if st.rest > 0:  # resting rows count their steps down whether or not the batch speculates
-                    st.rest -= 1
-                elif st.rate < _RETRY_RATE:
-                    # a rate is only measured by speculating: while the batch does not, it drifts back
-                    # towards a middling estimate, so a row whose text turns to copying is tried again
-                    st.rate += (_RETRY_RATE - st.rate) * _RATE_RECOVERY
-            return False
-        return True
+        return self._width >= 2
+
+    def _idle(self, running: list) -> None:
+        """A step in which the batch does not speculate: resting rows count it down, and a row's rate
+        (only measured by speculating) drifts back towards a middling estimate, so a row whose text
+        turns to copying is tried again."""
+        for s in running:
+            st = self._rows.get(s)
+            if st is None:
+                continue
+            if st.rest > 0:
+                st.rest -= 1
+            elif st.rate < _RETRY_RATE:
+                st.rate += (_RETRY_RATE - st.rate) * _RATE_RECOVERY
 
     def observe_plain_step(self, rows: int, seconds: float) -> None:
         """An ordinary pipelined decode step's rows and seconds (the scheduler's timing, prefill
@@ -255,6 +256,7 @@ class Speculator:
         running = sched.running
         if not any(_backlog(s) for s in running):
             if not self.wants(running):
+                self._idle(running)
                 return False
             if self._cooldown:
                 self._cooldown -= 1
@@ -264,7 +266,11 @@ class Speculator:
             if not running:
                 return True
         t0 = time.perf_counter()  # after the flush: the step in flight it waited for was a plain step
-        drafts = self.plan(running) if self.wants(running) else [[] for _ in running]
+        if self.wants(running):  # again: the flush may have retired rows
+            drafts = self.plan(running)
+        else:
+            self._idle(running)
+            drafts = [[] for _ in running]
         if not any(drafts) and not any(_backlog(s) for s in running):
             self._cooldown = _COOLDOWN
             return False

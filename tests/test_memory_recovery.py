@@ -44,7 +44,11 @@ def _install(eng, **kw) -> FailingForward:
     sched = eng._scheduler
     model = sched.model._model if isinstance(sched.model, FailingForward) else sched.model
     wrapper = FailingForward(model, **kw)
-    eng.run_on_engine_thread(lambda: setattr(sched, "model", wrapper))
+
+    def swap():  # prefill (the scheduler) and decode (its runner) both run the model
+        sched.model = sched.runner.model = wrapper
+
+    eng.run_on_engine_thread(swap)
     return wrapper
 
 

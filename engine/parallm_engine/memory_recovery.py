@@ -41,7 +41,7 @@ def recover(sched, exc: BaseException) -> None:
     sched.stats.allocation_failures = sched.allocation_failures
     sched.failure_streak += 1
     held = sched.kv_bytes_held()
-    sched._pending = None
+    sched.runner.clear()
     # Every unfinished choice of every live request, wherever the failed step left it (a prefill group or
     # a joining list may have held some outside the scheduler's queues when it raised).
     started = {id(s) for s in [*sched.running, *sched.prefilling]}

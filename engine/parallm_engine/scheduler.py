@@ -4,9 +4,10 @@ One ``step()``: make room (preempt the least urgent rows if the running batch wo
 budget); admit waiting sequences by the memory they take now; prefill new ones in chunks (prompt
 prefixes from the prefix cache; requests that arrive together with the same uncached prefix compute
 it once: the first stores it, the next ones hit it); move prefilled sequences into the decode batch;
-run one decode step for every running sequence through the model's own forward; sample; hand the
-tokens to the output processor (detokenise, stops, deltas); retire finished sequences, keeping their
-KV in the prefix cache for the next turn.
+have the decode runner (``decode_runner``) run one decode step for every running sequence through
+the model's own forward, sample and hand the tokens to the output processor (detokenise, stops,
+deltas); retire finished sequences, keeping their KV in the prefix cache for the next turn. Memory
+(the one KV budget, admission room, the prefix cache's share) is ``kv_manager``'s.
 
 A sequence's context is its prompt plus what it generated so far. Prefill covers every context token
 but the last; the last runs in the decode step that samples the next token (as mlx-lm's generate
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import cpu_kernels, kv_quant, memory_recovery
-from .constrained import apply_constraints
 from .decode_batch import DecodeBatch
+from .decode_runner import DecodeRunner
 from .errors import RequestCancelledError
 from .kv_manager import KVManager
 from .memory_budget import mlx_memory
@@ -42,8 +43,7 @@ from .prefill_runner import run_prefill_group
 from .prefix_sharing import shared_prefix_flags
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
-from .sampling import sample_batch
-from .sequence import Sequence, common_prefix_len, next_inputs
+from .sequence import Sequence, common_prefix_len
 from .snapshot_cache import SnapshotCache
 from .speculative import Speculator
 from .stats import EngineStats
@@ -145,12 +145,12 @@ class Scheduler:
             self.kv.draft_kv_bytes = self.speculator.draft_rows.nbytes
         # Models whose attention scores are (B, KV heads, repeats, L, S) need masks with one more axis.
         self._mask_5d = model_type == "gemma2"
-        # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
-        self._pending: tuple | None = None
+        # The forward, sampling and delivery of each decode step (and the pipelined step in flight).
+        self.runner = DecodeRunner(model, self.batch, self.out, stats, pipeline=config.pipeline,
+                                   speculator=self.speculator, retire=self._retire_rows)
         # Measured, for the step-time bound: prefill tokens per second and the rest of a step's time.
         self._prefill_rate: float | None = None
         self._other_step_s = 0.0
-        self._plain_rows = 0  # rows of this step's ordinary pipelined decode, for the speculator's costs
 
     @property
     def running(self) -> list[Sequence]:
@@ -167,7 +167,7 @@ class Scheduler:
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._pending is not None)
+        return bool(self.waiting or self.prefilling or self.running or self.runner.in_flight)
 
     def add(self, request: Request) -> None:
         # Build every sequence first: if one fails (a grammar, a sampler), nothing is registered.
@@ -215,7 +215,7 @@ class Scheduler:
             self._release_prefill(s)
         self.waiting.clear()
         self.prefilling.clear()
-        self._pending = None
+        self.runner.clear()
         self.batch.clear()
 
     def batch_kv_bytes(self) -> int:
@@ -235,7 +235,7 @@ class Scheduler:
         self.kv.fit_cache()
         if len(self.running) <= 1 or not self.kv.rows_over_budget():
             return
-        self._flush_pending()  # tokens of the step in flight belong to the rows about to leave
+        self.runner.flush()  # tokens of the step in flight belong to the rows about to leave
         while len(self.running) > 1 and self.kv.rows_over_budget():
             victim = max(self.running, key=lambda s: s.urgency)
             self._preempt(victim)
@@ -260,19 +260,19 @@ class Scheduler:
         t0 = time.perf_counter()
         self._make_room()
         self._admit()
-        self._plain_rows = 0
+        self.runner.plain_rows = 0
         with cpu_kernels.enabled(self._cpu_kernels):
             joined, prefill_s, prefilled = self._timed_prefill()
             if joined:
                 self._join(joined)
             if self.running:
-                self._decode()
-            elif self._pending is not None:
-                self._flush_pending()
+                self.runner.step()
+            elif self.runner.in_flight:
+                self.runner.flush()
         other = time.perf_counter() - t0 - prefill_s
         self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
-        if self._plain_rows and not joined and not prefilled:  # a steady decode step: what it costs
-            self.speculator.observe_plain_step(self._plain_rows, other)
+        if self.runner.plain_rows and not joined and not prefilled:  # a steady decode step: what it costs
+            self.speculator.observe_plain_step(self.runner.plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         memory_recovery.step_succeeded(self)
 
@@ -529,83 +529,6 @@ class Scheduler:
             for lane in self.batch.lanes:
                 self._mask_adapter(lane.kv)
 
-    def _decode(self) -> None:
-        """One decode step for every running sequence.
-
-        Pipelined when no running sequence needs host state that depends on the previous token
-        (penalties): the step's graph is built on the previous step's tokens while they are still
-        being computed, ``async_eval`` starts it, and the host then detokenises, checks stops and
-        delivers the previous step's tokens while this one runs (as mlx-lm's generate loop does).
-        A sequence that stopped has computed one wasted step; its row is dropped. With grammar
-        constraints in the batch, the forward is started first, the previous step is delivered
-        (advancing the matchers) and the masks are computed while it runs; only the sampling waits.
-        """
-        if self.speculator is not None and self.speculator.step(self):  # verified drafts (speculative.py)
-            finished = {id(s) for s in self.running if s.finish_reason is not None}
-            if finished:
-                self._retire_rows(finished)
-            return
-        pipelined = self.config.pipeline and not any(s.sampler.params.needs_penalties for s in self.running)
-        constrained = pipelined and any(s.constraint is not None for s in self.running)
-        if self.speculator is not None and pipelined and self._pending is not None:
-            # a pipelined step after another: its wall time is the step's cost (spec_policy)
-            self._plain_rows = len(self.running)
-        if self._pending is not None and not pipelined:
-            self._flush_pending()
-            if not self.running:
-                return
-        running = self.running
-        if self._pending is not None:
-            inputs = next_inputs(running, self._pending[0], self._pending[1])
-        else:
-            inputs = mx.array([s.last_token for s in running])
-        logits = self.batch.forward(self.model, inputs)
-        for s in running:
-            s.consumed += 1
-        self.stats.decode_steps += 1
-        if constrained:  # masks need the previous tokens: deliver them while the forward runs
-            mx.async_eval(logits)
-            previous, self._pending = self._pending, None
-            if previous is not None:
-                self.out.deliver(*previous)
-            sampled = self._sample(self.running, logits)
-            mx.async_eval([x for x in sampled if x is not None])
-            self._pending = (list(self.running), *sampled)
-        elif pipelined:
-            sampled = self._sample(self.running, logits)
-            mx.async_eval([x for x in sampled if x is not None])
-            previous, self._pending = self._pending, (list(self.running), *sampled)
-            if previous is not None:
-                self.out.deliver(*previous)
-        else:
-            self.out.deliver(self.running, *self._sample(self.running, logits))
-        finished = {id(s) for s in self.running if s.finish_reason is not None}
-        if finished:
-            self._retire_rows(finished)
-
-    def _flush_pending(self) -> None:
-        """Deliver the last pipelined step's tokens now (the batch is about to change or idle)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        self.out.deliver(*pending)
-        finished = {id(s) for s in self.running if s.finish_reason is not None}
-        if finished:
-            self._retire_rows(finished)
-
-    def _sample(self, seqs: list[Sequence], logits: mx.array):
-        """Lazy: (tokens, logprobs rows for sequences that asked, chosen-token logprobs)."""
-        samplers = [s.sampler for s in seqs]
-        if any(s.constraint is not None for s in seqs):
-            # Rows already finished (still in a pipelined step) are left unmasked; their tokens are dropped.
-            logits = apply_constraints(logits, [s.constraint if s.finish_reason is None else None for s in seqs])
-        toks, logprobs = sample_batch(logits, samplers)
-        if logprobs is None:
-            return toks, None, None
-        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-        chosen = logprobs[mx.arange(len(seqs)), toks]
-        return toks, logprobs[mx.array(rows)] if rows else None, chosen
-
     # -- retiring -------------------------------------------------------------------------------
     def _cache_row(self, seq: Sequence) -> None:
         """Keep a running sequence's context in the prefix cache for the next turn or its own
@@ -631,22 +554,7 @@ class Scheduler:
         self.batch.drop(rows)
         if self.speculator is not None:
             self.speculator.drop(rows)
-        if self._pending is not None:
-            seqs, toks, lp_rows, chosen = self._pending
-            kept = [i for i, s in enumerate(seqs) if id(s) not in rows]
-            if not kept:
-                self._pending = None
-            elif len(kept) < len(seqs):
-                sel = mx.array(kept)
-                kept_set = set(kept)
-                lp_keep = [r for r, i in enumerate([i for i, s in enumerate(seqs) if s.logprobs is not None])
-                           if i in kept_set]
-                self._pending = (
-                    [seqs[i] for i in kept],
-                    toks[sel],
-                    lp_rows[mx.array(lp_keep)] if lp_rows is not None and lp_keep else None,
-                    chosen[sel] if chosen is not None else None,
-                )
+        self.runner.drop(rows)
 
     # -- introspection (engine thread) ----------------------------------------------------------
     def memory_stats(self) -> dict:

@@ -249,11 +249,11 @@ class Speculator:
             self.stats.spec_draft_kv_bytes = self.draft_rows.nbytes()
 
     # -- the speculative step ------------------------------------------------------------------
-    def step(self, sched) -> bool:
+    def step(self, runner) -> bool:
         """Run one speculative decode step if this step should speculate (or some row still has context
-        tokens to recompute from the last one); False to let the scheduler run its ordinary step (its
+        tokens to recompute from the last one); False to let the decode runner run its ordinary step (its
         pipelined step in flight may have been delivered meanwhile)."""
-        running = sched.running
+        running = runner.running
         if not any(_backlog(s) for s in running):
             if not self.wants(running):
                 self._idle(running)
@@ -261,8 +261,8 @@ class Speculator:
             if self._cooldown:
                 self._cooldown -= 1
                 return False
-            sched._flush_pending()  # proposals need every row's latest token on the host
-            running = sched.running
+            runner.flush()  # proposals need every row's latest token on the host
+            running = runner.running
             if not running:
                 return True
         t0 = time.perf_counter()  # after the flush: the step in flight it waited for was a plain step
@@ -274,13 +274,13 @@ class Speculator:
         if not any(drafts) and not any(_backlog(s) for s in running):
             self._cooldown = _COOLDOWN
             return False
-        positions, tokens = self.verify(sched, running, drafts)
+        positions, tokens = self.verify(runner, running, drafts)
         seconds = time.perf_counter() - t0
         self.cost.observe(positions, seconds)
         self.realized.observe(len(running), tokens, seconds, self.cost)
         return True
 
-    def verify(self, sched, running: list, drafts: list[list[int]]) -> tuple[int, int]:
+    def verify(self, runner, running: list, drafts: list[list[int]]) -> tuple[int, int]:
         """One forward over every row's pending context tokens (its last one, and any a previous step
         left to recompute) and its drafts; accept, deliver, roll the KV back to what every row keeps.
         Returns the positions the forward computed and the tokens delivered."""
@@ -288,7 +288,7 @@ class Speculator:
         pending = [(s.request.prompt_ids + s.output_ids)[s.consumed :] for s in running]
         W = max(len(u) + len(d) for u, d in zip(pending, drafts))
         inputs = [u + d + [u[-1]] * (W - len(u) - len(d)) for u, d in zip(pending, drafts)]
-        logits = sched.batch.forward_block(sched.model, mx.array(inputs))
+        logits = runner.batch.forward_block(runner.model, mx.array(inputs))
         V = logits.shape[-1]
         # Sample every verified position as decoding would there: a row's last pending token (the
         # next token's logits) and each of its drafts.
@@ -342,7 +342,7 @@ class Speculator:
             lp_idx = [p for p in emit if running[owners[p]].logprobs is not None]
             lp_rows = logprobs[mx.array(lp_idx)] if lp_idx else None
         sel = mx.array(emit)
-        sched.out.deliver([running[owners[p]] for p in emit], toks[sel], lp_rows,
+        runner.out.deliver([running[owners[p]] for p in emit], toks[sel], lp_rows,
                           chosen[sel] if chosen is not None else None)
         self.stats.decode_steps += 1
         if any(drafts):
@@ -361,7 +361,7 @@ class Speculator:
                 self._account(s, len(d), max(0, min(added - 1, len(d))), chains[i])
         going = [k for s, k in zip(running, keep) if s.finish_reason is None]
         n = min(going or keep)
-        sched.batch.rollback(W - n)
+        runner.batch.rollback(W - n)
         for s, k in zip(running, keep):
             s.consumed += min(n, k)
         return B * W, len(emit)

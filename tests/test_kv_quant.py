@@ -131,7 +131,7 @@ def test_q8_greedy_equals_reference_batched_and_alone(q8_engine):
 
 def test_q8_cache_hit_equals_cold_and_fanout(q8_engine):
     """A long shared prefix from the (quantized) radix tree, read once by a fan-out (cascade attention):
-    every answer equals that prompt run alone on a cold engine path (no prefix cached)."""
+    a repeat from the cache equals the fan-out, and a member run alone on a cold cache equals its answer."""
     doc = ("Report. " + " ".join(f"Item {i} costs {i * 7 % 13} coins and weighs {i % 5} kg." for i in range(60)))
     questions = [f"\nQuestion {i}: what does item {i} cost?" for i in range(6)]
     ids = [q8_engine.tokenizer.encode(doc + q) for q in questions]
@@ -140,10 +140,10 @@ def test_q8_cache_hit_equals_cold_and_fanout(q8_engine):
     again = [r.token_ids for r in q8_engine.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True)]
     assert again == fan
     assert q8_engine.stats()["cached_tokens"] - cached >= len(ids) * (len(ids[0]) - 16)
-    for p, got in zip(ids[:2], fan):
-        q8_engine.clear_prefix_cache()
-        assert q8_engine.generate([p], max_tokens=12, temperature=0.0, ignore_eos=True)[0].token_ids == got
-        _assert_reference_tokens(q8_engine.model, p, got, 8)
+    # The first question alone on a cold cache, and against the reference (each ~8 s on the CI machine).
+    q8_engine.clear_prefix_cache()
+    assert q8_engine.generate([ids[0]], max_tokens=12, temperature=0.0, ignore_eos=True)[0].token_ids == fan[0]
+    _assert_reference_tokens(q8_engine.model, ids[0], fan[0], 8)
 
 
 def test_speculation_is_refused_with_quantized_kv(q8_engine):

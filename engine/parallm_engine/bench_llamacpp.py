@@ -210,13 +210,13 @@ def llama_server(binary: str, gguf: str, slots: int, ctx_per_slot: int, log_path
 
 
 def parallm_server(model: str, log_path: str, max_batch_size: int | None = None,
-                   bf16_weights: bool = False) -> ServerProcess:
+                   weights_dtype: str | None = None) -> ServerProcess:
     port = free_port()
     argv = [sys.executable, "-m", "parallm_engine.cli", "serve", "--model", model, "--port", str(port),
             "--log-level", "warning", "--served-model-name", SERVED_NAME]
     if max_batch_size:
         argv += ["--max-batch-size", str(max_batch_size)]
-    env = dict(os.environ, PARALLM_WEIGHTS_DTYPE="bfloat16") if bf16_weights else None
+    env = dict(os.environ, PARALLM_WEIGHTS_DTYPE=weights_dtype) if weights_dtype else None
     return ServerProcess("parallm serve", argv, port, log_path, env=env)
 
 
@@ -313,7 +313,8 @@ def run_llamacpp_workload(engine, prompt_len: int, new_tokens: int, concurrency=
     rng = random.Random(seed)
     vocab = engine.model_info.vocab_size
     slots = max(concurrency)
-    bf16 = engine.backend.dtype.startswith("bfloat16")  # --weights-dtype bfloat16: the server runs the same
+    bf16 = engine.backend.dtype.startswith("bfloat16")  # --weights-dtype bfloat16[-matmul]: the server runs the same
+    weights_dtype = ("bfloat16-matmul" if "matmul inputs" in engine.backend.dtype else "bfloat16") if bf16 else None
     entry: dict = {
         "dtypes": {"llama_cpp": f"{gguf_dtype(gguf)} (the GGUF's own quantization)",
                    "parallm": (f"{engine.backend.dtype} (dequantised on load)" if bf16 else
@@ -325,7 +326,7 @@ def run_llamacpp_workload(engine, prompt_len: int, new_tokens: int, concurrency=
     with tempfile.TemporaryDirectory(prefix="parallm-bench-") as logs, \
             llama_server(binary, gguf, slots, prompt_len + new_tokens + 16, f"{logs}/llama.log") as lc, \
             parallm_server(gguf, f"{logs}/parallm.log", max_batch_size=engine.config.max_batch_size,
-                           bf16_weights=bf16) as pm:
+                           weights_dtype=weights_dtype) as pm:
         warm = _prompts(rng, 2, 8, vocab)
         run_load(lc.url, warm, 4)  # first requests: allocations, thread start-up
         run_load(pm.url, warm, 4)

@@ -97,6 +97,10 @@ def cmd_info(args) -> int:
     if b.device == "cpu":
         print(f"weights : stored {out['weights_dtype']} (Engine(weights_dtype=\"bfloat16\") or "
               "PARALLM_WEIGHTS_DTYPE=bfloat16: half the bytes per decode step; activations and KV stay float32)")
+        from .weights_dtype import bf16_dot_kernel
+
+        print("          bfloat16-matmul (bf16 matmul inputs, float32 sums): "
+              + ("AVX512_BF16 kernel" if bf16_dot_kernel() is not None else "MLX ops (no AVX512_BF16 kernel here)"))
     print(f"blas    : {b.blas}")
     print(f"engine  : {engine_backend.summary()}")
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
@@ -301,9 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mlx: run on MLX's own ops (backend cpu-mlx, the path Metal and CUDA take) and "
                          "compare the fan-out with the native path (the 'paths' workload)")
     sp.add_argument("--quick", action="store_true", help="small sizes, < 3 minutes")
-    sp.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default=None,
+    sp.add_argument("--weights-dtype", choices=("float32", "bfloat16", "bfloat16-matmul"), default=None,
                     help="CPU weight storage for ParaLLM's engine (default float32; bfloat16 halves the bytes "
-                         "a decode step streams; the peer table's row becomes parallm_bf16)")
+                         "a decode step streams; bfloat16-matmul also rounds matmul inputs to bf16, AVX512_BF16's "
+                         "kernel where the CPU has it; the peer table's row becomes parallm_bf16)")
     sp.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     sp.add_argument("--agents", type=int, default=None, help="agents: how many simulated agents (default 16)")
     sp.add_argument("--agent-rate", type=float, default=None, help="agents: Poisson arrivals per second (default 1)")

@@ -125,8 +125,9 @@ class Engine:
         3.6x / 6.4x less KV memory for float32 KV at a small accuracy cost (``kv_quant.py``).
         ``speculative``: the default for requests that do not set their own (``spec_config``), e.g.
         ``{"method": "ngram", "num_tokens": 4}``. ``weights_dtype``: ``"float32"`` (default) or
-        ``"bfloat16"`` weight storage on the CPU (``PARALLM_WEIGHTS_DTYPE``; Metal and CUDA keep the
-        model's dtype; see ``weights_dtype.py``)."""
+        ``"bfloat16"`` weight storage on the CPU, or ``"bfloat16-matmul"`` (bfloat16 weights and matmul
+        inputs, float32 sums; AVX512_BF16's kernel where the CPU has it) (``PARALLM_WEIGHTS_DTYPE``; Metal
+        and CUDA keep the model's dtype; see ``weights_dtype.py``)."""
         from .backend import choose_backend
         from .loader import load_model
 
@@ -147,6 +148,9 @@ class Engine:
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights)
         if weights == "bfloat16" and dtype in (None, "float32"):
             self.backend.dtype = "bfloat16 weights, float32 activations and KV"
+        elif weights == "bfloat16-matmul" and dtype in (None, "float32"):
+            self.backend.dtype = ("bfloat16 weights and matmul inputs (float32 sums), float32 activations and KV"
+                                  + ("; AVX512_BF16 kernel" if self.backend.name == "cpu-native" and _bf16_dot_kernel() else ""))
         budget = kv_budget_bytes or self.backend.kv_budget(kv_memory)
         self.mlx_limits = apply_mlx_limits(mlx_limits(self.backend.device, self.backend.memory_bytes, budget,
                                                       _weight_bytes(self.model)))
@@ -599,3 +603,10 @@ class Engine:
         self._thread.join(timeout)
         if getattr(self.model, "vision", None) is not None:
             self.model.vision.close()
+
+
+def _bf16_dot_kernel() -> bool:
+    """Whether the native kernels run bfloat16 matmuls with AVX512_BF16 here (``weights_dtype``)."""
+    from .weights_dtype import bf16_dot_kernel
+
+    return bf16_dot_kernel() is not None

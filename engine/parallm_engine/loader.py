@@ -202,10 +202,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
         # CPU: quantized and half-precision matmuls have no fast kernels; run fp32 + BLAS.
         net = dequantize_model(net)
         net.set_dtype(mx.float32)
-        if weights_dtype == "bfloat16":
+        if weights_dtype in ("bfloat16", "bfloat16-matmul"):
             from .weights_dtype import store_weights_bf16
 
-            store_weights_bf16(net)
+            store_weights_bf16(net, bf16_matmul=weights_dtype == "bfloat16-matmul")
     elif want not in ("native", None):
         target = getattr(mx, want, None)
         if target is None:
@@ -224,7 +224,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
         or getattr(tokenizer, "model_max_length", None)
         or 2048
     )
-    param_dtype = mx.float32 if weights_dtype == "bfloat16" else _activation_dtype(net)  # bf16 storage only
+    param_dtype = mx.float32 if weights_dtype in ("bfloat16", "bfloat16-matmul") else _activation_dtype(net)  # bf16 storage only
     gguf_file = (config.get("gguf_source") or {}).get("file")
     defaults, defaults_source = sampling_defaults(
         path, [name, path.name, Path(gguf_file).stem if gguf_file else ""], Path(gguf_file) if gguf_file else None

@@ -14,10 +14,20 @@ KV cache stay float32, and every matmul widens the weights to float32 exactly (b
 The only error against float32 is the weights' rounding to bfloat16 (8 bits of mantissa);
 ``tests/test_bf16.py`` bounds its effect on the default model's logprobs. Metal and CUDA keep the
 checkpoint's own dtype (their matmuls read half precision natively); the option applies to the CPU.
+
+``weights_dtype="bfloat16-matmul"`` also rounds each matmul's input (the activations entering every
+Linear and the tied output head) to bfloat16 (nearest even); products of two bfloat16 values are exact
+in float32 and the sums stay float32. That is the math of AVX512_BF16's ``vdpbf16ps`` (32
+multiply-adds per instruction against float32 FMA's 16): where the native kernels are built for it
+(``linear_bf16`` in ``kernels.cpp``) every row count runs through it, decode and prefill; elsewhere
+(pure MLX, or a CPU without AVX512_BF16) the same math in MLX ops (the input rounded to bfloat16 and
+back, then the float32 matmul), slower than ``"bfloat16"``. The error against float32 is the weights'
+and the inputs' rounding; ``tests/test_bf16.py`` bounds it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -25,7 +35,7 @@ from .errors import InvalidRequestError
 
 logger = logging.getLogger("parallm_engine")
 
-WEIGHTS_DTYPES = ("float32", "bfloat16")
+WEIGHTS_DTYPES = ("float32", "bfloat16", "bfloat16-matmul")
 
 
 def resolve_weights_dtype(value: str | None, device: str) -> str | None:
@@ -35,7 +45,7 @@ def resolve_weights_dtype(value: str | None, device: str) -> str | None:
     chosen = None
     if given is not None:
         chosen = str(given).lower()
-        chosen = {"bf16": "bfloat16", "fp32": "float32"}.get(chosen, chosen)
+        chosen = {"bf16": "bfloat16", "fp32": "float32", "bf16-matmul": "bfloat16-matmul"}.get(chosen, chosen)
         if chosen not in WEIGHTS_DTYPES:
             where = "weights_dtype" if value is not None else "PARALLM_WEIGHTS_DTYPE"
             raise InvalidRequestError(f"{where} must be one of {', '.join(WEIGHTS_DTYPES)}, got {given!r}",
@@ -72,13 +82,63 @@ def bf16_embedding_class():
     return _BF16_EMBEDDING
 
 
-def store_weights_bf16(net) -> int:
+def bf16_dot_kernel():
+    """The native kernels' module where they run bfloat16 matmuls with AVX512_BF16, else None."""
+    from . import cpu_kernels
+
+    nat = cpu_kernels._native()
+    return nat if nat is not None and getattr(nat, "has_bf16_dot", lambda: False)() else None
+
+
+def _round_bf16(x):
+    import mlx.core as mx
+
+    return x.astype(mx.bfloat16).astype(mx.float32) if x.dtype == mx.float32 else x
+
+
+def _bf16_matmul(x, weight, bias=None):
+    """``bf16(x) @ weight.T (+ bias)`` for a bfloat16 ``weight``: the native AVX512_BF16 kernel inside the
+    engine's forwards (``cpu_kernels.enabled``), the same math in MLX ops otherwise."""
+    from . import cpu_kernels
+
+    if cpu_kernels.is_enabled() and x.dtype.size == 4 and (bias is None or bias.dtype == x.dtype):
+        nat = bf16_dot_kernel()
+        if nat is not None:
+            return nat.linear_bf16(x, weight, bias)
+    y = _round_bf16(x) @ weight.T
+    return y if bias is None else y + bias
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_matmul_classes():
+    """(Linear, Embedding) classes for ``weights_dtype="bfloat16-matmul"``: an ``nn.Linear`` and a
+    :func:`bf16_embedding_class` whose tied head (``as_linear``) compute :func:`_bf16_matmul`."""
+    import mlx.nn as nn
+
+    class Bf16MatmulLinear(nn.Linear):
+        def __call__(self, x):
+            return _bf16_matmul(x, self.weight, self.get("bias"))
+
+    class Bf16MatmulEmbedding(bf16_embedding_class()):
+        def as_linear(self, x):
+            return _bf16_matmul(x, self.weight)
+
+    for cls in (Bf16MatmulLinear, Bf16MatmulEmbedding):
+        cls.__module__ = __name__
+    return Bf16MatmulLinear, Bf16MatmulEmbedding
+
+
+def store_weights_bf16(net, bf16_matmul: bool = False) -> int:
     """Cast every float32 ``nn.Linear`` / ``nn.Embedding`` weight of ``net`` (a float32 model) to
-    bfloat16 in place; return how many. Norms, biases and everything else stay float32."""
+    bfloat16 in place; return how many. Norms, biases and everything else stay float32. With
+    ``bf16_matmul`` those modules also round their matmul inputs to bfloat16 (:func:`bf16_matmul_classes`)."""
     import mlx.core as mx
     import mlx.nn as nn
 
     emb_cls = bf16_embedding_class()
+    linear_cls = None
+    if bf16_matmul:
+        linear_cls, emb_cls = bf16_matmul_classes()
     count = 0
     for _, module in net.named_modules():
         embedding = type(module) is nn.Embedding  # a subclass may read its rows its own way: left float32
@@ -89,5 +149,7 @@ def store_weights_bf16(net) -> int:
         module.weight = module.weight.astype(mx.bfloat16)
         if embedding:
             module.__class__ = emb_cls
+        elif linear_cls is not None and type(module) is nn.Linear:
+            module.__class__ = linear_cls
         count += 1
     return count

@@ -1201,6 +1201,174 @@ mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::
 }
 
 // ---------------------------------------------------------------------------------------------
+// linear_bf16: y = bf16(x) @ w.T (+ bias) for bfloat16 weights, with AVX512_BF16's vdpbf16ps.
+//
+// `linear` widens bfloat16 weights to float32 and keeps float32 FMAs (16 multiply-adds per
+// instruction); vdpbf16ps multiplies pairs of bfloat16 values into float32 sums, 32 multiply-adds per
+// instruction, but both operands are bfloat16: x is rounded to bfloat16 (nearest even) once per call.
+// That rounding is the accuracy cost (an input rounded to 8 bits of mantissa, as in every bf16 GEMM
+// of oneDNN / transformers' bf16 CPU path); the products are exact and accumulate in float32. Every
+// element is the same computation whatever M is (32-wide chunks over K in order with a zero-padded
+// last chunk, the same lane tree as `linear`), so a row's result does not depend on its batch. Used for
+// every row count, the prefill's too (one kernel, no BLAS). Built only where the compiler targets
+// AVX512_BF16 (`has_bf16_dot`); elsewhere cpu_kernels keeps `linear` / `gemm_split`.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kBf16Dot = true;
+
+// x (M x K float32) rounded to bfloat16, each row zero-padded to Kp (a multiple of 32).
+static void to_bf16_rows(const float* x, int M, int K, int Kp, uint16_t* out) {
+  for (int m = 0; m < M; ++m) {
+    const float* src = x + static_cast<int64_t>(m) * K;
+    uint16_t* dst = out + static_cast<int64_t>(m) * Kp;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+      _mm512_storeu_si512(dst + k, reinterpret_cast<const __m512i&>(v));
+    }
+    if (k < Kp) {
+      const int r = K - k;  // 0 < r < 32 (Kp - K zero columns follow)
+      const __mmask16 lo = r >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << r) - 1);
+      const __mmask16 hi = r > 16 ? static_cast<__mmask16>((1u << (r - 16)) - 1) : 0;
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + k + 16), _mm512_maskz_loadu_ps(lo, src + k));
+      _mm512_storeu_si512(dst + k, reinterpret_cast<const __m512i&>(v));
+    }
+  }
+}
+
+// MT rows of bf16 x (stride Kp) against NT rows of w (stride K), K in 32-wide chunks.
+template <int MT, int NT>
+static inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* bias,
+                             float* y, int64_t ldy, int K, const char* pf, int npf) {
+  __m512 acc[MT][NT];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i)
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int KC = K / 32;
+  int p = 0;
+  for (int kc = 0; kc < KC; ++kc) {
+    if (p < npf) __builtin_prefetch(pf + 64 * p++);
+    __m512bh xv[MT];
+    _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * ldx + kc * 32);
+    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * ldw + kc * 32);
+      _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+    }
+  }
+  for (; p < npf; ++p) __builtin_prefetch(pf + 64 * p);
+  if (const int r = K % 32) {  // the last partial chunk: w masked to its r columns, x is zero-padded
+    const __mmask32 mask = static_cast<__mmask32>((1ull << r) - 1);
+    __m512bh xv[MT];
+    for (int i = 0; i < MT; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * ldx + KC * 32);
+    for (int j = 0; j < NT; ++j) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * ldw + KC * 32);
+      for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+    }
+  }
+  constexpr int T = MT * NT;
+  for (int g = 0; g < (T + 15) / 16; ++g) {
+    v16 all[16] = {};
+    for (int u = 0; u < 16; ++u) {
+      const int t = g * 16 + u;
+      if (t < T) all[kBitRev[u]] = __builtin_bit_cast(v16, acc[t / NT][t % NT]);
+    }
+    const v16 s = lane_sums(all);
+    for (int u = 0; u < 16; ++u) {
+      const int t = g * 16 + u;
+      if (t < T) y[(t / NT) * ldy + t % NT] = bias ? s[u] + bias[t % NT] : s[u];
+    }
+  }
+}
+
+// All M rows of x against NT rows of w.
+template <int NT>
+static void bf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* bias, float* y,
+                      int64_t ldy, int K, int M, const char* pf, int npf) {
+  int m = 0;
+  for (; m + 4 <= M; m += 4) bf16_tile<4, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, m ? 0 : npf);
+  const int npf_rest = m ? 0 : npf;
+  switch (M - m) {
+    case 3: bf16_tile<3, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, npf_rest); break;
+    case 2: bf16_tile<2, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, npf_rest); break;
+    case 1: bf16_tile<1, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, npf_rest); break;
+    default: break;
+  }
+}
+
+class LinearBf16 : public mx::UnaryPrimitive {
+ public:
+  LinearBf16(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
+    const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
+    enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
+                  y = out.data<float>(), M, K, N]() {
+      if (M == 0 || N == 0) return;
+      std::vector<float> xbuf, bbuf;
+      std::vector<uint16_t> wbuf;
+      const float* x = dense<float>(xa, xbuf);
+      const uint16_t* w = dense<uint16_t>(wa, wbuf);
+      const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
+      const int Kp = (K + 31) / 32 * 32;
+      std::vector<uint16_t> xb(static_cast<size_t>(M) * Kp);
+      to_bf16_rows(x, M, K, Kp, xb.data());
+      // Rows in blocks of 64 (x's block stays in cache while the weights stream past it), columns in
+      // blocks of 6 weight rows, about 8 column blocks per thread per row block.
+      constexpr int MB = 64, NT = 6;
+      const int mblocks = (M + MB - 1) / MB;
+      const int want = std::max(1, Pool::get().size() * 8 / std::min(mblocks, 8));
+      const int nb = std::max(NT, ((N + want - 1) / want + NT - 1) / NT * NT);
+      const int nblocks = (N + nb - 1) / nb;
+      Pool::get().run(mblocks * nblocks, [&](int t) {
+        const int ni = t / mblocks, mi = t % mblocks;  // row blocks of one column block run together
+        const int m0 = mi * MB, m1 = std::min(M, m0 + MB), n0 = ni * nb, n1 = std::min(N, n0 + nb);
+        const uint16_t* xm = xb.data() + static_cast<int64_t>(m0) * Kp;
+        float* ym = y + static_cast<int64_t>(m0) * N;
+        for (int n = n0; n < n1; n += NT) {
+          const uint16_t* wn = w + static_cast<int64_t>(n) * K;
+          const float* bn = b ? b + n : nullptr;
+          const int ahead = n + NT;
+          const char* pf = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead) * K);
+          const int npf = ahead < n1 ? static_cast<int>(std::min(NT, n1 - ahead) * static_cast<int64_t>(K) * 2 / 64) : 0;
+          switch (std::min(NT, n1 - n)) {
+            case 6: bf16_rows<6>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+            case 5: bf16_rows<5>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+            case 4: bf16_rows<4>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+            case 3: bf16_rows<3>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+            case 2: bf16_rows<2>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+            default: bf16_rows<1>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+          }
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("parallm linear_bf16 is a CPU kernel");
+  }
+  const char* name() const override { return "ParallmLinearBf16"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const LinearBf16&>(other).has_bias_;
+  }
+
+ private:
+  bool has_bias_;
+};
+
+mx::array linear_bf16(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
+  if (weight.dtype() != mx::bfloat16) throw std::invalid_argument("linear_bf16: weight must be bfloat16");
+  return linear_node<LinearBf16>("linear_bf16", x, weight, bias);
+}
+#else
+constexpr bool kBf16Dot = false;
+
+mx::array linear_bf16(const mx::array&, const mx::array&, std::optional<mx::array>) {
+  throw std::runtime_error("linear_bf16: these kernels were not built for AVX512_BF16 (see has_bf16_dot)");
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // gemm_split: y = x @ w.T (+ bias) for a prefill's many rows, on every core.
 //
 // Each decode lane calls the BLAS from its own thread, so MKL runs single-threaded (backend.py): a
@@ -1523,6 +1691,8 @@ NB_MODULE(_parallm_native, m) {
   m.def("linear", &parallm::linear, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("gemm_split", &parallm::gemm_split, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("has_sgemm", [] { return parallm::find_sgemm() != nullptr; });
+  m.def("linear_bf16", &parallm::linear_bf16, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
+  m.def("has_bf16_dot", [] { return parallm::kBf16Dot; });
   m.def("rms_norm", &parallm::rms_norm, nb::arg("x"), nb::arg("weight") = nb::none(), nb::arg("eps"));
   m.def("swiglu", &parallm::swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("rope_rows", &parallm::rope_rows, nb::arg("x"), nb::arg("positions"), nb::arg("cos_table"),

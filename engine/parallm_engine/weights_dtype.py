@@ -99,9 +99,11 @@ def _round_bf16(x):
 def _bf16_matmul(x, weight, bias=None):
     """``bf16(x) @ weight.T (+ bias)`` for a bfloat16 ``weight``: the native AVX512_BF16 kernel inside the
     engine's forwards (``cpu_kernels.enabled``), the same math in MLX ops otherwise."""
+    import mlx.core as mx
+
     from . import cpu_kernels
 
-    if cpu_kernels.is_enabled() and x.dtype.size == 4 and (bias is None or bias.dtype == x.dtype):
+    if cpu_kernels.is_enabled() and x.dtype == mx.float32 and (bias is None or bias.dtype == mx.float32):
         nat = bf16_dot_kernel()
         if nat is not None:
             return nat.linear_bf16(x, weight, bias)

@@ -339,7 +339,11 @@ def run_http_agents(base_url: str, trace: AgentTrace) -> dict:
 
     async def main():
         n = len(trace.arrivals)
-        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        # A new connection per request: llama-server closes a connection idle for 5 s (cpp-httplib's
+        # keep-alive timeout), and an agent's next turn sent on a pooled connection the server is closing
+        # failed the whole trace ("Server disconnected without sending a response", twice). Loopback
+        # connects cost microseconds against turns of seconds.
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
             t0 = time.perf_counter()
             await asyncio.gather(*(agent(client, a, t0) for a in range(n)))

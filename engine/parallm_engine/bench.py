@@ -240,17 +240,33 @@ def _prefix_cache(model, prefix: list[int]):
 
 # -- peer: transformers + torch --------------------------------------------------------------------
 
+def _peer_python() -> str:
+    """The interpreter the transformers peer runs in: ``$PARALLM_PEER_PYTHON`` (a venv that has torch,
+    kept apart from ParaLLM's), else this one."""
+    import sys
+
+    return os.environ.get("PARALLM_PEER_PYTHON", "").strip() or sys.executable
+
+
 def _torch_available() -> bool:
     import importlib.util
+    import subprocess
+    import sys
 
-    return importlib.util.find_spec("torch") is not None
+    python = _peer_python()
+    if python == sys.executable:
+        return importlib.util.find_spec("torch") is not None
+    try:
+        return subprocess.run([python, "-c", "import torch, transformers"], capture_output=True,
+                              timeout=300).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict | None:
     """transformers' static batched ``generate`` on ``model_dir`` (``peer_worker``, in its own process
     so that torch runs as a user would run it, not beside MLX's threads and BLAS). None without torch."""
     import subprocess
-    import sys
     import tempfile
 
     if not _torch_available():
@@ -259,7 +275,7 @@ def run_transformers(model_dir, prompts: list[list[int]], new_tokens: int, dtype
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(prompts, fh)
     try:
-        done = subprocess.run([sys.executable, worker, str(model_dir), fh.name, str(new_tokens), dtype],
+        done = subprocess.run([_peer_python(), worker, str(model_dir), fh.name, str(new_tokens), dtype],
                               capture_output=True, text=True, timeout=1800)
     finally:
         os.unlink(fh.name)
@@ -382,7 +398,8 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
         prompts = result.pop("_throughput_prompts", None) or _prompts(rng, sz.n, sz.prompt_len, vocab)
         prompts = [p[: min(len(q) for q in prompts)] for p in prompts]  # static batching: equal lengths
         if not _torch_available():
-            result["workloads"]["peer"] = {"skipped": "torch is not installed (pip install torch==2.13.0)"}
+            result["workloads"]["peer"] = {"skipped": "torch is not installed (pip install torch==2.13.0, or "
+                                                      "PARALLM_PEER_PYTHON=<a python that has torch and transformers>)"}
         else:
             import tempfile
 

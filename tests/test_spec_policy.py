@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parallm_engine.spec_policy import (BACKOFF, MIN_GAIN, WINDOW, RealizedGain, StepCost, choose_width,
-                                        expected_tokens)
+                                        expected_tokens, level_tokens)
 
 
 def _costs(fn, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)) -> StepCost:
@@ -26,6 +26,19 @@ def test_expected_tokens_is_the_accepted_run_plus_one():
     assert expected_tokens(0.5, 1) == pytest.approx(1.5)
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=0.01)
+
+
+def test_a_level_batch_expects_what_its_least_accepting_row_allows():
+    """Rows are kept level: a batch emits 1 + the least accepted drafts per row."""
+    assert level_tokens([(0.5, 3)], 3) == pytest.approx(expected_tokens(0.5, 3))  # one row: its own run
+    assert level_tokens([(0.5, 3)] * 2, 3) == pytest.approx(2 * (1 + 0.25 + 0.0625 + 0.015625))
+    assert level_tokens([(0.9, 4), (0.9, 0)], 4) == 2.0  # a row with no drafts holds the batch at one token
+    assert level_tokens([(0.9, 4), (0.9, 1)], 4) == pytest.approx(2 * (1 + 0.81))
+    # 32 copy rows at 0.7 each: together they almost never accept even one draft.
+    assert level_tokens([(0.7, 4)] * 32, 4) < 32 * 1.001
+    flat = _costs(lambda p: 0.05 + 0.0001 * p)  # positions nearly free
+    assert choose_width(flat, [(0.7, 4)] * 32, 256) == 1
+    assert choose_width(flat, [(0.7, 4)], 256) > 1
 
 
 def test_memory_bound_machine_speculates_wide_and_compute_bound_not_at_all():
@@ -60,7 +73,7 @@ def test_the_chosen_width_never_promises_less_than_a_plain_step(per_row, fixed, 
     w = choose_width(cost, rows, 256)
     assert 1 <= w <= max(1, min(cap + 1, 256 // batch))
     if w > 1:
-        tokens = batch * expected_tokens(rate, min(w - 1, cap))
+        tokens = level_tokens(rows, w - 1)
         plain = batch / cost.estimate(batch)
         assert tokens / cost.estimate(batch * w) > plain * MIN_GAIN - 1e-9
 

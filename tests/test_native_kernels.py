@@ -426,3 +426,16 @@ def test_gemm_split_matches_matmul(nat, M, K, N):
         _close(y, x @ w.T + b, tol=1e-4)
     with pytest.raises(ValueError, match="last axis"):
         nat.gemm_split(x, mx.random.normal((N, K + 1)))
+
+
+def test_linear_kernels_with_an_empty_inner_dimension_give_the_bias(nat):
+    """K = 0: an empty sum, so the bias (or zeros); gemm_split must not hand the BLAS lda = 0."""
+    x, b = mx.zeros((3, 0)), mx.array([1.0, 2.0])
+    want = mx.broadcast_to(b, (3, 2))
+    for w in (mx.zeros((2, 0)), mx.zeros((2, 0), dtype=mx.bfloat16)):
+        assert mx.array_equal(nat.linear(x, w, b), want).item()
+        assert mx.array_equal(nat.linear(x, w), mx.zeros((3, 2))).item()
+        if nat.has_sgemm():
+            assert mx.array_equal(nat.gemm_split(x, w, b), want).item()
+    if nat.has_bf16_dot():
+        assert mx.array_equal(nat.linear_bf16(x, mx.zeros((2, 0), dtype=mx.bfloat16), b), want).item()

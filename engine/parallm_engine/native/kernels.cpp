@@ -1122,16 +1122,28 @@ static void linear_block(const float* x, const WT* w, const float* bias, float* 
   }
 }
 
+// The linear primitives' common start (Linear, LinearBf16, GemmSplit): the output allocated, the
+// encoder told what is read and written, and (M, K, N) for x (..., K) @ w (N, K).T.
+struct LinearShape {
+  int M, K, N;
+};
+template <typename Encoder>
+static LinearShape begin_linear(Encoder& enc, const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  const int K = inputs[1].shape(1), N = inputs[1].shape(0);
+  const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
+  return {M, K, N};
+}
+
 class Linear : public mx::UnaryPrimitive {
  public:
   Linear(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
-    const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
+    const LinearShape shape = begin_linear(enc, inputs, out);
+    const int M = shape.M, K = shape.K, N = shape.N;
     enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
                   y = out.data<float>(), M, K, N]() {
       if (M == 0 || N == 0) return;
@@ -1297,12 +1309,9 @@ class LinearBf16 : public mx::UnaryPrimitive {
  public:
   LinearBf16(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
-    const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
+    const LinearShape shape = begin_linear(enc, inputs, out);
+    const int M = shape.M, K = shape.K, N = shape.N;
     enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
                   y = out.data<float>(), M, K, N]() {
       if (M == 0 || N == 0) return;
@@ -1389,15 +1398,19 @@ class GemmSplit : public mx::UnaryPrimitive {
  public:
   GemmSplit(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
-    const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : 0;
+    const LinearShape shape = begin_linear(enc, inputs, out);
+    const int M = shape.M, K = shape.K, N = shape.N;
     enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
                   y = out.data<float>(), M, K, N]() {
       if (M == 0 || N == 0) return;
+      if (K == 0) {  // an empty sum (the BLAS refuses lda = 0): the bias, or zeros
+        std::vector<float> bbuf;
+        const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
+        for (int m = 0; m < M; ++m)
+          for (int n = 0; n < N; ++n) y[static_cast<int64_t>(m) * N + n] = b ? b[n] : 0.0f;
+        return;
+      }
       std::vector<float> xbuf, wbuf, bbuf;
       std::vector<uint16_t> wbuf16;
       const bool bf16 = wa.dtype() == mx::bfloat16;

@@ -130,9 +130,9 @@ MAX_BACKOFF = 1024
 class RealizedGain:
     """What speculation delivered, checked against what plain steps deliver, per batch size.
 
-    :func:`choose_width` predicts from each row's acceptance rate; in a batch the prediction is
-    optimistic, because every row emits only as many drafts as the row that accepted least (the batch's
-    rows end at one column: ``speculative.py``), and rows that find no drafts hold the others. So every
+    :func:`choose_width` predicts from each row's recent acceptance rate, as if every row found drafts and
+    its acceptances were independent of the others'; in a batch (rows kept level: ``speculative.py``) a
+    row that finds no n-gram match this step holds the others at one token, and rates move. So every
     :data:`WINDOW` speculative steps of a batch size, their tokens per second are compared with a plain
     step's; a batch size that lost stops speculating for a while (:data:`BACKOFF` steps, doubling)."""
 

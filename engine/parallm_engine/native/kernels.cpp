@@ -1122,42 +1122,53 @@ static void linear_block(const float* x, const WT* w, const float* bias, float* 
   }
 }
 
-// The linear primitives' common start (Linear, LinearBf16, GemmSplit): the output allocated, the
-// encoder told what is read and written, and (M, K, N) for x (..., K) @ w (N, K).T.
-struct LinearShape {
-  int M, K, N;
-};
-template <typename Encoder>
-static LinearShape begin_linear(Encoder& enc, const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  const int K = inputs[1].shape(1), N = inputs[1].shape(0);
-  const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
-  return {M, K, N};
-}
-
-class Linear : public mx::UnaryPrimitive {
+// What the linear primitives (Linear, LinearBf16, GemmSplit) share: x (..., K) @ w (N, K).T (+ bias) with
+// the output allocated and the encoder told what is read and written; x and the bias made dense on the
+// stream's thread before the primitive's own `compute` (a static function: the dispatched task must not
+// hold the primitive); two nodes equivalent when both have a bias or neither; no GPU version.
+class LinearPrimitive : public mx::UnaryPrimitive {
  public:
-  Linear(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
+  using Compute = void (*)(const float* x, const mx::array& w, const float* bias, float* y, int M, int K, int N);
+  LinearPrimitive(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    const LinearShape shape = begin_linear(enc, inputs, out);
-    const int M = shape.M, K = shape.K, N = shape.N;
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
+    const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
     enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
-                  y = out.data<float>(), M, K, N]() {
+                  y = out.data<float>(), M, K, N, compute = compute_fn()]() {
       if (M == 0 || N == 0) return;
       std::vector<float> xbuf, bbuf;
       const float* x = dense<float>(xa, xbuf);
       const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
-      if (wa.dtype() == mx::bfloat16) {
-        std::vector<uint16_t> wbuf;
-        run(x, dense<uint16_t>(wa, wbuf), b, y, M, K, N);
-      } else {
-        std::vector<float> wbuf;
-        run(x, dense<float>(wa, wbuf), b, y, M, K, N);
-      }
+      compute(x, wa, b, y, M, K, N);
     });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(name()) + " is a CPU kernel");
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const LinearPrimitive&>(other).has_bias_;
+  }
+
+ protected:
+  virtual Compute compute_fn() const = 0;
+  bool has_bias_;
+};
+
+class Linear : public LinearPrimitive {
+ public:
+  using LinearPrimitive::LinearPrimitive;
+  static void compute(const float* x, const mx::array& wa, const float* b, float* y, int M, int K, int N) {
+    if (wa.dtype() == mx::bfloat16) {
+      std::vector<uint16_t> wbuf;
+      run(x, dense<uint16_t>(wa, wbuf), b, y, M, K, N);
+    } else {
+      std::vector<float> wbuf;
+      run(x, dense<float>(wa, wbuf), b, y, M, K, N);
+    }
   }
   template <typename WT>
   static void run(const float* x, const WT* w, const float* b, float* y, int M, int K, int N) {
@@ -1173,16 +1184,10 @@ class Linear : public mx::UnaryPrimitive {
         linear_block(x, w, b, y, K, N, mi * MB, std::min(M, (mi + 1) * MB), ni * nb, std::min(N, (ni + 1) * nb));
       });
   }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("parallm linear is a CPU kernel");
-  }
   const char* name() const override { return "ParallmLinear"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return has_bias_ == static_cast<const Linear&>(other).has_bias_;
-  }
 
- private:
-  bool has_bias_;
+ protected:
+  Compute compute_fn() const override { return &Linear::compute; }
 };
 
 // x (..., K) @ weight (N, K).T (+ bias (N,)) as primitive P: the checks and the graph node `linear` and
@@ -1305,64 +1310,48 @@ static void bf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t
   }
 }
 
-class LinearBf16 : public mx::UnaryPrimitive {
+class LinearBf16 : public LinearPrimitive {
  public:
-  LinearBf16(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    const LinearShape shape = begin_linear(enc, inputs, out);
-    const int M = shape.M, K = shape.K, N = shape.N;
-    enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
-                  y = out.data<float>(), M, K, N]() {
-      if (M == 0 || N == 0) return;
-      std::vector<float> xbuf, bbuf;
-      std::vector<uint16_t> wbuf;
-      const float* x = dense<float>(xa, xbuf);
-      const uint16_t* w = dense<uint16_t>(wa, wbuf);
-      const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
-      const int Kp = (K + 31) / 32 * 32;
-      std::vector<uint16_t> xb(static_cast<size_t>(M) * Kp);
-      to_bf16_rows(x, M, K, Kp, xb.data());
-      // Rows in blocks of 64 (x's block stays in cache while the weights stream past it), columns in
-      // blocks of 6 weight rows, about 8 column blocks per thread per row block.
-      constexpr int MB = 64, NT = 6;
-      const int mblocks = (M + MB - 1) / MB;
-      const int want = std::max(1, Pool::get().size() * 8 / std::min(mblocks, 8));
-      const int nb = std::max(NT, ((N + want - 1) / want + NT - 1) / NT * NT);
-      const int nblocks = (N + nb - 1) / nb;
-      Pool::get().run(mblocks * nblocks, [&](int t) {
-        const int ni = t / mblocks, mi = t % mblocks;  // row blocks of one column block run together
-        const int m0 = mi * MB, m1 = std::min(M, m0 + MB), n0 = ni * nb, n1 = std::min(N, n0 + nb);
-        const uint16_t* xm = xb.data() + static_cast<int64_t>(m0) * Kp;
-        float* ym = y + static_cast<int64_t>(m0) * N;
-        for (int n = n0; n < n1; n += NT) {
-          const uint16_t* wn = w + static_cast<int64_t>(n) * K;
-          const float* bn = b ? b + n : nullptr;
-          const int ahead = n + NT;
-          const char* pf = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead) * K);
-          const int npf = ahead < n1 ? static_cast<int>(std::min(NT, n1 - ahead) * static_cast<int64_t>(K) * 2 / 64) : 0;
-          switch (std::min(NT, n1 - n)) {
-            case 6: bf16_rows<6>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-            case 5: bf16_rows<5>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-            case 4: bf16_rows<4>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-            case 3: bf16_rows<3>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-            case 2: bf16_rows<2>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-            default: bf16_rows<1>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-          }
+  using LinearPrimitive::LinearPrimitive;
+  static void compute(const float* x, const mx::array& wa, const float* b, float* y, int M, int K, int N) {
+    std::vector<uint16_t> wbuf;
+    const uint16_t* w = dense<uint16_t>(wa, wbuf);
+    const int Kp = (K + 31) / 32 * 32;
+    std::vector<uint16_t> xb(static_cast<size_t>(M) * Kp);
+    to_bf16_rows(x, M, K, Kp, xb.data());
+    // Rows in blocks of 64 (x's block stays in cache while the weights stream past it), columns in
+    // blocks of 6 weight rows, about 8 column blocks per thread per row block.
+    constexpr int MB = 64, NT = 6;
+    const int mblocks = (M + MB - 1) / MB;
+    const int want = std::max(1, Pool::get().size() * 8 / std::min(mblocks, 8));
+    const int nb = std::max(NT, ((N + want - 1) / want + NT - 1) / NT * NT);
+    const int nblocks = (N + nb - 1) / nb;
+    Pool::get().run(mblocks * nblocks, [&](int t) {
+      const int ni = t / mblocks, mi = t % mblocks;  // row blocks of one column block run together
+      const int m0 = mi * MB, m1 = std::min(M, m0 + MB), n0 = ni * nb, n1 = std::min(N, n0 + nb);
+      const uint16_t* xm = xb.data() + static_cast<int64_t>(m0) * Kp;
+      float* ym = y + static_cast<int64_t>(m0) * N;
+      for (int n = n0; n < n1; n += NT) {
+        const uint16_t* wn = w + static_cast<int64_t>(n) * K;
+        const float* bn = b ? b + n : nullptr;
+        const int ahead = n + NT;
+        const char* pf = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead) * K);
+        const int npf = ahead < n1 ? static_cast<int>(std::min(NT, n1 - ahead) * static_cast<int64_t>(K) * 2 / 64) : 0;
+        switch (std::min(NT, n1 - n)) {
+          case 6: bf16_rows<6>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+          case 5: bf16_rows<5>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+          case 4: bf16_rows<4>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+          case 3: bf16_rows<3>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+          case 2: bf16_rows<2>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
+          default: bf16_rows<1>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
         }
-      });
+      }
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("parallm linear_bf16 is a CPU kernel");
-  }
   const char* name() const override { return "ParallmLinearBf16"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return has_bias_ == static_cast<const LinearBf16&>(other).has_bias_;
-  }
 
- private:
-  bool has_bias_;
+ protected:
+  Compute compute_fn() const override { return &LinearBf16::compute; }
 };
 
 mx::array linear_bf16(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
@@ -1394,72 +1383,55 @@ static SgemmFn find_sgemm() {
   return fn;
 }
 
-class GemmSplit : public mx::UnaryPrimitive {
+class GemmSplit : public LinearPrimitive {
  public:
-  GemmSplit(mx::Stream stream, bool has_bias) : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    const LinearShape shape = begin_linear(enc, inputs, out);
-    const int M = shape.M, K = shape.K, N = shape.N;
-    enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
-                  y = out.data<float>(), M, K, N]() {
-      if (M == 0 || N == 0) return;
-      if (K == 0) {  // an empty sum (the BLAS refuses lda = 0): the bias, or zeros
-        std::vector<float> bbuf;
-        const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
-        for (int m = 0; m < M; ++m)
-          for (int n = 0; n < N; ++n) y[static_cast<int64_t>(m) * N + n] = b ? b[n] : 0.0f;
-        return;
-      }
-      std::vector<float> xbuf, wbuf, bbuf;
-      std::vector<uint16_t> wbuf16;
-      const bool bf16 = wa.dtype() == mx::bfloat16;
-      const float* x = dense<float>(xa, xbuf);
-      const float* w = bf16 ? nullptr : dense<float>(wa, wbuf);
-      const uint16_t* w16 = bf16 ? dense<uint16_t>(wa, wbuf16) : nullptr;
-      const float* b = has_bias ? dense<float>(ba, bbuf) : nullptr;
-      const SgemmFn sgemm = find_sgemm();
-      const int parts = std::max(1, std::min(Pool::get().size(), N / 64));
-      const int nb = (N / parts + 15) / 16 * 16;
-      Pool::get().run(parts, [&](int t) {
-        const int n0 = t * nb, n1 = t + 1 == parts ? N : std::min(N, (t + 1) * nb);
-        if (n1 <= n0) return;
-        if (bf16) {
-          // bfloat16 weights: widened to float32 a block of rows at a time into a scratch buffer that
-          // stays in cache while the sgemm reads it.
-          constexpr int kBlock = 256;
-          std::vector<float> scratch(static_cast<size_t>(std::min(kBlock, n1 - n0)) * K);
-          for (int c0 = n0; c0 < n1; c0 += kBlock) {
-            const int c1 = std::min(n1, c0 + kBlock);
-            const uint16_t* src = w16 + static_cast<int64_t>(c0) * K;
-            const int64_t count = static_cast<int64_t>(c1 - c0) * K;
+  using LinearPrimitive::LinearPrimitive;
+  static void compute(const float* x, const mx::array& wa, const float* b, float* y, int M, int K, int N) {
+    if (K == 0) {  // an empty sum (the BLAS refuses lda = 0): the bias, or zeros
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n) y[static_cast<int64_t>(m) * N + n] = b ? b[n] : 0.0f;
+      return;
+    }
+    std::vector<float> wbuf;
+    std::vector<uint16_t> wbuf16;
+    const bool bf16 = wa.dtype() == mx::bfloat16;
+    const float* w = bf16 ? nullptr : dense<float>(wa, wbuf);
+    const uint16_t* w16 = bf16 ? dense<uint16_t>(wa, wbuf16) : nullptr;
+    const SgemmFn sgemm = find_sgemm();
+    const int parts = std::max(1, std::min(Pool::get().size(), N / 64));
+    const int nb = (N / parts + 15) / 16 * 16;
+    Pool::get().run(parts, [&](int t) {
+      const int n0 = t * nb, n1 = t + 1 == parts ? N : std::min(N, (t + 1) * nb);
+      if (n1 <= n0) return;
+      if (bf16) {
+        // bfloat16 weights: widened to float32 a block of rows at a time into a scratch buffer that
+        // stays in cache while the sgemm reads it.
+        constexpr int kBlock = 256;
+        std::vector<float> scratch(static_cast<size_t>(std::min(kBlock, n1 - n0)) * K);
+        for (int c0 = n0; c0 < n1; c0 += kBlock) {
+          const int c1 = std::min(n1, c0 + kBlock);
+          const uint16_t* src = w16 + static_cast<int64_t>(c0) * K;
+          const int64_t count = static_cast<int64_t>(c1 - c0) * K;
 #pragma omp simd
-            for (int64_t i = 0; i < count; ++i) scratch[i] = bf16_to_f32(src[i]);
-            sgemm(101, 111, 112, M, c1 - c0, K, 1.0f, x, K, scratch.data(), K, 0.0f, y + c0, N);
-          }
-        } else {
-          // Row-major: y[:, n0:n1] = x (M x K) @ w[n0:n1].T (K x (n1 - n0)).
-          sgemm(101 /* RowMajor */, 111 /* NoTrans */, 112 /* Trans */, M, n1 - n0, K, 1.0f, x, K,
-                w + static_cast<int64_t>(n0) * K, K, 0.0f, y + n0, N);
+          for (int64_t i = 0; i < count; ++i) scratch[i] = bf16_to_f32(src[i]);
+          sgemm(101, 111, 112, M, c1 - c0, K, 1.0f, x, K, scratch.data(), K, 0.0f, y + c0, N);
         }
-        if (b)
-          for (int m = 0; m < M; ++m) {
-            float* row = y + static_cast<int64_t>(m) * N;
-            for (int n = n0; n < n1; ++n) row[n] += b[n];
-          }
-      });
+      } else {
+        // Row-major: y[:, n0:n1] = x (M x K) @ w[n0:n1].T (K x (n1 - n0)).
+        sgemm(101 /* RowMajor */, 111 /* NoTrans */, 112 /* Trans */, M, n1 - n0, K, 1.0f, x, K,
+              w + static_cast<int64_t>(n0) * K, K, 0.0f, y + n0, N);
+      }
+      if (b)
+        for (int m = 0; m < M; ++m) {
+          float* row = y + static_cast<int64_t>(m) * N;
+          for (int n = n0; n < n1; ++n) row[n] += b[n];
+        }
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("parallm gemm_split is a CPU kernel");
-  }
   const char* name() const override { return "ParallmGemmSplit"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return has_bias_ == static_cast<const GemmSplit&>(other).has_bias_;
-  }
 
- private:
-  bool has_bias_;
+ protected:
+  Compute compute_fn() const override { return &GemmSplit::compute; }
 };
 
 mx::array gemm_split(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {

@@ -44,8 +44,6 @@ def bf16_engine(request):
     eng.shutdown()
 
 
-def _mode(engine) -> str:
-    return "bfloat16-matmul" if "matmul inputs" in engine.backend.dtype else "bfloat16"
 
 
 def _run(engine, prompts):
@@ -109,7 +107,7 @@ def test_weights_stored_bf16(bf16_engine, engine):
 
 
 def test_logprob_drift_vs_fp32_bounded(bf16_engine, engine):
-    mode = _mode(bf16_engine)
+    mode = bf16_engine.weights_dtype
     mean_bound, max_bound, min_prefix, min_agreement = BOUNDS[mode]
     ref, got = _run(engine, PROMPTS), _run(bf16_engine, PROMPTS)
     drifts, agreed, total = [], 0, 0
@@ -141,7 +139,7 @@ def _same_logprobs(engine, a, b):
     # bfloat16-matmul through MLX ops: a last-bit difference of the batch's matmul can move an input across
     # a bf16 rounding step, which the next layers carry: measured up to 0.044 between alone and batched
     # (the size of the mode's own drift from float32); the tokens still equal.
-    return max(abs(x - y) for x, y in zip(la, lb)) < (0.1 if _mode(engine) == "bfloat16-matmul" else 1e-3)
+    return max(abs(x - y) for x, y in zip(la, lb)) < (0.1 if engine.weights_dtype == "bfloat16-matmul" else 1e-3)
 
 
 def test_bf16_batched_equals_alone_and_cache_hit_equals_cold(bf16_engine):

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import os
 import platform
@@ -249,11 +250,17 @@ def _peer_python() -> str:
 
 
 def _torch_available() -> bool:
+    return _has_torch(_peer_python())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_torch(python: str) -> bool:
+    """Whether ``python`` can import torch and transformers (asked once per interpreter: another
+    interpreter's answer costs a process importing torch)."""
     import importlib.util
     import subprocess
     import sys
 
-    python = _peer_python()
     if python == sys.executable:
         return importlib.util.find_spec("torch") is not None
     try:
@@ -405,7 +412,7 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
             tick("peer: parallm on equal-length prompts")
             # weights_dtype="bfloat16" (parallm bench --weights-dtype bfloat16): the row says so
-            mine = "parallm_bf16" if engine.backend.dtype.startswith("bfloat16") else "parallm"
+            mine = "parallm_bf16" if engine.weights_dtype in ("bfloat16", "bfloat16-matmul") else "parallm"
             entry = {mine: run_parallm(engine, prompts, sz.new_tokens)}
             with tempfile.TemporaryDirectory() as d:
                 hf_dir = _on_engine(engine, lambda: _hf_dir_with_fp32(engine, d))

@@ -313,8 +313,9 @@ def run_llamacpp_workload(engine, prompt_len: int, new_tokens: int, concurrency=
     rng = random.Random(seed)
     vocab = engine.model_info.vocab_size
     slots = max(concurrency)
-    bf16 = engine.backend.dtype.startswith("bfloat16")  # --weights-dtype bfloat16[-matmul]: the server runs the same
-    weights_dtype = ("bfloat16-matmul" if "matmul inputs" in engine.backend.dtype else "bfloat16") if bf16 else None
+    # --weights-dtype bfloat16[-matmul]: the server runs the same
+    weights_dtype = engine.weights_dtype if engine.weights_dtype in ("bfloat16", "bfloat16-matmul") else None
+    bf16 = weights_dtype is not None
     entry: dict = {
         "dtypes": {"llama_cpp": f"{gguf_dtype(gguf)} (the GGUF's own quantization)",
                    "parallm": (f"{engine.backend.dtype} (dequantised on load)" if bf16 else

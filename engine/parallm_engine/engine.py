@@ -146,9 +146,11 @@ class Engine:
 
         weights = resolve_weights_dtype(weights_dtype, self.backend.device)
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights)
-        if weights == "bfloat16" and dtype in (None, "float32"):
+        #: The weight storage in effect ("float32", "bfloat16", "bfloat16-matmul"; None: the model's own dtype).
+        self.weights_dtype = weights if dtype in (None, "float32") else None
+        if self.weights_dtype == "bfloat16":
             self.backend.dtype = "bfloat16 weights, float32 activations and KV"
-        elif weights == "bfloat16-matmul" and dtype in (None, "float32"):
+        elif self.weights_dtype == "bfloat16-matmul":
             self.backend.dtype = ("bfloat16 weights and matmul inputs (float32 sums), float32 activations and KV"
                                   + ("; AVX512_BF16 kernel" if self.backend.name == "cpu-native" and _bf16_dot_kernel() else ""))
         budget = kv_budget_bytes or self.backend.kv_budget(kv_memory)

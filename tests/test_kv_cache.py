@@ -120,3 +120,84 @@ def test_shared_prefix_cannot_change_under_rows_using_it():
     kv.set_shared(None, None)
     with pytest.raises(ValueError):
         kv.add([(_row(4, 2), _row(4, 2))], [True])
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("join"), st.lists(st.integers(1, 6), min_size=1, max_size=2)),
+    st.tuples(st.just("step"), st.integers(1, 1)),
+    st.tuples(st.just("verify"), st.lists(st.integers(0, 5), min_size=6, max_size=6)),
+    st.tuples(st.just("drop"), st.integers(0, 5)),
+    st.tuples(st.just("compact"), st.integers(0, 0)),
+), min_size=1, max_size=12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(first=st.lists(st.integers(1, 8), min_size=1, max_size=3), ops=_OPS, shared=st.booleans())
+def test_rows_that_keep_different_verified_positions_read_exactly_their_tokens(first, ops, shared):
+    """Speculative steps write W columns per row and each row keeps its own count (holes in the rest):
+    through any sequence of joins, plain steps, verifies, drops and compactions every row's positions,
+    its attention mask's columns and what ``row`` hands the radix tree are exactly its tokens, in order."""
+    kv = BatchKV()
+    P = 3 if shared else 0
+    if shared:
+        prefix = _row(-1000, P)
+        kv.set_shared(prefix, prefix + 0.5)
+    tag = iter(range(1, 10**6))
+    expect: list[list[float]] = []
+
+    def join(lengths):
+        rows = []
+        for n in lengths:
+            tags = [float(next(tag)) for _ in range(n)]
+            x = mx.array(np.broadcast_to(np.array(tags, np.float32)[None, None, :, None], (1, 2, n, 3)).copy())
+            rows.append((x, x + 0.5))
+            expect.append(([-1000.0 + t for t in range(P)]) + tags)
+        kv.add(rows, [shared] * len(rows))
+
+    join(first)
+    for op, arg in ops:
+        if op == "join":
+            join(arg)
+        elif op == "step":
+            t = [float(next(tag)) for _ in expect]
+            kv.update_and_fetch(mx.array(t)[:, None, None, None] * mx.ones((1, 2, 1, 3)),
+                                mx.array(t)[:, None, None, None] * mx.ones((1, 2, 1, 3)) + 0.5)
+            for e, x in zip(expect, t):
+                e.append(x)
+        elif op == "verify":
+            W = 5
+            t = [[float(next(tag)) for _ in range(W)] for _ in expect]
+            x = mx.array(t)[:, None, :, None] * mx.ones((1, 2, 1, 3))
+            mask = kv.make_mask(W)  # built before the write, as the model does
+            kv.update_and_fetch(x, x + 0.5)
+            keeps = [arg[i % len(arg)] for i in range(len(expect))]
+            kv.rollback_rows(W, keeps)
+            for e, row, k in zip(expect, t, keeps):
+                e.extend(row[:k])
+            assert mask is not None
+        elif op == "drop" and len(expect) > 1:
+            keep = [i for i in range(len(expect)) if i != arg % len(expect)]
+            kv.keep(keep)
+            expect = [expect[i] for i in keep]
+        elif op == "compact":
+            kv.compact()
+            assert not any(kv.holes) and kv.filled is None
+        # every row: its RoPE position, the columns its next query attends to, and what the tree gets
+        offsets = np.array(kv.offset).tolist()
+        mask = kv.make_mask(1)
+        keys = None if kv.keys is None else np.array(kv.keys[..., : kv.idx, :])
+        for r, e in enumerate(expect):
+            assert offsets[r] == len(e)
+            own = e[P:]
+            if keys is not None:
+                seen = np.ones(kv.idx + 1, bool) if mask is None else np.array(mask)[r, 0, 0]
+                cols = [c for c in range(kv.idx) if seen[c]]
+                np.testing.assert_array_equal(keys[r, 0, cols, 0], own)
+            if len(e):
+                k, v = kv.row(r, 0, len(e))
+                np.testing.assert_array_equal(np.array(k)[0, 1, :, 2], e)
+                np.testing.assert_array_equal(np.array(v)[0, 0, :, 0], np.array(e) + 0.5)
+                if len(e) > 2:
+                    k, _ = kv.row(r, 1, len(e) - 1)
+                    np.testing.assert_array_equal(np.array(k)[0, 0, :, 1], e[1:-1])
+        assert kv.filled is None or kv.filled.shape[1] <= kv.idx

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parallm_engine.spec_policy import (BACKOFF, MIN_GAIN, WINDOW, RealizedGain, StepCost, choose_width,
-                                        expected_tokens, level_tokens)
+                                        batch_tokens, expected_tokens)
 
 
 def _costs(fn, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)) -> StepCost:
@@ -28,17 +28,17 @@ def test_expected_tokens_is_the_accepted_run_plus_one():
     assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=0.01)
 
 
-def test_a_level_batch_expects_what_its_least_accepting_row_allows():
-    """Rows are kept level: a batch emits 1 + the least accepted drafts per row."""
-    assert level_tokens([(0.5, 3)], 3) == pytest.approx(expected_tokens(0.5, 3))  # one row: its own run
-    assert level_tokens([(0.5, 3)] * 2, 3) == pytest.approx(2 * (1 + 0.25 + 0.0625 + 0.015625))
-    assert level_tokens([(0.9, 4), (0.9, 0)], 4) == 2.0  # a row with no drafts holds the batch at one token
-    assert level_tokens([(0.9, 4), (0.9, 1)], 4) == pytest.approx(2 * (1 + 0.81))
-    # 32 copy rows at 0.7 each: together they almost never accept even one draft.
-    assert level_tokens([(0.7, 4)] * 32, 4) < 32 * 1.001
+def test_a_batch_expects_the_sum_of_its_rows_runs():
+    """Every row emits its own accepted run (rows end at different columns), so a row that accepts
+    little does not hold the others back."""
+    assert batch_tokens([(0.5, 3)], 3) == pytest.approx(expected_tokens(0.5, 3))
+    assert batch_tokens([(0.9, 4), (0.9, 0)], 4) == pytest.approx(expected_tokens(0.9, 4) + 1)
+    assert batch_tokens([(0.9, 4), (0.9, 1)], 2) == pytest.approx(expected_tokens(0.9, 2) + expected_tokens(0.9, 1))
+    assert batch_tokens([(0.7, 4)] * 32, 4) == pytest.approx(32 * expected_tokens(0.7, 4))
     flat = _costs(lambda p: 0.05 + 0.0001 * p)  # positions nearly free
-    assert choose_width(flat, [(0.7, 4)] * 32, 256) == 1
-    assert choose_width(flat, [(0.7, 4)], 256) > 1
+    assert choose_width(flat, [(0.7, 4)] * 32, 256) > 1
+    linear = _costs(lambda p: 0.01 * p)  # compute-bound: 32 rows at 0.7 do not pay for a second position
+    assert choose_width(linear, [(0.7, 4)] * 32, 256) == 1
 
 
 def test_memory_bound_machine_speculates_wide_and_compute_bound_not_at_all():
@@ -73,7 +73,7 @@ def test_the_chosen_width_never_promises_less_than_a_plain_step(per_row, fixed, 
     w = choose_width(cost, rows, 256)
     assert 1 <= w <= max(1, min(cap + 1, 256 // batch))
     if w > 1:
-        tokens = level_tokens(rows, w - 1)
+        tokens = batch_tokens(rows, w - 1)
         plain = batch / cost.estimate(batch)
         assert tokens / cost.estimate(batch * w) > plain * MIN_GAIN - 1e-9
 
@@ -159,21 +159,25 @@ def test_the_engine_measures_its_steps(engine):
     assert cost.known(2) and cost.estimate(2) > 0
 
 
-def test_a_batch_stays_level_whatever_its_rows_accept(engine):
-    """After every speculative step each unfinished row's KV holds all its context but its last token:
-    no row is left with accepted tokens to recompute (which used to make every later step verify them
-    again for one token per row), and the tokens are the plain ones."""
+def test_rows_of_a_batch_keep_their_own_runs(engine):
+    """Each row emits its whole accepted run whatever the others accepted (rows end at different KV
+    columns), and after every speculative step each unfinished row's KV holds all its context but its
+    last token: nothing is left to recompute. The tokens are the plain ones."""
     sched = engine._scheduler
     spec = sched.speculator
     prompts = _copy_prompts(engine, 4)  # JSON edits and tool-result summaries: they accept differently
     plain = [r.token_ids for r in engine.generate(prompts, max_tokens=40, temperature=0)]
-    behind, widths = [], []
+    behind, widths, uneven = [], [], []
     verify = spec.verify
 
     def checked(sched_, running, drafts):
+        before = [len(s.output_ids) for s in running]
         out = verify(sched_, running, drafts)
         widths.append(out[0] // len(running))
-        behind.extend(s.total_len - s.consumed for s in running if s.finish_reason is None)
+        live = [s for s in running if s.finish_reason is None]
+        behind.extend(s.total_len - s.consumed for s in live)
+        emitted = {len(s.output_ids) - b for s, b in zip(running, before) if s.finish_reason is None}
+        uneven.append(len(emitted) > 1)
         return out
 
     spec.verify = checked
@@ -184,3 +188,4 @@ def test_a_batch_stays_level_whatever_its_rows_accept(engine):
         del spec.verify
     assert [r.token_ids for r in got] == plain
     assert widths and max(widths) <= 5 and set(behind) == {1}
+    assert any(uneven)  # some step's rows emitted different numbers of tokens

@@ -168,7 +168,7 @@ class DecodeBatch:
 
     def forward_block(self, model, tokens: mx.array) -> mx.array:
         """Lazy float32 logits (B, W, V) for ``tokens`` (B, W): W positions per row in one forward
-        (speculative verification); :meth:`rollback` then drops the positions past what every row keeps."""
+        (speculative verification); :meth:`rollback_rows` then drops the positions each row does not keep."""
         return self._per_lane(model, tokens, last_only=False)
 
     def _per_lane(self, model, tokens: mx.array, last_only: bool) -> mx.array:
@@ -190,13 +190,17 @@ class DecodeBatch:
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
-    def rollback(self, n: int) -> None:
-        """After :meth:`forward_block`, forget the last ``n`` positions of every row."""
+    def rollback_rows(self, width: int, keeps: list[int]) -> None:
+        """After :meth:`forward_block` of ``width`` positions, row i (row order) keeps its first
+        ``keeps[i]`` (``BatchKV.rollback_rows``: rows that keep fewer than others get holes)."""
+        start = 0
         for lane in self.lanes:
-            if lane.seqs:
+            n = len(lane.seqs)
+            if n:
                 with lane.context():
                     for layer in lane.kv:
-                        layer.rollback(n)
+                        layer.rollback_rows(width, keeps[start : start + n])
+            start += n
 
     # -- KV access ------------------------------------------------------------------------------
     def row_segments(self, seq):

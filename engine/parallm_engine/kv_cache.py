@@ -7,6 +7,11 @@ The decode batch is left-padded: every row appends its new token at the same col
 holds valid keys in columns [left_pad[i], idx). A sequence joins by being copied in right-aligned; it
 leaves by having its row dropped, after which common left padding is trimmed.
 
+Rows may end at different positions: a speculative step writes every row's 1 + k verified positions
+and each row keeps only the ones it accepted (:meth:`BatchKV.rollback_rows`). A row's unkept columns
+become holes: masked for attention (``filled``), not counted in its RoPE position, never copied out. When
+holes grow to a quarter of the rows' columns the batch is compacted (one gather per layer).
+
 A prefix that several rows continue (the agent fan-out's system prompt and tools) can be held once
 for the whole batch (:class:`SharedPrefix`): those rows store only the tokens after it, and attention
 reads it once per step for all of them (``cpu_kernels.cascade_attention``) instead of once per row.
@@ -158,6 +163,11 @@ class BatchKV:
         self.shared_len = 0
         self.shared_rows: list[bool] = []
         self.shared_mask: mx.array | None = None  # (B,) bool: row attends to the prefix
+        # Holes (columns a row skips, after speculative steps that kept fewer of its positions than of
+        # another row's): per row how many, and a (B, C) mask of the columns [0, C) that hold a token
+        # (columns from C on all do). None while no row has a hole.
+        self.holes: list[int] = []
+        self.filled: mx.array | None = None
 
     @property
     def batch_size(self) -> int:
@@ -175,6 +185,10 @@ class BatchKV:
     def _sync(self) -> None:
         self._lp = mx.array(self.left_pad, dtype=mx.int32)
         self.offset = self.idx - self._lp
+        if any(self.holes):
+            self.offset = self.offset - mx.array(self.holes, dtype=mx.int32)
+        else:
+            self.filled = None
         if self._shared_k is not None:
             uses = mx.array(self.shared_rows, dtype=mx.bool_)
             self.offset = self.offset + uses.astype(mx.int32) * self.shared_len
@@ -211,9 +225,19 @@ class BatchKV:
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
             raise ValueError("a sliding-window layer got a full-attention cache")  # never run it wrong
-        if N == 1 and not any(self.left_pad):
+        if N == 1 and not any(self.left_pad) and self.filled is None:
             return None  # every row sees every column: SDPA's unmasked path is faster
-        return _shape(create_causal_mask(N, offset=self.idx, left_padding=self._lp), self.mask_5d)
+        mask = create_causal_mask(N, offset=self.idx, left_padding=self._lp)
+        if self.filled is not None:
+            mask = mask & self._filled_columns(self.idx + N)[:, None, None, :]
+        return _shape(mask, self.mask_5d)
+
+    def _filled_columns(self, n: int) -> mx.array:
+        """The (B, n) mask of columns that hold a token (left padding aside): ``filled`` cut or extended."""
+        C = self.filled.shape[1]
+        if C >= n:
+            return self.filled[:, :n]
+        return mx.concatenate([self.filled, mx.ones((self.batch_size, n - C), dtype=mx.bool_)], axis=1)
 
     def add(self, rows: list[tuple[mx.array, mx.array]], shared: list[bool] | None = None) -> None:
         """Append sequences, each given as its (1, H, L, D) keys and values: the tokens after the
@@ -234,6 +258,7 @@ class BatchKV:
             # Nothing stored yet (one-token prompts): the first update allocates, rows start at idx.
             self.left_pad += [new_idx] * len(rows)
             self.shared_rows += list(shared)
+            self.holes += [0] * len(rows)
             self.idx = new_idx
             self._sync()
             return
@@ -247,6 +272,11 @@ class BatchKV:
                 keys[:old, :, shift:new_idx, :] = self.keys[..., : self.idx, :]
                 values[:old, :, shift:new_idx, :] = self.values[..., : self.idx, :]
             self.left_pad = [lp + shift for lp in self.left_pad]
+            if self.filled is not None:  # holes move right with their rows; new rows have none
+                parts = [mx.ones((old, shift), dtype=mx.bool_), self.filled] if shift else [self.filled]
+                filled = mx.concatenate(parts, axis=1)
+                self.filled = mx.concatenate([filled, mx.ones((len(rows), filled.shape[1]), dtype=mx.bool_)])
+        self.holes += [0] * len(rows)
         for r, ((k, v), L) in enumerate(zip(rows, lengths)):
             if L:
                 keys[old + r : old + r + 1, :, new_idx - L : new_idx, :] = k
@@ -262,6 +292,7 @@ class BatchKV:
         bitwise the shared prefix, drop those columns and read the shared prefix instead. The storage is
         rebuilt once as long as the longest remaining row (a row that joined before the prefix was set
         no longer makes every row as long as itself)."""
+        self.compact()
         P = self.shared_len
         assert P and self.keys is not None and not any(self.shared_rows[i] for i in indices)
         share = set(indices)
@@ -288,6 +319,7 @@ class BatchKV:
             self.idx = 0
             self.left_pad = []
             self.shared_rows = []
+            self.holes = []
             self._sync()
             return
         sel = mx.array(indices)
@@ -296,12 +328,17 @@ class BatchKV:
             self.values = self.values[sel]
         self.left_pad = [self.left_pad[i] for i in indices]
         self.shared_rows = [self.shared_rows[i] for i in indices]
+        self.holes = [self.holes[i] for i in indices]
+        if self.filled is not None:
+            self.filled = self.filled[sel]
         trim = min(self.left_pad) if self.keys is not None else 0
         if trim:
             self.keys = self.keys[..., trim:, :]
             self.values = self.values[..., trim:, :]
             self.idx -= trim
             self.left_pad = [lp - trim for lp in self.left_pad]
+            if self.filled is not None:
+                self.filled = self.filled[:, trim:]
         self._sync()
 
     def rollback(self, n: int) -> None:
@@ -309,7 +346,49 @@ class BatchKV:
         rejected, or that are recomputed next step): nothing reads them again, the next write reuses them."""
         if n:
             self.idx -= n
+            if self.filled is not None and self.filled.shape[1] > self.idx:
+                self.filled = self.filled[:, : self.idx]
             self._sync()
+
+    def rollback_rows(self, width: int, keeps: list[int]) -> None:
+        """After a forward that wrote ``width`` columns per row, row i keeps the first ``keeps[i]`` of
+        them. The batch's end moves back to the row that keeps most; every other row's unkept columns
+        become holes (masked, not counted in its position), so no row gives up what it accepted."""
+        top = max(keeps)
+        base = self.idx - width
+        self.rollback(width - top)
+        gaps = [top - k for k in keeps]
+        if not any(gaps):
+            return
+        starts = mx.array([base + k for k in keeps], dtype=mx.int32)[:, None]
+        kept = mx.arange(self.idx)[None, :] < starts  # columns from a row's start on are its new holes
+        self.filled = kept if self.filled is None else self._filled_columns(self.idx) & kept
+        self.holes = [h + g for h, g in zip(self.holes, gaps)]
+        self._sync()
+        if 4 * sum(self.holes) > sum(self.idx - lp for lp in self.left_pad):
+            self.compact()
+
+    def _own_columns(self, i: int) -> list[int]:
+        """Row i's columns that hold its tokens after the shared prefix, in order."""
+        lp = self.left_pad[i]
+        if not self.holes[i]:
+            return list(range(lp, self.idx))
+        v = self._filled_columns(self.idx)[i, lp:].tolist()
+        return [lp + c for c, ok in enumerate(v) if ok]
+
+    def compact(self) -> None:
+        """Close every row's holes: each row's tokens are gathered right-aligned (one gather per array)."""
+        if not any(self.holes):
+            return
+        cols = [self._own_columns(i) for i in range(self.batch_size)]
+        new_idx = max(len(c) for c in cols)
+        index = [[0] * (new_idx - len(c)) + c for c in cols]
+        self.keys = kvq.take_columns(self.keys, mx.array(index, dtype=mx.int32), _round_up(new_idx + 1))
+        self.values = kvq.take_columns(self.values, mx.array(index, dtype=mx.int32), _round_up(new_idx + 1))
+        self.left_pad = [new_idx - len(c) for c in cols]
+        self.holes = [0] * self.batch_size
+        self.idx = new_idx
+        self._sync()
 
     def row(self, i: int, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Row i's tokens [start, end) (counted from the sequence's first token, the shared prefix
@@ -320,7 +399,11 @@ class BatchKV:
         if start < P:
             ks.append(self._shared_k[..., start : min(end, P), :])
             vs.append(self._shared_v[..., start : min(end, P), :])
-        if end > P:
+        if end > P and self.holes[i]:
+            cols = mx.array(self._own_columns(i)[max(start, P) - P : end - P], dtype=mx.int32)
+            ks.append(self.keys[i : i + 1, :, cols, :])
+            vs.append(self.values[i : i + 1, :, cols, :])
+        elif end > P:
             a, b = lp + max(start, P) - P, lp + end - P
             ks.append(self.keys[i : i + 1, :, a:b, :])
             vs.append(self.values[i : i + 1, :, a:b, :])

@@ -223,6 +223,19 @@ def concatenate(parts: list, axis: int = 0):
     return parts[0]._like(tuple(mx.concatenate([q._parts()[j] for q in parts], axis=axis) for j in range(3)))
 
 
+def take_columns(x, index: mx.array, capacity: int):
+    """Row b's columns ``index[b]`` of ``x`` (B, H, T, D), gathered into new (B, H, capacity, D) storage
+    (columns past ``index``'s width zero)."""
+    def one(a):
+        got = mx.take_along_axis(a, index[:, None, :, None], axis=2)
+        out = mx.zeros((*a.shape[:2], capacity, a.shape[3]), a.dtype)
+        out[:, :, : index.shape[1], :] = got
+        return out
+    if not isinstance(x, QuantizedKV):
+        return one(x)
+    return x._like(tuple(one(p) for p in x._parts()))
+
+
 def contiguous(x):
     if not isinstance(x, QuantizedKV):
         return mx.contiguous(x)

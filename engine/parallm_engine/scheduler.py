@@ -536,7 +536,7 @@ class Scheduler:
         state under exactly the tokens it has taken in (a pipelined step may have run one more: the
         state cannot be rewound, so the snapshot says so)."""
         if self.radix is not None:
-            ids = seq.prefill_ids[: seq.consumed]  # a speculative step may leave the last few to recompute
+            ids = seq.prefill_ids[: seq.consumed]  # the tokens its KV holds
             if ids:
                 self.radix.insert(ids, self.batch.row_segments(seq))
         elif self.snapshots is not None and seq.consumed:

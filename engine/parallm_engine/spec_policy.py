@@ -8,11 +8,9 @@ batch 32) each costs about as much as a row. So the scheduler times its steps an
 keeps seconds per step by the positions it computed (half-octave buckets); :func:`choose_width`
 then picks the width whose expected tokens per second beats a plain step's, with each row's recent
 acceptance rate giving its expected tokens (a row accepting a fraction r of its drafts emits
-1 + r + ... + r^k tokens for k drafts). In a batch the rows are kept level (every row emits as many
-drafts as the row that accepted least, ``speculative.py``), so the batch's expectation is of that
-minimum: draft j is emitted only if every row accepts it (:func:`level_tokens`). Summing each row's own
-expectation instead made a batch of 32 copy prompts speculate where its rows never all agreed (732
-drafts, none emitted, 0.96x).
+1 + r + ... + r^k tokens for k drafts). Every row of a batch emits its own accepted run (rows keep
+different numbers of positions: ``kv_cache.BatchKV.rollback_rows``), so the batch's expectation is the
+sum of its rows' (:func:`batch_tokens`).
 
 An unmeasured size is extrapolated from the measured ones below it (flat from a single one), and only
 the smallest unmeasured width is ever tried, so sizes are learnt one at a time by running them: a batch
@@ -82,22 +80,10 @@ def expected_tokens(rate: float, k: int) -> float:
     return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
-def level_tokens(rows: list[tuple[float, int]], k: int) -> float:
+def batch_tokens(rows: list[tuple[float, int]], k: int) -> float:
     """Tokens a batch of rows, each (acceptance rate, most drafts it may take), emits in one step verifying
-    up to ``k`` drafts per row, the rows kept level: each emits 1 + the least number of drafts any row
-    accepted, so draft j counts with the probability that every row accepts its first j (0 for a row
-    that may take fewer). One row: :func:`expected_tokens`."""
-    if not rows:
-        return 0.0
-    extra = 0.0
-    for j in range(1, k + 1):
-        p = 1.0
-        for rate, cap in rows:
-            p *= min(max(rate, 0.0), 0.999) ** j if j <= cap else 0.0
-        if p < 1e-9:
-            break
-        extra += p
-    return len(rows) * (1.0 + extra)
+    up to ``k`` drafts per row: each row its own expected run (:func:`expected_tokens`)."""
+    return sum(expected_tokens(rate, min(cap, k)) for rate, cap in rows)
 
 
 def choose_width(cost: StepCost, rows: list[tuple[float, int]], max_positions: int) -> int:
@@ -112,7 +98,7 @@ def choose_width(cost: StepCost, rows: list[tuple[float, int]], max_positions: i
     top = max((cap for _, cap in rows), default=0)
     for w in range(2, min(top + 1, max_positions // B) + 1):
         seconds = cost.estimate(B * w)
-        tokens = level_tokens(rows, w - 1)
+        tokens = batch_tokens(rows, w - 1)
         if seconds and tokens / seconds > best_rate:
             best_w, best_rate = w, tokens / seconds
         if not cost.known(B * w):
@@ -130,9 +116,8 @@ MAX_BACKOFF = 1024
 class RealizedGain:
     """What speculation delivered, checked against what plain steps deliver, per batch size.
 
-    :func:`choose_width` predicts from each row's recent acceptance rate, as if every row found drafts and
-    its acceptances were independent of the others'; in a batch (rows kept level: ``speculative.py``) a
-    row that finds no n-gram match this step holds the others at one token, and rates move. So every
+    :func:`choose_width` predicts from each row's recent acceptance rate, as if every row found drafts
+    this step; a row that finds no n-gram match pays its width for one token, and rates move. So every
     :data:`WINDOW` speculative steps of a batch size, their tokens per second are compared with a plain
     step's; a batch size that lost stops speculating for a while (:data:`BACKOFF` steps, doubling)."""
 

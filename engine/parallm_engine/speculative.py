@@ -21,15 +21,12 @@ p(d), and given a rejection t is distributed as p with d removed and renormalise
 Greedy rows are argmax at every position. So the output equals non-speculative decoding token for
 token (greedy, and seeded sampling), and follows the target distribution otherwise.
 
-Rollback without copying: the batch's rows are left-padded and end at one column, so after the forward
-every row keeps the same number of the W positions (``BatchKV.rollback`` just moves the end back), and
-each row emits only as many tokens as the live row that accepted least: a correct prefix of its
-accepted chain, so still exact; what it accepted beyond that is proposed again next step. Batched rows
-therefore gain only as much as they agree (a plain row beside them keeps them at one token per step);
-``RealizedGain`` stops a batch size from speculating where that loses. Keeping each row's own surplus
-needs rows that end at different columns (paged KV) or a copy of the rows' KV per step. The KV of
-rejected positions is never read again and never reaches the radix tree (it stores only what
-``consumed`` covers). A grammar-constrained row's drafts are cut where its grammar forbids a token
+Rollback without copying: every row emits its whole accepted run and keeps the KV of exactly those
+positions; the batch's end moves back to the row that kept most, and the positions other rows did not
+keep become holes in them (``BatchKV.rollback_rows``: masked for attention, not counted in the row's
+RoPE position; the batch is compacted when holes reach a quarter of its columns). So each row gains
+what it accepted, whatever the rows beside it accepted. The KV of rejected positions is never read
+again and never reaches the radix tree (it stores only what ``consumed`` covers). A grammar-constrained row's drafts are cut where its grammar forbids a token
 (llguidance's ``validate_tokens``), and each verified position is masked with the grammar's state after
 the drafts before it (the matcher is rolled back afterwards). Rows with penalties (their distribution
 depends on counts the drafts would change) do not speculate (a request asking for both is refused at
@@ -250,28 +247,26 @@ class Speculator:
 
     # -- the speculative step ------------------------------------------------------------------
     def step(self, runner) -> bool:
-        """Run one speculative decode step if this step should speculate (or some row still has context
-        tokens to recompute from the last one); False to let the decode runner run its ordinary step (its
-        pipelined step in flight may have been delivered meanwhile)."""
+        """Run one speculative decode step if this step should speculate; False to let the decode runner
+        run its ordinary step (its pipelined step in flight may have been delivered meanwhile)."""
         running = runner.running
-        if not any(_backlog(s) for s in running):
-            if not self.wants(running):
-                self._idle(running)
-                return False
-            if self._cooldown:
-                self._cooldown -= 1
-                return False
-            runner.flush()  # proposals need every row's latest token on the host
-            running = runner.running
-            if not running:
-                return True
+        if not self.wants(running):
+            self._idle(running)
+            return False
+        if self._cooldown:
+            self._cooldown -= 1
+            return False
+        runner.flush()  # proposals need every row's latest token on the host
+        running = runner.running
+        if not running:
+            return True
         t0 = time.perf_counter()  # after the flush: the step in flight it waited for was a plain step
         if self.wants(running):  # again: the flush may have retired rows
             drafts = self.plan(running)
         else:
             self._idle(running)
             drafts = [[] for _ in running]
-        if not any(drafts) and not any(_backlog(s) for s in running):
+        if not any(drafts):
             self._cooldown = _COOLDOWN
             return False
         positions, tokens = self.verify(runner, running, drafts)
@@ -281,8 +276,8 @@ class Speculator:
         return True
 
     def verify(self, runner, running: list, drafts: list[list[int]]) -> tuple[int, int]:
-        """One forward over every row's pending context tokens (its last one, and any a previous step
-        left to recompute) and its drafts; accept, deliver, roll the KV back to what every row keeps.
+        """One forward over every row's pending context tokens (its last one) and its drafts; accept,
+        deliver, roll each row's KV back to what it keeps.
         Returns the positions the forward computed and the tokens delivered."""
         B = len(running)
         pending = [(s.request.prompt_ids + s.output_ids)[s.consumed :] for s in running]
@@ -317,12 +312,8 @@ class Speculator:
         chosen = logprobs[mx.arange(len(flat)), toks] if logprobs is not None else None
         mx.eval([x for x in (toks, logprobs, chosen) if x is not None])
         tok_list = toks.tolist()
-        # Accept: a row's tokens up to and including the first that differs from its draft. The batch's
-        # rows end at one column, so every row's KV advances by the same count: each row emits only as
-        # many tokens as keep the rows level (the least any live row accepted, counted from its pending
-        # tokens). Emitting fewer of a correct chain is still exact; the rest are proposed again. (Letting
-        # rows run ahead and recomputing their surplus later left a permanent backlog: measured, a batch
-        # of 8 whose rows diverged once verified 3 positions per row per step for 1 token each.)
+        # Accept: a row's tokens up to and including the first that differs from its draft; every row emits
+        # its own run (rows keep different numbers of positions: BatchKV.rollback_rows).
         runs, starts, pos = [], [], 0
         for d in drafts:
             n = 1
@@ -331,11 +322,9 @@ class Speculator:
             runs.append(min(n, len(d) + 1))
             starts.append(pos)
             pos += len(d) + 1
-        live = [len(u) + r - 1 for s, u, r in zip(running, pending, runs) if s.finish_reason is None]
-        level = min(live) if live else 0
         emit: list[int] = []
-        for u, r, start in zip(pending, runs, starts):
-            emit.extend(range(start, start + max(1, min(r, level - len(u) + 1))))
+        for r, start in zip(runs, starts):
+            emit.extend(range(start, start + r))
         before = [len(s.output_ids) for s in running]
         lp_rows = None
         if logprobs is not None:
@@ -347,23 +336,19 @@ class Speculator:
         self.stats.decode_steps += 1
         if any(drafts):
             self.stats.spec_steps += 1
-        # Row i's KV is right for its pending tokens and the drafts it emitted (all but the token it
-        # emitted last). Every row keeps as many positions as the unfinished row that keeps the fewest (the
-        # batch's rows end at one column): all of them keep the level, unless a row had tokens left to
-        # recompute, which it then does next step. A row that finished in this delivery (a stop, its
-        # last token) is retired after the step and counts only its own positions (its KV past them is
-        # never read, and never reaches the prefix cache).
+        # Row i's KV is right for its pending tokens and the drafts it emitted (all but the token it emitted
+        # last): it keeps those positions, the rest of its W become holes (or are cut at the batch's end).
+        # A row that finished in this delivery (a stop, its last token) is retired after the step; its KV
+        # past what it emitted is never read and never reaches the prefix cache.
         keep = []
         for i, (s, u, d) in enumerate(zip(running, pending, drafts)):
             added = len(s.output_ids) - before[i]
             keep.append(len(u) + max(0, added - 1))
             if d:
                 self._account(s, len(d), max(0, min(added - 1, len(d))), chains[i])
-        going = [k for s, k in zip(running, keep) if s.finish_reason is None]
-        n = min(going or keep)
-        runner.batch.rollback(W - n)
+        runner.batch.rollback_rows(W, keep)
         for s, k in zip(running, keep):
-            s.consumed += min(n, k)
+            s.consumed += k
         return B * W, len(emit)
 
     def _account(self, s, proposed: int, accepted: int, chain) -> None:
@@ -397,12 +382,6 @@ def _grammar_cut(seq, draft: list[int]) -> list[int]:
     if draft and seq.constraint is not None:
         draft = draft[: seq.constraint.matcher.validate_tokens(draft)]
     return draft
-
-
-def _backlog(seq) -> bool:
-    """Whether ``seq`` has context tokens besides its last that its KV does not hold (a speculative step
-    kept fewer positions than it accepted): only a speculative step can feed them."""
-    return seq.consumed < seq.total_len - 1
 
 
 class _FixedMask:

@@ -72,21 +72,30 @@ def test_native_linear_reads_bf16_weights_exactly():
 
 def test_bf16_matmul_kernel_computes_bf16_inputs_in_float32_sums():
     """``linear_bf16`` (AVX512_BF16): bf16(x) @ w.T (+ bias) with float32 sums, against the same math in
-    MLX ops; every row the same bits alone as in any batch (decode and prefill row counts)."""
+    MLX ops; every row the same bits alone as in any batch (decode and prefill row counts). The same for
+    ``linear_bf16_packed`` on the weight packed into 64-column panels (and the panels unpack exactly)."""
+    from parallm_engine.weights_dtype import pack_panels, unpack_panels
+
     nat = native.load()
     if nat is None or not nat.has_bf16_dot():
         pytest.skip(f"no AVX512_BF16 kernel here: {native.status() if nat is None else 'CPU without avx512_bf16'}")
     mx.random.seed(5)
-    for M, K, N in [(1, 576, 40), (37, 576, 1536), (5, 77, 13), (3, 8, 6), (70, 33, 7)]:
+    for M, K, N in [(1, 576, 40), (37, 576, 1536), (5, 77, 13), (3, 8, 6), (70, 33, 7), (13, 64, 130)]:
         x = mx.random.normal((M, K))
         w = (mx.random.normal((N, K)) * 0.1).astype(mx.bfloat16)
         b = mx.random.normal((N,))
+        packed = pack_panels(w)
+        assert mx.array_equal(unpack_panels(packed, N, K), w).item()
         for bias in (None, b):
-            got = nat.linear_bf16(x, w, bias)
             ref = x.astype(mx.bfloat16).astype(mx.float32) @ w.astype(mx.float32).T + (0 if bias is None else bias)
-            assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item()
-            rows = mx.concatenate([nat.linear_bf16(x[i : i + 1], w, bias) for i in range(M)])
-            assert mx.array_equal(rows, got).item()
+            kernels = (lambda a: nat.linear_bf16(a, w, bias), lambda a: nat.linear_bf16_packed(a, packed, N, bias))
+            for kernel in kernels:
+                got = kernel(x)
+                assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item()
+                rows = mx.concatenate([kernel(x[i : i + 1]) for i in range(M)])
+                assert mx.array_equal(rows, got).item()
+    with pytest.raises(ValueError, match="packed"):
+        nat.linear_bf16_packed(mx.ones((1, 8)), mx.ones((4, 8), dtype=mx.bfloat16), 4)
     with pytest.raises(ValueError, match="bfloat16"):
         nat.linear_bf16(mx.ones((1, 8)), mx.ones((4, 8)))
 
@@ -95,7 +104,8 @@ def test_weights_stored_bf16(bf16_engine, engine):
     from mlx.utils import tree_flatten
 
     params = dict(tree_flatten(bf16_engine.model.parameters()))
-    linear = [k for k in params if k.endswith("proj.weight") or k.endswith("embed_tokens.weight")]
+    # bf16-matmul modules the native kernel has run hold their weight as panels ("packed") instead
+    linear = [k for k in params if k.endswith(("proj.weight", "proj.packed", "embed_tokens.weight", "embed_tokens.packed"))]
     assert linear and all(params[k].dtype == mx.bfloat16 for k in linear)
     norms = [k for k in params if "norm" in k]
     assert norms and all(params[k].dtype == mx.float32 for k in norms)

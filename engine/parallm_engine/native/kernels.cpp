@@ -1135,7 +1135,7 @@ class LinearPrimitive : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    const int K = inputs[1].shape(1), N = inputs[1].shape(0);
+    const auto [K, N] = dims(inputs);
     const int M = K > 0 ? static_cast<int>(inputs[0].size() / K) : static_cast<int>(out.size() / std::max(N, 1));
     enc.dispatch([xa = inputs[0], wa = inputs[1], ba = has_bias_ ? inputs[2] : inputs[1], has_bias = has_bias_,
                   y = out.data<float>(), M, K, N, compute = compute_fn()]() {
@@ -1155,6 +1155,10 @@ class LinearPrimitive : public mx::UnaryPrimitive {
 
  protected:
   virtual Compute compute_fn() const = 0;
+  // (K, N): the weight's (N, K) shape; a packed weight (LinearBf16Packed) knows them instead.
+  virtual std::pair<int, int> dims(const std::vector<mx::array>& inputs) const {
+    return {inputs[1].shape(1), inputs[1].shape(0)};
+  }
   bool has_bias_;
 };
 
@@ -1358,11 +1362,116 @@ mx::array linear_bf16(const mx::array& x, const mx::array& weight, std::optional
   if (weight.dtype() != mx::bfloat16) throw std::invalid_argument("linear_bf16: weight must be bfloat16");
   return linear_node<LinearBf16>("linear_bf16", x, weight, bias);
 }
+
+// linear_bf16_packed: the same product as linear_bf16 (bf16(x) @ w.T, float32 sums) on weights packed
+// once at load into 64-column panels: element [p][q][c][j] = w[64p + c][2q + j] (zero past N and K),
+// so one 512-bit load holds 16 columns' values for one pair of k. The microkernel is broadcast form:
+// each row's pair (x[2q], x[2q + 1]) is broadcast to all lanes and `vdpbf16ps` adds it times 16
+// columns into 16 float32 sums, 6 rows x 64 columns (24 accumulators) at a time. No lane reduction at
+// the end (linear_bf16's dot form spends a share of every tile reducing 16 lanes to one), and each
+// output is one sum over k in order whatever M is: a row's bits do not depend on its batch.
+template <int MR>
+static inline void bf16p_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int Kq, const float* bias,
+                              float* y, int64_t ldy, int ncols) {
+  __m512 acc[MR][4];
+  _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int q = 0; q < Kq; ++q) {
+    const uint16_t* wq = panel + static_cast<int64_t>(q) * 128;
+    __m512bh wv[4];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wq + 32 * j);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * q, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, wv[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int left = ncols - 16 * j;
+    if (left <= 0) break;
+    const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * j) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy + 16 * j, m, _mm512_add_ps(acc[i][j], b));
+  }
+}
+
+class LinearBf16Packed : public LinearPrimitive {
+ public:
+  LinearBf16Packed(mx::Stream stream, bool has_bias, int k, int n) : LinearPrimitive(stream, has_bias), k_(k), n_(n) {}
+  static void compute(const float* x, const mx::array& wa, const float* b, float* y, int M, int K, int N) {
+    std::vector<uint16_t> wbuf;
+    const uint16_t* w = dense<uint16_t>(wa, wbuf);
+    const int Kq = (K + 1) / 2, P = (N + 63) / 64;
+    const int Kp = (K + 31) / 32 * 32;  // to_bf16_rows pads rows to 32 (zeros: the odd K's last pair)
+    std::vector<uint16_t> xb(static_cast<size_t>(M) * Kp);
+    to_bf16_rows(x, M, K, Kp, xb.data());
+    // Tasks: one panel x a block of rows, about 4 per thread (a few panels at decode sizes: the rows
+    // are split too); each task runs its rows 6 at a time over the whole panel (in L2).
+    constexpr int MR = 6;
+    const int threads = Pool::get().size();
+    const int mtiles = (M + MR - 1) / MR;
+    const int mblocks = std::min(mtiles, std::max((4 * threads + P - 1) / P, (M + 95) / 96));
+    const int mb = (mtiles + mblocks - 1) / mblocks * MR;
+    const int nblk = (M + mb - 1) / mb;
+    Pool::get().run(P * nblk, [&](int t) {
+      const int p = t / nblk, m0 = (t % nblk) * mb, m1 = std::min(M, m0 + mb);
+      const uint16_t* panel = w + static_cast<int64_t>(p) * Kq * 128;
+      const int ncols = std::min(64, N - 64 * p);
+      const float* bp = b ? b + 64 * p : nullptr;
+      for (int m = m0; m < m1; m += MR) {
+        const uint16_t* xm = xb.data() + static_cast<int64_t>(m) * Kp;
+        float* ym = y + static_cast<int64_t>(m) * N + 64 * p;
+        switch (std::min(MR, m1 - m)) {
+          case 6: bf16p_tile<6>(xm, Kp, panel, Kq, bp, ym, N, ncols); break;
+          case 5: bf16p_tile<5>(xm, Kp, panel, Kq, bp, ym, N, ncols); break;
+          case 4: bf16p_tile<4>(xm, Kp, panel, Kq, bp, ym, N, ncols); break;
+          case 3: bf16p_tile<3>(xm, Kp, panel, Kq, bp, ym, N, ncols); break;
+          case 2: bf16p_tile<2>(xm, Kp, panel, Kq, bp, ym, N, ncols); break;
+          default: bf16p_tile<1>(xm, Kp, panel, Kq, bp, ym, N, ncols); break;
+        }
+      }
+    });
+  }
+  const char* name() const override { return "ParallmLinearBf16Packed"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const LinearBf16Packed&>(other);
+    return LinearPrimitive::is_equivalent(other) && k_ == o.k_ && n_ == o.n_;
+  }
+
+ protected:
+  Compute compute_fn() const override { return &LinearBf16Packed::compute; }
+  std::pair<int, int> dims(const std::vector<mx::array>&) const override { return {k_, n_}; }
+  int k_, n_;
+};
+
+// x (..., K) against a weight of (N, K) packed as (ceil(N / 64), ceil(K / 2), 64, 2) bfloat16 panels.
+mx::array linear_bf16_packed(const mx::array& x, const mx::array& packed, int n, std::optional<mx::array> bias) {
+  const int K = x.ndim() ? x.shape(-1) : 0;
+  if (packed.dtype() != mx::bfloat16 || packed.ndim() != 4 || packed.shape(0) != (n + 63) / 64 ||
+      packed.shape(1) != (K + 1) / 2 || packed.shape(2) != 64 || packed.shape(3) != 2)
+    throw std::invalid_argument("linear_bf16_packed: packed must be (ceil(N/64), ceil(K/2), 64, 2) bfloat16");
+  require_f32(x, "linear_bf16_packed x");
+  auto stream = mx::default_stream(mx::default_device());
+  std::vector<mx::array> inputs = {x, packed};
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != n) throw std::invalid_argument("linear_bf16_packed: bias must be (N,)");
+    require_f32(*bias, "linear_bf16_packed bias");
+    inputs.push_back(*bias);
+  }
+  auto shape = x.shape();
+  shape.back() = n;
+  return mx::array(shape, mx::float32, std::make_shared<LinearBf16Packed>(stream, bias.has_value(), K, n),
+                   std::move(inputs));
+}
 #else
 constexpr bool kBf16Dot = false;
 
 mx::array linear_bf16(const mx::array&, const mx::array&, std::optional<mx::array>) {
   throw std::runtime_error("linear_bf16: these kernels were not built for AVX512_BF16 (see has_bf16_dot)");
+}
+mx::array linear_bf16_packed(const mx::array&, const mx::array&, int, std::optional<mx::array>) {
+  throw std::runtime_error("linear_bf16_packed: these kernels were not built for AVX512_BF16 (see has_bf16_dot)");
 }
 #endif
 
@@ -1677,6 +1786,8 @@ NB_MODULE(_parallm_native, m) {
   m.def("gemm_split", &parallm::gemm_split, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("has_sgemm", [] { return parallm::find_sgemm() != nullptr; });
   m.def("linear_bf16", &parallm::linear_bf16, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
+  m.def("linear_bf16_packed", &parallm::linear_bf16_packed, nb::arg("x"), nb::arg("packed"), nb::arg("n"),
+        nb::arg("bias") = nb::none());
   m.def("has_bf16_dot", [] { return parallm::kBf16Dot; });
   m.def("rms_norm", &parallm::rms_norm, nb::arg("x"), nb::arg("weight") = nb::none(), nb::arg("eps"));
   m.def("swiglu", &parallm::swiglu, nb::arg("gate"), nb::arg("x"));

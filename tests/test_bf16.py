@@ -177,3 +177,27 @@ def test_bad_weights_dtype_is_a_typed_error(monkeypatch):
     assert resolve_weights_dtype("bfloat16", "gpu") is None  # Metal / CUDA keep the model's dtype
     monkeypatch.delenv("PARALLM_WEIGHTS_DTYPE")
     assert resolve_weights_dtype(None, "cpu") == "float32"
+
+
+def test_packed_modules_still_read_and_export_their_weights(bf16_engine):
+    """After the native kernel packed a bf16-matmul module's weight into panels, ``module.weight`` and
+    ``named_weights`` (what the benchmark writes for transformers) still give the (N, K) weight, and a
+    forward outside the engine (MLX ops on the unpacked weight) computes what the packed kernel does."""
+    from parallm_engine.weights_dtype import named_weights
+
+    bf16_engine.generate(PROMPTS[:1], max_tokens=2, temperature=0)  # the engine's forwards pack on first use
+    weights = named_weights(bf16_engine.model)
+    assert not any(k.endswith("packed") for k in weights)
+    layer = bf16_engine.model.layers[0].mlp.up_proj
+    assert weights["model.layers.0.mlp.up_proj.weight"].shape == layer.weight.shape
+    if "packed" in layer:  # the native AVX512_BF16 kernel ran here
+        from parallm_engine import cpu_kernels
+
+        x = mx.random.normal((3, layer.weight.shape[1]))
+        with cpu_kernels.enabled(True):
+            native_out = layer(x)
+        assert mx.allclose(layer(x), native_out, atol=1e-4, rtol=1e-4).item()
+        emb = bf16_engine.model.model.embed_tokens
+        ids = mx.array([[0, 5, 700]])
+        if "packed" in emb:
+            assert mx.array_equal(emb(ids), emb.weight[ids].astype(mx.float32)).item()

@@ -260,8 +260,7 @@ def test_sampled_speculative_output_follows_the_target_distribution(small_vocab_
     marginal = (mx.array(p1)[:, None] * p2_given).sum(axis=0).tolist()
     counts = [0] * 32
     n_samples, accepted = 0, 0
-    # One request at a time: in a batch every row emits only as many drafted tokens as the row that
-    # accepted least (the rows stay level), so a batch of 100 samples would rarely emit a draft at all.
+    # One request at a time: each sample is one row's accepted chain, verified alone.
     for i in range(600):
         res = eng.generate(prompt, max_tokens=3, temperature=T, ignore_eos=True, seed=1000 + i,
                            speculative={"method": "ngram", "num_tokens": 3, "adaptive": False})[0]

@@ -301,8 +301,6 @@ def _hf_dir_with_fp32(engine, tmpdir) -> str:
     import shutil
     from pathlib import Path
 
-    from mlx.utils import tree_flatten
-
     out = Path(tmpdir)
     src = engine.model_info.path
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
@@ -313,7 +311,9 @@ def _hf_dir_with_fp32(engine, tmpdir) -> str:
         cfg.pop(k, None)
     cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(_json.dumps(cfg))
-    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(engine.model.parameters())}
+    from .weights_dtype import named_weights
+
+    weights = {k: v.astype(mx.float32) for k, v in named_weights(engine.model).items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     return str(out)
 

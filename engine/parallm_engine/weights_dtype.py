@@ -128,6 +128,22 @@ def unpack_panels(packed, n: int, k: int):
     return packed.transpose(0, 2, 1, 3).reshape(P * 64, Kq * 2)[:n, :k]
 
 
+def named_weights(model) -> dict:
+    """``model``'s parameters by name as a checkpoint holds them: a module whose weight is packed
+    (:class:`_PackedWeight`) gives its ``weight`` back unpacked under that name."""
+    from mlx.utils import tree_flatten
+
+    out = {}
+    for name, arr in tree_flatten(model.parameters()):
+        if name == "packed" or name.endswith(".packed"):
+            owner = model
+            for part in name.split(".")[:-1]:
+                owner = owner[int(part)] if isinstance(owner, list) else owner[part]
+            name, arr = name[: -len("packed")] + "weight", owner.weight
+        out[name] = arr
+    return out
+
+
 class _PackedWeight:
     """What a bf16-matmul module keeps once the native kernel has run it: the weight as panels only (held
     once). ``weight`` then reads back through :func:`unpack_panels` (a copy per use: the MLX-ops path

@@ -132,12 +132,14 @@ _OPS = st.lists(st.one_of(
 
 
 @settings(max_examples=80, deadline=None)
-@given(first=st.lists(st.integers(1, 8), min_size=1, max_size=3), ops=_OPS, shared=st.booleans())
-def test_rows_that_keep_different_verified_positions_read_exactly_their_tokens(first, ops, shared):
+@given(first=st.lists(st.integers(1, 8), min_size=1, max_size=3), ops=_OPS, shared=st.booleans(),
+       holes=st.booleans())
+def test_rows_that_keep_different_verified_positions_read_exactly_their_tokens(first, ops, shared, holes):
     """Speculative steps write W columns per row and each row keeps its own count (holes in the rest):
     through any sequence of joins, plain steps, verifies, drops and compactions every row's positions,
-    its attention mask's columns and what ``row`` hands the radix tree are exactly its tokens, in order."""
-    kv = BatchKV()
+    its attention mask's columns and what ``row`` hands the radix tree are exactly its tokens, in order.
+    Without holes (``holes=False``) a verify closes them at once: the largest offset is the column count."""
+    kv = BatchKV(holes=holes)
     P = 3 if shared else 0
     if shared:
         prefix = _row(-1000, P)
@@ -175,6 +177,8 @@ def test_rows_that_keep_different_verified_positions_read_exactly_their_tokens(f
             for e, row, k in zip(expect, t, keeps):
                 e.extend(row[:k])
             assert mask is not None
+            if not holes:
+                assert not any(kv.holes) and max(np.array(kv.offset).tolist()) - P == kv.idx
         elif op == "drop" and len(expect) > 1:
             keep = [i for i in range(len(expect)) if i != arg % len(expect)]
             kv.keep(keep)

@@ -39,9 +39,9 @@ LANE_FILL_ROWS = 32
 class DecodeLane:
     """A share of the running sequences with its KV and (when there are several lanes) its stream."""
 
-    def __init__(self, n_layers: int, fmt=None):
+    def __init__(self, n_layers: int, fmt=None, holes: bool = True):
         self.seqs: list = []
-        self.kv = [BatchKV(fmt) for _ in range(n_layers)]
+        self.kv = [BatchKV(fmt, holes) for _ in range(n_layers)]
         self.stream = None
 
     def context(self):
@@ -49,13 +49,15 @@ class DecodeLane:
 
 
 class DecodeBatch:
-    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None):
-        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats)."""
+    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None, holes: bool = True):
+        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats). ``holes``: rows may keep
+        holes after speculative steps (``BatchKV.rollback_rows``); False closes them at once."""
         if n_lanes < 1:
             raise ValueError(f"n_lanes must be >= 1, got {n_lanes}")
         self.n_layers = n_layers
         self.fmt = fmt
-        self.lanes = [DecodeLane(n_layers, fmt) for _ in range(n_lanes)]
+        self.holes = holes
+        self.lanes = [DecodeLane(n_layers, fmt, holes) for _ in range(n_lanes)]
         self.fill_rows = LANE_FILL_ROWS  # rows a lane takes before the next gets any
 
         self._streams_made = n_lanes == 1
@@ -156,7 +158,7 @@ class DecodeBatch:
     def clear(self) -> None:
         for lane in self.lanes:
             lane.seqs = []
-            lane.kv = [BatchKV(self.fmt) for _ in range(self.n_layers)]
+            lane.kv = [BatchKV(self.fmt, self.holes) for _ in range(self.n_layers)]
         if self.shared is not None:
             self._release_shared()
 

@@ -148,8 +148,11 @@ class BatchKV:
 
     mask_5d = False
 
-    def __init__(self, fmt=None):
+    def __init__(self, fmt=None, holes: bool = True):
         self.fmt = fmt
+        # False: holes are closed as soon as they appear (for model code that takes the cache's largest
+        # offset as its column count: mlx-vlm's language models cut their mask there)
+        self.holes_allowed = holes
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.idx = 0
@@ -365,7 +368,7 @@ class BatchKV:
         self.filled = kept if self.filled is None else self._filled_columns(self.idx) & kept
         self.holes = [h + g for h, g in zip(self.holes, gaps)]
         self._sync()
-        if 4 * sum(self.holes) > sum(self.idx - lp for lp in self.left_pad):
+        if not self.holes_allowed or 4 * sum(self.holes) > sum(self.idx - lp for lp in self.left_pad):
             self.compact()
 
     def _own_columns(self, i: int) -> list[int]:

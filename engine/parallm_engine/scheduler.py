@@ -119,7 +119,9 @@ class Scheduler:
         # Build/load the native kernels now, not in the middle of the first decode step.
         self.native_kernels = bool(self._cpu_kernels and cpu_kernels.native_available())
         if self.layout == "attention":
-            self.batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format)
+            # mlx-vlm's language models cut the mask at their cache's largest offset: no holes there
+            self.batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format,
+                                     holes=getattr(model, "vision", None) is None)
             self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self.snapshots = None
             # Decode rows continuing one cached prefix hold it once (cascade attention): needs the

@@ -72,6 +72,12 @@ def test_peer_runs_transformers_in_its_own_process(tiny_engine):
     for dt in ("fp32", "bf16"):
         assert peer[f"transformers_{dt}"]["tokens"] == q.n * q.new_tokens
         assert peer["ratios"][f"vs_transformers_{dt}"] > 0
+    # --peer-batch N: N short prompts, PEER_BATCH_NEW tokens each, for every system
+    peer = bench.run_bench(tiny_engine, ["peer"], quick=True, peer_batch=5)["workloads"]["peer"]
+    assert (peer["prompts"], peer["prompt_tokens"], peer["new_tokens"]) == (5, bench.PEER_BATCH_PROMPT, bench.PEER_BATCH_NEW)
+    for system in ("parallm", "transformers_fp32", "transformers_bf16"):
+        assert peer[system]["tokens"] == 5 * bench.PEER_BATCH_NEW, system
+    assert "peer ratios" in bench.format_table({"workloads": {"peer": peer}, "env": {}})
 
 
 # -- llamacpp / agents / longctx (issue 20) ------------------------------------------------------------

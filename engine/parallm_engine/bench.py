@@ -339,8 +339,13 @@ def _ratios(entry: dict) -> dict:
     return out
 
 
+#: ``--peer-batch N``: N prompts of this many tokens, this many new tokens each (issue 20's batch-64 decode
+#: measure: short prompts, so the static batch's decode dominates).
+PEER_BATCH_PROMPT, PEER_BATCH_NEW = 32, 48
+
+
 def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, agent_sizes=None,
-              longctx_sizes=None, memory_sizes=None) -> dict:
+              longctx_sizes=None, memory_sizes=None, peer_batch: int | None = None) -> dict:
     sz = QUICK if quick else FULL
     vocab = engine.model_info.vocab_size
     rng = random.Random(1234)
@@ -403,6 +408,9 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
     if "peer" in workloads:
         prompts = result.pop("_throughput_prompts", None) or _prompts(rng, sz.n, sz.prompt_len, vocab)
+        peer_new = sz.new_tokens
+        if peer_batch:  # --peer-batch N: N short prompts, the static batch's decode dominates
+            prompts, peer_new = _prompts(random.Random(0), peer_batch, PEER_BATCH_PROMPT, vocab), PEER_BATCH_NEW
         prompts = [p[: min(len(q) for q in prompts)] for p in prompts]  # static batching: equal lengths
         if not _torch_available():
             result["workloads"]["peer"] = {"skipped": "torch is not installed (pip install torch==2.13.0, or "
@@ -413,12 +421,13 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
             tick("peer: parallm on equal-length prompts")
             # weights_dtype="bfloat16" (parallm bench --weights-dtype bfloat16): the row says so
             mine = "parallm_bf16" if engine.weights_dtype in ("bfloat16", "bfloat16-matmul") else "parallm"
-            entry = {mine: run_parallm(engine, prompts, sz.new_tokens)}
+            entry = {mine: run_parallm(engine, prompts, peer_new), "prompts": len(prompts),
+                     "prompt_tokens": len(prompts[0]), "new_tokens": peer_new}
             with tempfile.TemporaryDirectory() as d:
                 hf_dir = _on_engine(engine, lambda: _hf_dir_with_fp32(engine, d))
                 for dt in ("fp32", "bf16"):
                     tick(f"peer: transformers {dt}")
-                    entry[f"transformers_{dt}"] = run_transformers(hf_dir, prompts, sz.new_tokens, dt)
+                    entry[f"transformers_{dt}"] = run_transformers(hf_dir, prompts, peer_new, dt)
             entry["ratios"] = {
                 f"vs_transformers_{dt}": round(entry[mine]["tok_s"] / entry[f"transformers_{dt}"]["tok_s"], 2)
                 for dt in ("fp32", "bf16") if entry.get(f"transformers_{dt}")
@@ -550,7 +559,7 @@ def format_table(result: dict) -> str:
         if name in ("roofline", *_OWN_FORMAT) or "skipped" in entry:
             continue
         for system, s in entry.items():
-            if system == "ratios" or not s:
+            if system == "ratios" or not isinstance(s, dict) or "tok_s" not in s:  # a system's row only
                 continue
             table.add_row(name, system, str(s["requests"]), f"{s['tok_s']:.1f}", f"{s['wall_s']:.1f}",
                           f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p95_s']:.3f}", f"{s['itl_p50_s']:.3f}",

@@ -54,7 +54,8 @@ def main(args) -> int:
             bar.update(1)
 
         result = run_bench(engine, workloads, quick=args.quick, progress=tick, agent_sizes=agent_sizes,
-                           longctx_sizes=longctx_sizes, memory_sizes=_memory_sizes(args))
+                           longctx_sizes=longctx_sizes, memory_sizes=_memory_sizes(args),
+                           peer_batch=getattr(args, "peer_batch", None))
     if shape is not None:
         result["env"]["shape"] = shape.as_dict()
     print(format_table(result))

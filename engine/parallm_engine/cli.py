@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--agent-rate", type=float, default=None, help="agents: Poisson arrivals per second (default 1)")
     sp.add_argument("--agent-reply-tokens", type=int, default=None, help="agents: tokens per reply (default 24)")
     sp.add_argument("--seed", type=int, default=None, help="agents: the trace's seed (default 2024)")
+    sp.add_argument("--peer-batch", type=int, default=None, metavar="N",
+                    help="peer: N prompts of 32 tokens, 48 new tokens (the batch-64 decode check: --peer-batch 64) "
+                         "instead of the throughput workload's prompts")
     sp.add_argument("--longctx-tokens", type=int, default=None, help="longctx: document tokens (default 8000)")
     sp.add_argument("--shape", choices=("qwen3-4b", "llama3-8b", "gemma3-4b"), default=None,
                     help="run on a random-weight model with this architecture's exact config (layers cut to "

@@ -26,7 +26,8 @@ positions; the batch's end moves back to the row that kept most, and the positio
 keep become holes in them (``BatchKV.rollback_rows``: masked for attention, not counted in the row's
 RoPE position; the batch is compacted when holes reach a quarter of its columns). So each row gains
 what it accepted, whatever the rows beside it accepted. The KV of rejected positions is never read
-again and never reaches the radix tree (it stores only what ``consumed`` covers). A grammar-constrained row's drafts are cut where its grammar forbids a token
+again and never reaches the radix tree (it stores only what ``consumed`` covers). A grammar-constrained
+row's drafts are cut where its grammar forbids a token
 (llguidance's ``validate_tokens``), and each verified position is masked with the grammar's state after
 the drafts before it (the matcher is rolled back afterwards). Rows with penalties (their distribution
 depends on counts the drafts would change) do not speculate (a request asking for both is refused at

@@ -19,7 +19,8 @@ checkpoint's own dtype (their matmuls read half precision natively); the option 
 Linear and the tied output head) to bfloat16 (nearest even); products of two bfloat16 values are exact
 in float32 and the sums stay float32. That is the math of AVX512_BF16's ``vdpbf16ps`` (32
 multiply-adds per instruction against float32 FMA's 16): where the native kernels are built for it
-(``linear_bf16`` in ``kernels.cpp``) every row count runs through it, decode and prefill; elsewhere
+(``linear_bf16_packed`` in ``kernels.cpp``, on the weights packed into panels at their first use) every
+row count runs through it, decode and prefill; elsewhere
 (pure MLX, or a CPU without AVX512_BF16) the same math in MLX ops (the input rounded to bfloat16 and
 back, then the float32 matmul), slower than ``"bfloat16"``. The error against float32 is the weights'
 and the inputs' rounding; ``tests/test_bf16.py`` bounds it.
@@ -97,16 +98,8 @@ def _round_bf16(x):
 
 
 def _bf16_matmul(x, weight, bias=None):
-    """``bf16(x) @ weight.T (+ bias)`` for a bfloat16 ``weight``: the native AVX512_BF16 kernel inside the
-    engine's forwards (``cpu_kernels.enabled``), the same math in MLX ops otherwise."""
-    import mlx.core as mx
-
-    from . import cpu_kernels
-
-    if cpu_kernels.is_enabled() and x.dtype == mx.float32 and (bias is None or bias.dtype == mx.float32):
-        nat = bf16_dot_kernel()
-        if nat is not None:
-            return nat.linear_bf16(x, weight, bias)
+    """``bf16(x) @ weight.T (+ bias)`` for a bfloat16 ``weight`` in MLX ops (the native kernel's math:
+    ``_packed_kernel``)."""
     y = _round_bf16(x) @ weight.T
     return y if bias is None else y + bias
 
@@ -181,9 +174,7 @@ def _packed_kernel(x, bias=None):
     from . import cpu_kernels
 
     if cpu_kernels.is_enabled() and x.dtype == mx.float32 and (bias is None or bias.dtype == mx.float32):
-        nat = bf16_dot_kernel()
-        if nat is not None and hasattr(nat, "linear_bf16_packed"):
-            return nat
+        return bf16_dot_kernel()
     return None
 
 
@@ -192,8 +183,8 @@ def bf16_matmul_classes():
     """(Linear, Embedding) classes for ``weights_dtype="bfloat16-matmul"``: an ``nn.Linear`` and a
     :func:`bf16_embedding_class` whose tied head (``as_linear``) compute :func:`_bf16_matmul`. Where the
     native AVX512_BF16 kernels run them, the weights are packed into 64-column panels on first use
-    (``linear_bf16_packed``: a broadcast-form microkernel, 1.3-1.5x the dot-form ``linear_bf16`` at
-    decode sizes); embedding lookups then gather rows from the panels."""
+    (``linear_bf16_packed``: a broadcast-form microkernel, 1.3-1.5x a dot-form kernel on the unpacked
+    weight at decode sizes); embedding lookups then gather rows from the panels."""
     import mlx.core as mx
     import mlx.nn as nn
 

@@ -11,6 +11,8 @@
 //               head, block of up to 16 query positions): decode (one position) and prefill alike.
 //   linear      x @ w.T (+ bias) for a decode step's few rows, reading nn.Linear's weights in place
 //               (float32, or bfloat16 widened in registers: weights_dtype="bfloat16").
+//   linear_bf16_packed  bf16(x) @ w.T with AVX512_BF16 on weights packed into panels at load
+//               (weights_dtype="bfloat16-matmul"), every row count.
 //   rms_norm    nn.RMSNorm in one pass.
 //   swiglu      silu(gate) * x.
 //   rope_rows   rotary embedding of a few positions per row from a cos/sin table.
@@ -1122,7 +1124,7 @@ static void linear_block(const float* x, const WT* w, const float* bias, float* 
   }
 }
 
-// What the linear primitives (Linear, LinearBf16, GemmSplit) share: x (..., K) @ w (N, K).T (+ bias) with
+// What the linear primitives (Linear, LinearBf16Packed, GemmSplit) share: x (..., K) @ w (N, K).T (+ bias) with
 // the output allocated and the encoder told what is read and written; x and the bias made dense on the
 // stream's thread before the primitive's own `compute` (a static function: the dispatched task must not
 // hold the primitive); two nodes equivalent when both have a bias or neither; no GPU version.
@@ -1222,17 +1224,15 @@ mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::
 }
 
 // ---------------------------------------------------------------------------------------------
-// linear_bf16: y = bf16(x) @ w.T (+ bias) for bfloat16 weights, with AVX512_BF16's vdpbf16ps.
+// linear_bf16_packed: y = bf16(x) @ w.T (+ bias) for bfloat16 weights, with AVX512_BF16's vdpbf16ps.
 //
 // `linear` widens bfloat16 weights to float32 and keeps float32 FMAs (16 multiply-adds per
 // instruction); vdpbf16ps multiplies pairs of bfloat16 values into float32 sums, 32 multiply-adds per
 // instruction, but both operands are bfloat16: x is rounded to bfloat16 (nearest even) once per call.
 // That rounding is the accuracy cost (an input rounded to 8 bits of mantissa, as in every bf16 GEMM
-// of oneDNN / transformers' bf16 CPU path); the products are exact and accumulate in float32. Every
-// element is the same computation whatever M is (32-wide chunks over K in order with a zero-padded
-// last chunk, the same lane tree as `linear`), so a row's result does not depend on its batch. Used for
+// of oneDNN / transformers' bf16 CPU path); the products are exact and accumulate in float32. Used for
 // every row count, the prefill's too (one kernel, no BLAS). Built only where the compiler targets
-// AVX512_BF16 (`has_bf16_dot`); elsewhere cpu_kernels keeps `linear` / `gemm_split`.
+// AVX512_BF16 (`has_bf16_dot`); elsewhere weights_dtype runs the same math in MLX ops.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kBf16Dot = true;
 
@@ -1256,120 +1256,13 @@ static void to_bf16_rows(const float* x, int M, int K, int Kp, uint16_t* out) {
   }
 }
 
-// MT rows of bf16 x (stride Kp) against NT rows of w (stride K), K in 32-wide chunks.
-template <int MT, int NT>
-static inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* bias,
-                             float* y, int64_t ldy, int K, const char* pf, int npf) {
-  __m512 acc[MT][NT];
-  _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i)
-    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int KC = K / 32;
-  int p = 0;
-  for (int kc = 0; kc < KC; ++kc) {
-    if (p < npf) __builtin_prefetch(pf + 64 * p++);
-    __m512bh xv[MT];
-    _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * ldx + kc * 32);
-    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * ldw + kc * 32);
-      _Pragma("GCC unroll 8") for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
-    }
-  }
-  for (; p < npf; ++p) __builtin_prefetch(pf + 64 * p);
-  if (const int r = K % 32) {  // the last partial chunk: w masked to its r columns, x is zero-padded
-    const __mmask32 mask = static_cast<__mmask32>((1ull << r) - 1);
-    __m512bh xv[MT];
-    for (int i = 0; i < MT; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * ldx + KC * 32);
-    for (int j = 0; j < NT; ++j) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * ldw + KC * 32);
-      for (int i = 0; i < MT; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
-    }
-  }
-  constexpr int T = MT * NT;
-  for (int g = 0; g < (T + 15) / 16; ++g) {
-    v16 all[16] = {};
-    for (int u = 0; u < 16; ++u) {
-      const int t = g * 16 + u;
-      if (t < T) all[kBitRev[u]] = __builtin_bit_cast(v16, acc[t / NT][t % NT]);
-    }
-    const v16 s = lane_sums(all);
-    for (int u = 0; u < 16; ++u) {
-      const int t = g * 16 + u;
-      if (t < T) y[(t / NT) * ldy + t % NT] = bias ? s[u] + bias[t % NT] : s[u];
-    }
-  }
-}
-
-// All M rows of x against NT rows of w.
-template <int NT>
-static void bf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, const float* bias, float* y,
-                      int64_t ldy, int K, int M, const char* pf, int npf) {
-  int m = 0;
-  for (; m + 4 <= M; m += 4) bf16_tile<4, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, m ? 0 : npf);
-  const int npf_rest = m ? 0 : npf;
-  switch (M - m) {
-    case 3: bf16_tile<3, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, npf_rest); break;
-    case 2: bf16_tile<2, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, npf_rest); break;
-    case 1: bf16_tile<1, NT>(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, pf, npf_rest); break;
-    default: break;
-  }
-}
-
-class LinearBf16 : public LinearPrimitive {
- public:
-  using LinearPrimitive::LinearPrimitive;
-  static void compute(const float* x, const mx::array& wa, const float* b, float* y, int M, int K, int N) {
-    std::vector<uint16_t> wbuf;
-    const uint16_t* w = dense<uint16_t>(wa, wbuf);
-    const int Kp = (K + 31) / 32 * 32;
-    std::vector<uint16_t> xb(static_cast<size_t>(M) * Kp);
-    to_bf16_rows(x, M, K, Kp, xb.data());
-    // Rows in blocks of 64 (x's block stays in cache while the weights stream past it), columns in
-    // blocks of 6 weight rows, about 8 column blocks per thread per row block.
-    constexpr int MB = 64, NT = 6;
-    const int mblocks = (M + MB - 1) / MB;
-    const int want = std::max(1, Pool::get().size() * 8 / std::min(mblocks, 8));
-    const int nb = std::max(NT, ((N + want - 1) / want + NT - 1) / NT * NT);
-    const int nblocks = (N + nb - 1) / nb;
-    Pool::get().run(mblocks * nblocks, [&](int t) {
-      const int ni = t / mblocks, mi = t % mblocks;  // row blocks of one column block run together
-      const int m0 = mi * MB, m1 = std::min(M, m0 + MB), n0 = ni * nb, n1 = std::min(N, n0 + nb);
-      const uint16_t* xm = xb.data() + static_cast<int64_t>(m0) * Kp;
-      float* ym = y + static_cast<int64_t>(m0) * N;
-      for (int n = n0; n < n1; n += NT) {
-        const uint16_t* wn = w + static_cast<int64_t>(n) * K;
-        const float* bn = b ? b + n : nullptr;
-        const int ahead = n + NT;
-        const char* pf = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead) * K);
-        const int npf = ahead < n1 ? static_cast<int>(std::min(NT, n1 - ahead) * static_cast<int64_t>(K) * 2 / 64) : 0;
-        switch (std::min(NT, n1 - n)) {
-          case 6: bf16_rows<6>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-          case 5: bf16_rows<5>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-          case 4: bf16_rows<4>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-          case 3: bf16_rows<3>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-          case 2: bf16_rows<2>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-          default: bf16_rows<1>(xm, Kp, wn, K, bn, ym + n, N, K, m1 - m0, pf, npf); break;
-        }
-      }
-    });
-  }
-  const char* name() const override { return "ParallmLinearBf16"; }
-
- protected:
-  Compute compute_fn() const override { return &LinearBf16::compute; }
-};
-
-mx::array linear_bf16(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
-  if (weight.dtype() != mx::bfloat16) throw std::invalid_argument("linear_bf16: weight must be bfloat16");
-  return linear_node<LinearBf16>("linear_bf16", x, weight, bias);
-}
-
-// linear_bf16_packed: the same product as linear_bf16 (bf16(x) @ w.T, float32 sums) on weights packed
-// once at load into 64-column panels: element [p][q][c][j] = w[64p + c][2q + j] (zero past N and K),
-// so one 512-bit load holds 16 columns' values for one pair of k. The microkernel is broadcast form:
-// each row's pair (x[2q], x[2q + 1]) is broadcast to all lanes and `vdpbf16ps` adds it times 16
-// columns into 16 float32 sums, 6 rows x 64 columns (24 accumulators) at a time. No lane reduction at
-// the end (linear_bf16's dot form spends a share of every tile reducing 16 lanes to one), and each
-// output is one sum over k in order whatever M is: a row's bits do not depend on its batch.
+// The weights are packed once (weights_dtype.pack_panels) into 64-column panels: element [p][q][c][j] =
+// w[64p + c][2q + j] (zero past N and K), so one 512-bit load holds 16 columns' values for one pair of
+// k. The microkernel is broadcast form: each row's pair (x[2q], x[2q + 1]) is broadcast to all lanes and
+// `vdpbf16ps` adds it times 16 columns into 16 float32 sums, 6 rows x 64 columns (24 accumulators) at a
+// time. No lane reduction at the end (a dot-form kernel on the unpacked weight, measured 1.3-1.5x
+// slower at decode sizes, spent a share of every tile reducing 16 lanes to one), and each output is one
+// sum over k in order whatever M is: a row's bits do not depend on its batch.
 template <int MR>
 static inline void bf16p_tile(const uint16_t* x, int64_t ldx, const uint16_t* panel, int Kq, const float* bias,
                               float* y, int64_t ldy, int ncols) {
@@ -1467,9 +1360,6 @@ mx::array linear_bf16_packed(const mx::array& x, const mx::array& packed, int n,
 #else
 constexpr bool kBf16Dot = false;
 
-mx::array linear_bf16(const mx::array&, const mx::array&, std::optional<mx::array>) {
-  throw std::runtime_error("linear_bf16: these kernels were not built for AVX512_BF16 (see has_bf16_dot)");
-}
 mx::array linear_bf16_packed(const mx::array&, const mx::array&, int, std::optional<mx::array>) {
   throw std::runtime_error("linear_bf16_packed: these kernels were not built for AVX512_BF16 (see has_bf16_dot)");
 }
@@ -1785,7 +1675,6 @@ NB_MODULE(_parallm_native, m) {
   m.def("linear", &parallm::linear, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("gemm_split", &parallm::gemm_split, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("has_sgemm", [] { return parallm::find_sgemm() != nullptr; });
-  m.def("linear_bf16", &parallm::linear_bf16, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("linear_bf16_packed", &parallm::linear_bf16_packed, nb::arg("x"), nb::arg("packed"), nb::arg("n"),
         nb::arg("bias") = nb::none());
   m.def("has_bf16_dot", [] { return parallm::kBf16Dot; });

@@ -65,6 +65,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .weights_dtype import BF16_WEIGHTS
+
 
 @dataclass
 class Sizes:
@@ -420,7 +422,7 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
             tick("peer: parallm on equal-length prompts")
             # weights_dtype="bfloat16" (parallm bench --weights-dtype bfloat16): the row says so
-            mine = "parallm_bf16" if engine.weights_dtype in ("bfloat16", "bfloat16-matmul") else "parallm"
+            mine = "parallm_bf16" if engine.weights_dtype in BF16_WEIGHTS else "parallm"
             entry = {mine: run_parallm(engine, prompts, peer_new), "prompts": len(prompts),
                      "prompt_tokens": len(prompts[0]), "new_tokens": peer_new}
             with tempfile.TemporaryDirectory() as d:

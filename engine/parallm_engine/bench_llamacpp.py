@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from .bench import _pct
+from .weights_dtype import BF16_WEIGHTS
 
 #: The llama-cpp-python sdist whose bundled llama.cpp :func:`build_llama_server` compiles.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -314,7 +315,7 @@ def run_llamacpp_workload(engine, prompt_len: int, new_tokens: int, concurrency=
     vocab = engine.model_info.vocab_size
     slots = max(concurrency)
     # --weights-dtype bfloat16[-matmul]: the server runs the same
-    weights_dtype = engine.weights_dtype if engine.weights_dtype in ("bfloat16", "bfloat16-matmul") else None
+    weights_dtype = engine.weights_dtype if engine.weights_dtype in BF16_WEIGHTS else None
     bf16 = weights_dtype is not None
     entry: dict = {
         "dtypes": {"llama_cpp": f"{gguf_dtype(gguf)} (the GGUF's own quantization)",

@@ -10,6 +10,7 @@ import time
 
 from . import backend as _backend  # noqa: F401  (importing the package preloads BLAS first)
 from .demo import DEMO_QUESTIONS  # noqa: F401  (the demo's prompts; re-exported)
+from .weights_dtype import WEIGHTS_DTYPES
 
 
 def _engine_config(args) -> dict:
@@ -305,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mlx: run on MLX's own ops (backend cpu-mlx, the path Metal and CUDA take) and "
                          "compare the fan-out with the native path (the 'paths' workload)")
     sp.add_argument("--quick", action="store_true", help="small sizes, < 3 minutes")
-    sp.add_argument("--weights-dtype", choices=("float32", "bfloat16", "bfloat16-matmul"), default=None,
+    sp.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default=None,
                     help="CPU weight storage for ParaLLM's engine (default float32; bfloat16 halves the bytes "
                          "a decode step streams; bfloat16-matmul also rounds matmul inputs to bf16, AVX512_BF16's "
                          "kernel where the CPU has it; the peer table's row becomes parallm_bf16)")

@@ -371,23 +371,27 @@ class BatchKV:
         if not self.holes_allowed or 4 * sum(self.holes) > sum(self.idx - lp for lp in self.left_pad):
             self.compact()
 
-    def _own_columns(self, i: int) -> list[int]:
-        """Row i's columns that hold its tokens after the shared prefix, in order."""
+    def _own_columns(self, i: int, filled: list[bool] | None = None) -> list[int]:
+        """Row i's columns that hold its tokens after the shared prefix, in order (``filled``: the row's
+        ``_filled_columns`` already on the host)."""
         lp = self.left_pad[i]
         if not self.holes[i]:
             return list(range(lp, self.idx))
-        v = self._filled_columns(self.idx)[i, lp:].tolist()
-        return [lp + c for c, ok in enumerate(v) if ok]
+        if filled is None:
+            filled = self._filled_columns(self.idx)[i].tolist()
+        return [c for c in range(lp, self.idx) if filled[c]]
 
     def compact(self) -> None:
         """Close every row's holes: each row's tokens are gathered right-aligned (one gather per array)."""
         if not any(self.holes):
             return
-        cols = [self._own_columns(i) for i in range(self.batch_size)]
+        filled = self._filled_columns(self.idx).tolist()  # one transfer for every row
+        cols = [self._own_columns(i, filled[i]) for i in range(self.batch_size)]
         new_idx = max(len(c) for c in cols)
         index = [[0] * (new_idx - len(c)) + c for c in cols]
-        self.keys = kvq.take_columns(self.keys, mx.array(index, dtype=mx.int32), _round_up(new_idx + 1))
-        self.values = kvq.take_columns(self.values, mx.array(index, dtype=mx.int32), _round_up(new_idx + 1))
+        index, cap = mx.array(index, dtype=mx.int32), _round_up(new_idx + 1)
+        self.keys = kvq.take_columns(self.keys, index, cap)
+        self.values = kvq.take_columns(self.values, index, cap)
         self.left_pad = [new_idx - len(c) for c in cols]
         self.holes = [0] * self.batch_size
         self.idx = new_idx

@@ -226,14 +226,9 @@ def concatenate(parts: list, axis: int = 0):
 def take_columns(x, index: mx.array, capacity: int):
     """Row b's columns ``index[b]`` of ``x`` (B, H, T, D), gathered into new (B, H, capacity, D) storage
     (columns past ``index``'s width zero)."""
-    def one(a):
-        got = mx.take_along_axis(a, index[:, None, :, None], axis=2)
-        out = mx.zeros((*a.shape[:2], capacity, a.shape[3]), a.dtype)
-        out[:, :, : index.shape[1], :] = got
-        return out
-    if not isinstance(x, QuantizedKV):
-        return one(x)
-    return x._like(tuple(one(p) for p in x._parts()))
+    take = lambda a: mx.take_along_axis(a, index[:, None, :, None], axis=2)  # noqa: E731
+    got = x._like(tuple(take(p) for p in x._parts())) if isinstance(x, QuantizedKV) else take(x)
+    return pad(got, [(0, 0), (0, 0), (0, capacity - index.shape[1]), (0, 0)])
 
 
 def contiguous(x):

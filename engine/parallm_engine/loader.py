@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ModelLoadError
+from .weights_dtype import BF16_WEIGHTS
 
 logger = logging.getLogger("parallm_engine")
 
@@ -202,7 +203,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
         # CPU: quantized and half-precision matmuls have no fast kernels; run fp32 + BLAS.
         net = dequantize_model(net)
         net.set_dtype(mx.float32)
-        if weights_dtype in ("bfloat16", "bfloat16-matmul"):
+        if weights_dtype in BF16_WEIGHTS:
             from .weights_dtype import store_weights_bf16
 
             store_weights_bf16(net, bf16_matmul=weights_dtype == "bfloat16-matmul")
@@ -224,7 +225,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
         or getattr(tokenizer, "model_max_length", None)
         or 2048
     )
-    param_dtype = mx.float32 if weights_dtype in ("bfloat16", "bfloat16-matmul") else _activation_dtype(net)  # bf16 storage only
+    param_dtype = mx.float32 if weights_dtype in BF16_WEIGHTS else _activation_dtype(net)  # bf16 storage only
     gguf_file = (config.get("gguf_source") or {}).get("file")
     defaults, defaults_source = sampling_defaults(
         path, [name, path.name, Path(gguf_file).stem if gguf_file else ""], Path(gguf_file) if gguf_file else None

@@ -36,7 +36,9 @@ from .errors import InvalidRequestError
 
 logger = logging.getLogger("parallm_engine")
 
-WEIGHTS_DTYPES = ("float32", "bfloat16", "bfloat16-matmul")
+#: The modes that store weights as bfloat16 (the second also rounds matmul inputs).
+BF16_WEIGHTS = ("bfloat16", "bfloat16-matmul")
+WEIGHTS_DTYPES = ("float32", *BF16_WEIGHTS)
 
 
 def resolve_weights_dtype(value: str | None, device: str) -> str | None:
@@ -126,14 +128,11 @@ def named_weights(model) -> dict:
     (:class:`_PackedWeight`) gives its ``weight`` back unpacked under that name."""
     from mlx.utils import tree_flatten
 
-    out = {}
-    for name, arr in tree_flatten(model.parameters()):
-        if name == "packed" or name.endswith(".packed"):
-            owner = model
-            for part in name.split(".")[:-1]:
-                owner = owner[int(part)] if isinstance(owner, list) else owner[part]
-            name, arr = name[: -len("packed")] + "weight", owner.weight
-        out[name] = arr
+    out = {name: arr for name, arr in tree_flatten(model.parameters())
+           if name != "packed" and not name.endswith(".packed")}
+    for name, module in model.named_modules():
+        if isinstance(module, _PackedWeight) and "packed" in module:
+            out[f"{name}.weight" if name else "weight"] = module.weight
     return out
 
 
@@ -151,7 +150,7 @@ class _PackedWeight:
     def weight(self, value):
         self["weight"] = value
 
-    def _panels(self, nat):
+    def _panels(self):
         """The weight as panels, packing it on the first call (then dropping the (N, K) copy)."""
         import mlx.core as mx
 
@@ -193,7 +192,7 @@ def bf16_matmul_classes():
             bias = self.get("bias")
             nat = _packed_kernel(x, bias)
             if nat is not None:
-                packed = self._panels(nat)
+                packed = self._panels()
                 return nat.linear_bf16_packed(x, packed, self._n_out, bias)
             return _bf16_matmul(x, self.weight, bias)
 
@@ -208,7 +207,7 @@ def bf16_matmul_classes():
         def as_linear(self, x):
             nat = _packed_kernel(x)
             if nat is not None:
-                packed = self._panels(nat)
+                packed = self._panels()
                 return nat.linear_bf16_packed(x, packed, self._n_out)
             return _bf16_matmul(x, self.weight)
 

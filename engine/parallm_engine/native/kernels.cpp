@@ -1196,17 +1196,12 @@ class Linear : public LinearPrimitive {
   Compute compute_fn() const override { return &Linear::compute; }
 };
 
-// x (..., K) @ weight (N, K).T (+ bias (N,)) as primitive P: the checks and the graph node `linear` and
-// `gemm_split` share.
-template <typename P>
-static mx::array linear_node(const char* name, const mx::array& x, const mx::array& weight,
-                             std::optional<mx::array> bias) {
-  const std::string what(name);
-  if (x.ndim() < 1 || weight.ndim() != 2) throw std::invalid_argument(what + ": x (..., K) and weight (N, K)");
-  const int K = weight.shape(1), N = weight.shape(0);
-  if (x.shape(-1) != K) throw std::invalid_argument(what + ": x's last axis must equal weight's second");
+// The graph node of primitive P (built with `args` after the stream and the bias flag): inputs x, the
+// weight as stored and the bias; the output is x's shape with N last. The checks every linear shares.
+template <typename P, typename... Args>
+static mx::array linear_graph_node(const std::string& what, const mx::array& x, const mx::array& weight,
+                                   std::optional<mx::array> bias, int N, Args... args) {
   require_f32(x, (what + " x").c_str());
-  require_f32_or_bf16(weight, (what + " weight").c_str());
   auto stream = mx::default_stream(mx::default_device());
   std::vector<mx::array> inputs = {x, weight};
   if (bias) {
@@ -1216,7 +1211,19 @@ static mx::array linear_node(const char* name, const mx::array& x, const mx::arr
   }
   auto shape = x.shape();
   shape.back() = N;
-  return mx::array(shape, mx::float32, std::make_shared<P>(stream, bias.has_value()), std::move(inputs));
+  return mx::array(shape, mx::float32, std::make_shared<P>(stream, bias.has_value(), args...), std::move(inputs));
+}
+
+// x (..., K) @ weight (N, K).T (+ bias (N,)) as primitive P: `linear` and `gemm_split`.
+template <typename P>
+static mx::array linear_node(const char* name, const mx::array& x, const mx::array& weight,
+                             std::optional<mx::array> bias) {
+  const std::string what(name);
+  if (x.ndim() < 1 || weight.ndim() != 2) throw std::invalid_argument(what + ": x (..., K) and weight (N, K)");
+  const int K = weight.shape(1), N = weight.shape(0);
+  if (x.shape(-1) != K) throw std::invalid_argument(what + ": x's last axis must equal weight's second");
+  require_f32_or_bf16(weight, (what + " weight").c_str());
+  return linear_graph_node<P>(what, x, weight, bias, N);
 }
 
 mx::array linear(const mx::array& x, const mx::array& weight, std::optional<mx::array> bias) {
@@ -1344,18 +1351,7 @@ mx::array linear_bf16_packed(const mx::array& x, const mx::array& packed, int n,
   if (packed.dtype() != mx::bfloat16 || packed.ndim() != 4 || packed.shape(0) != (n + 63) / 64 ||
       packed.shape(1) != (K + 1) / 2 || packed.shape(2) != 64 || packed.shape(3) != 2)
     throw std::invalid_argument("linear_bf16_packed: packed must be (ceil(N/64), ceil(K/2), 64, 2) bfloat16");
-  require_f32(x, "linear_bf16_packed x");
-  auto stream = mx::default_stream(mx::default_device());
-  std::vector<mx::array> inputs = {x, packed};
-  if (bias) {
-    if (bias->ndim() != 1 || bias->shape(0) != n) throw std::invalid_argument("linear_bf16_packed: bias must be (N,)");
-    require_f32(*bias, "linear_bf16_packed bias");
-    inputs.push_back(*bias);
-  }
-  auto shape = x.shape();
-  shape.back() = n;
-  return mx::array(shape, mx::float32, std::make_shared<LinearBf16Packed>(stream, bias.has_value(), K, n),
-                   std::move(inputs));
+  return linear_graph_node<LinearBf16Packed>("linear_bf16_packed", x, packed, bias, n, K, n);
 }
 #else
 constexpr bool kBf16Dot = false;

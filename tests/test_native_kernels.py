@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlx_lm.models.base import create_causal_mask
+
 from parallm_engine import cpu_kernels, native
 
 pytestmark = pytest.mark.skipif(not native.supported_platform(), reason="native kernels are built on Linux only")
@@ -206,6 +208,40 @@ def test_prefill_attention_property(nat, L, extra, rep, seed, data):
     q = mx.random.normal((B, KH * rep, L, D))
     k, v = mx.random.normal((B, KH, T, D)) * 3, mx.random.normal((B, KH, T, D))
     _close(nat.attention(q, k, v, 0.2, mask), SDPA(q, k, v, scale=0.2, mask=mask), tol=5e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 5), L=st.integers(1, 5), T=st.integers(1, 40), D=st.sampled_from([64, 40]),
+       shared=st.integers(0, 9), seed=st.integers(0, 10_000))
+def test_paged_attention_reads_the_pool_through_the_table_with_the_same_bits(nat, B, L, T, D, shared, seed):
+    """Keys and values in a page pool read through a slot table (kv_pages) give exactly the bits of the
+    same keys gathered into per-row arrays: decode and verification widths, left padding, a shared prefix."""
+    rng = np.random.default_rng(seed)
+    KH, H, slots = 2, 4, 256
+    pool_k = mx.array(rng.standard_normal((1, KH, slots, D)).astype(np.float32))
+    pool_v = mx.array(rng.standard_normal((1, KH, slots, D)).astype(np.float32))
+    lengths = [int(x) for x in rng.integers(L, T + L + 1, size=B)]
+    W = max(lengths)
+    table = np.zeros((B, W), dtype=np.int32)
+    for b, n in enumerate(lengths):
+        table[b, W - n :] = rng.choice(np.arange(1, slots), size=n, replace=False)
+    pads = mx.array([W - n for n in lengths])
+    mask = create_causal_mask(L, offset=W - L, left_padding=pads)
+    q = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+    sk = sv = None
+    if shared:
+        sk = mx.array(rng.standard_normal((1, KH, shared, D)).astype(np.float32))
+        sv = mx.array(rng.standard_normal((1, KH, shared, D)).astype(np.float32))
+    t = mx.array(table)
+    dense_k = pool_k[0][:, t].transpose(1, 0, 2, 3)
+    dense_v = pool_v[0][:, t].transpose(1, 0, 2, 3)
+    want = nat.attention(q, dense_k, dense_v, 0.125, mask, False, sk, sv)
+    got = nat.attention(q, pool_k, pool_v, 0.125, mask, False, sk, sv, None, t)
+    assert mx.array_equal(got, want)
+    if sk is None:
+        _close(got, SDPA(q, dense_k, dense_v, scale=0.125, mask=mask))
+    with pytest.raises(ValueError):  # a table for the wrong number of rows
+        nat.attention(q, pool_k, pool_v, 0.125, mask, False, None, None, None, mx.zeros((B + 1, W), dtype=mx.int32))
 
 
 @pytest.mark.parametrize("D", [16, 20])

@@ -11,7 +11,7 @@ import pytest
 
 from parallm_engine import Engine
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.kv_cache import BatchKV
+from parallm_engine.kv_pages import PagedLaneKV
 from parallm_engine.sampling_params import SamplingParams
 from parallm_engine.spec_config import OFF, SpeculativeConfig, parse_speculative
 from parallm_engine.speculative import NgramIndex
@@ -79,23 +79,26 @@ def test_ngram_index_proposes_the_latest_continuation():
     assert idx.propose([7, 8], 3) == []
 
 
-def test_rollback_forgets_the_last_columns_exactly():
+def test_rollback_forgets_the_last_positions_exactly():
     mx.random.seed(0)
     B, H, D = 3, 2, 4
     rows = [(mx.random.normal((1, H, L, D)), mx.random.normal((1, H, L, D))) for L in (5, 3, 7)]
-    kv = BatchKV()
-    kv.add(rows)
+    kv = PagedLaneKV(1)
+    kv.add([rows])
+    layer = kv.layers[0]
     new_k, new_v = mx.random.normal((B, H, 4, D)), mx.random.normal((B, H, 4, D))
-    kv.update_and_fetch(new_k, new_v)
+    kv.begin(4)
+    layer.update_and_fetch(new_k, new_v)
     kv.rollback(2)
     for i, (k, v) in enumerate(rows):
-        got_k, got_v = kv.row(i, 0, k.shape[2] + 2)
+        got_k, got_v = kv.row(i, 0, k.shape[2] + 2)[0]
         assert mx.array_equal(got_k, mx.concatenate([k, new_k[i : i + 1, :, :2]], axis=2))
         assert mx.array_equal(got_v, mx.concatenate([v, new_v[i : i + 1, :, :2]], axis=2))
-    assert kv.offset.tolist() == [5 + 2, 3 + 2, 7 + 2]
-    # The next write lands where the forgotten columns were.
-    kv.update_and_fetch(new_k[:, :, 3:], new_v[:, :, 3:])
-    assert mx.array_equal(kv.row(1, 0, 6)[0][:, :, 5:], new_k[1:2, :, 3:])
+    assert kv.positions() == [5 + 2, 3 + 2, 7 + 2]
+    # The next write lands where the forgotten positions were.
+    kv.begin(1)
+    layer.update_and_fetch(new_k[:, :, 3:], new_v[:, :, 3:])
+    assert mx.array_equal(kv.row(1, 0, 6)[0][0][:, :, 5:], new_k[1:2, :, 3:])
 
 
 # -- exactness -----------------------------------------------------------------------------------

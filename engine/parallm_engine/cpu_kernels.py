@@ -72,14 +72,16 @@ def native_available() -> bool:
     return _native() is not None
 
 
-def _native_attention(queries, keys, values, scale, mask, shared_keys=None, shared_values=None, shared_mask=None):
+def _native_attention(queries, keys, values, scale, mask, shared_keys=None, shared_values=None, shared_mask=None,
+                      table=None):
     """The native attention when it applies (float32; no mask, "causal", or a boolean one that is the
-    same for every head), else None."""
+    same for every head), else None. ``table``: keys and values are (1, KH, slots, D) page pools and
+    row b's column t is slot ``table[b, t]`` (``kv_pages``)."""
     if queries.dtype != mx.float32 or keys.dtype != mx.float32:
         return None
     causal = False
     if isinstance(mask, str):
-        if mask != "causal" or queries.shape[2] > keys.shape[2]:
+        if mask != "causal" or queries.shape[2] > (keys.shape[2] if table is None else table.shape[1]):
             return None
         causal, mask = queries.shape[2] > 1, None
     elif mask is not None and (mask.dtype != mx.bool_ or mask.ndim > 4 or (mask.ndim >= 3 and mask.shape[-3] != 1)):
@@ -87,7 +89,7 @@ def _native_attention(queries, keys, values, scale, mask, shared_keys=None, shar
     nat = _native()
     if nat is None:
         return None
-    return nat.attention(queries, keys, values, scale, mask, causal, shared_keys, shared_values, shared_mask)
+    return nat.attention(queries, keys, values, scale, mask, causal, shared_keys, shared_values, shared_mask, table)
 
 
 @contextlib.contextmanager
@@ -439,11 +441,20 @@ def _engine_sdpa(orig_sdpa):
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         shared = getattr(cache, "shared_keys", None)
+        # Paged rows (kv_pages): the native kernel reads the page pool through the slot table; the
+        # working set ``keys`` / ``values`` gathered for other paths is then never computed.
+        paged = cache.native_inputs() if is_enabled() and sinks is None and hasattr(cache, "native_inputs") else None
+        if paged is not None:
+            out = _native_attention(queries, paged[0], paged[1], scale, mask, shared,
+                                    cache.shared_values if shared is not None else None,
+                                    cache.shared_mask if shared is not None else None, table=paged[2])
+            if out is not None:
+                return out
         if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
             if sinks is not None:
                 raise NotImplementedError("attention sinks with a shared prefix")
             out = _native_attention(queries, keys, values, scale, mask, shared, cache.shared_values,
-                                    cache.shared_mask) if is_enabled() else None
+                                    cache.shared_mask) if is_enabled() and paged is None else None
             if out is not None:
                 return out
             return cascade_attention(queries, keys, values, shared, cache.shared_values, scale, mask,

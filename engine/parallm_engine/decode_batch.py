@@ -3,7 +3,8 @@
 MLX's CPU backend runs one stream's operations on one thread, and its elementwise kernels (``exp`` in
 the softmax and SiLU, RoPE, the KV writes) are scalar. On a CPU with several cores one batch therefore
 leaves all but one core idle for most of a step. Each lane holds a share of the running sequences,
-with its own KV (:class:`~parallm_engine.kv_cache.BatchKV` per layer) and its own MLX stream, so the
+with its own KV (:class:`~parallm_engine.kv_pages.PagedLaneKV`: a page pool per layer, a page table per
+row; lanes never write one array, so MLX does not serialise their graphs) and its own MLX stream, so the
 lanes' forwards run at the same time on different cores; the BLAS runs single-threaded inside each
 lane (see ``backend.cpu_lanes``). Measured on the 2-core CI machine, batch 32 at 160 tokens of
 context: one lane 306 ms per step, two lanes 213 ms. On Metal and CUDA there is one lane.
@@ -30,7 +31,8 @@ import contextlib
 import mlx.core as mx
 
 from . import cpu_kernels
-from .kv_cache import BatchKV, SharedPrefix
+from .kv_cache import SharedPrefix
+from .kv_pages import PagedLaneKV
 
 #: Rows a lane takes before the next lane gets any (see the module docstring).
 LANE_FILL_ROWS = 32
@@ -39,9 +41,9 @@ LANE_FILL_ROWS = 32
 class DecodeLane:
     """A share of the running sequences with its KV and (when there are several lanes) its stream."""
 
-    def __init__(self, n_layers: int, fmt=None, holes: bool = True):
+    def __init__(self, n_layers: int, fmt=None):
         self.seqs: list = []
-        self.kv = [BatchKV(fmt, holes) for _ in range(n_layers)]
+        self.kv = PagedLaneKV(n_layers, fmt)
         self.stream = None
 
     def context(self):
@@ -49,15 +51,14 @@ class DecodeLane:
 
 
 class DecodeBatch:
-    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None, holes: bool = True):
-        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats). ``holes``: rows may keep
-        holes after speculative steps (``BatchKV.rollback_rows``); False closes them at once."""
+    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None):
+        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats)."""
         if n_lanes < 1:
             raise ValueError(f"n_lanes must be >= 1, got {n_lanes}")
         self.n_layers = n_layers
         self.fmt = fmt
-        self.holes = holes
-        self.lanes = [DecodeLane(n_layers, fmt, holes) for _ in range(n_lanes)]
+        self.mask_5d = False  # gemma2 lays its scores out (B, KV heads, repeats, L, S)
+        self.lanes = [DecodeLane(n_layers, fmt) for _ in range(n_lanes)]
         self.fill_rows = LANE_FILL_ROWS  # rows a lane takes before the next gets any
 
         self._streams_made = n_lanes == 1
@@ -94,15 +95,13 @@ class DecodeBatch:
         self.shared = prefix
         for lane in self.lanes:
             with lane.context():
-                for layer, (k, v) in zip(lane.kv, prefix.kv):
-                    layer.set_shared(k, v)
+                lane.kv.set_shared(prefix.kv)
 
     def _release_shared(self) -> None:
         prefix, self.shared = self.shared, None
         for lane in self.lanes:
             with lane.context():
-                for layer in lane.kv:
-                    layer.set_shared(None, None)
+                lane.kv.set_shared(None)
         prefix.release()
 
     def join(self, seqs: list, shared: list[bool] | None = None) -> None:
@@ -125,9 +124,8 @@ class DecodeBatch:
                 continue
             uses = [flags[id(s)] for s in group]
             with lane.context():
-                for layer in range(self.n_layers):
-                    lane.kv[layer].add([s.cache[layer].tail(P) if u else s.cache[layer].valid()
-                                        for s, u in zip(group, uses)], uses)
+                lane.kv.add([[s.cache[layer].tail(P) if u else s.cache[layer].valid() for s, u in zip(group, uses)]
+                             for layer in range(self.n_layers)], uses)
             for s in group:
                 s.cache = None
             lane.seqs.extend(group)
@@ -139,8 +137,7 @@ class DecodeBatch:
             rows = [i for i, s in enumerate(lane.seqs) if id(s) in seqs]
             if rows:
                 with lane.context():
-                    for layer in lane.kv:
-                        layer.share_rows(rows)
+                    lane.kv.share_rows(rows)
 
     def drop(self, seqs: set[int]) -> None:
         """Remove the sequences whose ``id()`` is in ``seqs``."""
@@ -149,16 +146,16 @@ class DecodeBatch:
                 continue
             keep = [i for i, s in enumerate(lane.seqs) if id(s) not in seqs]
             with lane.context():
-                for layer in lane.kv:
-                    layer.keep(keep)
+                lane.kv.keep(keep)
             lane.seqs = [lane.seqs[i] for i in keep]
-        if self.shared is not None and not any(any(lane.kv[0].shared_rows) for lane in self.lanes):
+        if self.shared is not None and not any(any(lane.kv.shared_rows) for lane in self.lanes):
             self._release_shared()
 
     def clear(self) -> None:
         for lane in self.lanes:
             lane.seqs = []
-            lane.kv = [BatchKV(self.fmt, self.holes) for _ in range(self.n_layers)]
+            lane.kv = PagedLaneKV(self.n_layers, self.fmt)
+            lane.kv.mask_5d = self.mask_5d
         if self.shared is not None:
             self._release_shared()
 
@@ -186,22 +183,21 @@ class DecodeBatch:
                 rows = tokens if n == len(tokens) else tokens[start : start + n]
                 # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
                 extra = model.decode_kwargs(lane.seqs, rows.shape[1]) if hasattr(model, "decode_kwargs") else {}
+                lane.kv.begin(rows.shape[1])
                 with cpu_kernels.solo_lane(solo):
-                    logits = model(rows, cache=lane.kv, **extra)
+                    logits = model(rows, cache=lane.kv.layers, **extra)
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def rollback_rows(self, width: int, keeps: list[int]) -> None:
         """After :meth:`forward_block` of ``width`` positions, row i (row order) keeps its first
-        ``keeps[i]`` (``BatchKV.rollback_rows``: rows that keep fewer than others get holes)."""
+        ``keeps[i]`` (each row's table just ends there: rows end where they end)."""
         start = 0
         for lane in self.lanes:
             n = len(lane.seqs)
             if n:
-                with lane.context():
-                    for layer in lane.kv:
-                        layer.rollback_rows(width, keeps[start : start + n])
+                lane.kv.rollback_rows(width, keeps[start : start + n])
             start += n
 
     # -- KV access ------------------------------------------------------------------------------
@@ -212,14 +208,15 @@ class DecodeBatch:
             for i, s in enumerate(lane.seqs):
                 if s is seq:
                     kv = lane.kv
-                    return lambda a, b: [layer.row(i, a, b) for layer in kv]
+                    return lambda a, b: kv.row(i, a, b)
         raise KeyError("sequence is not in the batch")
 
     def footprint(self, extra: int, bytes_per_token: int) -> int:
-        """KV bytes the batch holds after ``extra`` more decode steps: left-padded, every row of a
-        lane is as long as the lane's longest (the shared prefix counted once)."""
-        own = sum(len(lane.seqs) * (lane.kv[0].idx + extra) for lane in self.lanes if lane.seqs)
-        return own * bytes_per_token + (self.shared.nbytes() if self.shared is not None else 0)
+        """KV bytes the batch holds after ``extra`` more decode steps: each lane's pages (every row its
+        own length, rounded up to a page; the pool arrays' size when larger) and the shared prefix once."""
+        pages = sum(lane.kv.pages_after(extra) for lane in self.lanes if lane.seqs)
+        own = pages * PagedLaneKV.page_bytes(bytes_per_token)
+        return own + (self.shared.nbytes() if self.shared is not None else 0)
 
     def nbytes(self) -> int:
         """KV bytes of the batch: every row's own storage, and the shared prefix once."""
@@ -231,4 +228,10 @@ class DecodeBatch:
         return self._rows_nbytes() + (self.shared.held_nbytes() if self.shared is not None else 0)
 
     def _rows_nbytes(self) -> int:
-        return sum(layer.nbytes() for lane in self.lanes for layer in lane.kv)
+        return sum(lane.kv.nbytes() for lane in self.lanes)
+
+    def set_mask_5d(self) -> None:
+        """Masks shaped (B, 1, 1, L, S) for models that lay scores out per KV head and repeat (gemma2)."""
+        self.mask_5d = True
+        for lane in self.lanes:
+            lane.kv.mask_5d = True

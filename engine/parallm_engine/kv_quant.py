@@ -223,12 +223,19 @@ def concatenate(parts: list, axis: int = 0):
     return parts[0]._like(tuple(mx.concatenate([q._parts()[j] for q in parts], axis=axis) for j in range(3)))
 
 
-def take_columns(x, index: mx.array, capacity: int):
-    """Row b's columns ``index[b]`` of ``x`` (B, H, T, D), gathered into new (B, H, capacity, D) storage
-    (columns past ``index``'s width zero)."""
-    take = lambda a: mx.take_along_axis(a, index[:, None, :, None], axis=2)  # noqa: E731
-    got = x._like(tuple(take(p) for p in x._parts())) if isinstance(x, QuantizedKV) else take(x)
-    return pad(got, [(0, 0), (0, 0), (0, capacity - index.shape[1]), (0, 0)])
+def transpose(x, axes):
+    """``mx.transpose`` of leading axes (the head axis stays last)."""
+    if not isinstance(x, QuantizedKV):
+        return mx.transpose(x, axes)
+    assert axes[-1] == len(axes) - 1, "the head axis stays last"
+    return x._like(tuple(mx.transpose(p, axes) for p in x._parts()))
+
+
+def reshape(x, shape):
+    """``mx.reshape`` of leading axes (the head axis, ``shape[-1]``, is kept whole)."""
+    if not isinstance(x, QuantizedKV):
+        return mx.reshape(x, shape)
+    return x._like(tuple(mx.reshape(p, (*shape[:-1], p.shape[-1])) for p in x._parts()))
 
 
 def contiguous(x):

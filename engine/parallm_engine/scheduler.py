@@ -119,9 +119,7 @@ class Scheduler:
         # Build/load the native kernels now, not in the middle of the first decode step.
         self.native_kernels = bool(self._cpu_kernels and cpu_kernels.native_available())
         if self.layout == "attention":
-            # mlx-vlm's language models cut the mask at their cache's largest offset: no holes there
-            self.batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format,
-                                     holes=getattr(model, "vision", None) is None)
+            self.batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format)
             self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self.snapshots = None
             # Decode rows continuing one cached prefix hold it once (cascade attention): needs the
@@ -147,6 +145,8 @@ class Scheduler:
             self.kv.draft_kv_bytes = self.speculator.draft_rows.nbytes
         # Models whose attention scores are (B, KV heads, repeats, L, S) need masks with one more axis.
         self._mask_5d = model_type == "gemma2"
+        if self._mask_5d and self.layout == "attention":
+            self.batch.set_mask_5d()
         # The forward, sampling and delivery of each decode step (and the pipelined step in flight).
         self.runner = DecodeRunner(model, self.batch, self.out, stats, pipeline=config.pipeline,
                                    speculator=self.speculator, retire=self._retire_rows)
@@ -527,9 +527,6 @@ class Scheduler:
     def _join(self, seqs: list[Sequence]) -> None:
         flags = shared_prefix_flags(self.batch, self.radix, seqs) if self._share_prefix else None
         self.batch.join(seqs, flags)
-        if self._mask_5d:
-            for lane in self.batch.lanes:
-                self._mask_adapter(lane.kv)
 
     # -- retiring -------------------------------------------------------------------------------
     def _cache_row(self, seq: Sequence) -> None:

@@ -9,7 +9,7 @@ keeps seconds per step by the positions it computed (half-octave buckets); :func
 then picks the width whose expected tokens per second beats a plain step's, with each row's recent
 acceptance rate giving its expected tokens (a row accepting a fraction r of its drafts emits
 1 + r + ... + r^k tokens for k drafts). Every row of a batch emits its own accepted run (rows keep
-different numbers of positions: ``kv_cache.BatchKV.rollback_rows``), so the batch's expectation is the
+different numbers of positions: ``kv_pages.PagedLaneKV.rollback_rows``), so the batch's expectation is the
 sum of its rows' (:func:`batch_tokens`).
 
 An unmeasured size is extrapolated from the measured ones below it (flat from a single one), and only

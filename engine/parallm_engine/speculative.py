@@ -22,10 +22,8 @@ Greedy rows are argmax at every position. So the output equals non-speculative d
 token (greedy, and seeded sampling), and follows the target distribution otherwise.
 
 Rollback without copying: every row emits its whole accepted run and keeps the KV of exactly those
-positions; the batch's end moves back to the row that kept most, and the positions other rows did not
-keep become holes in them (``BatchKV.rollback_rows``: masked for attention, not counted in the row's
-RoPE position; the batch is compacted when holes reach a quarter of its columns). So each row gains
-what it accepted, whatever the rows beside it accepted. The KV of rejected positions is never read
+positions (its page table just ends there: ``kv_pages.PagedLaneKV.rollback_rows``; pages left empty are
+freed). So each row gains what it accepted, whatever the rows beside it accepted. The KV of rejected positions is never read
 again and never reaches the radix tree (it stores only what ``consumed`` covers). A grammar-constrained
 row's drafts are cut where its grammar forbids a token
 (llguidance's ``validate_tokens``), and each verified position is masked with the grammar's state after
@@ -314,7 +312,7 @@ class Speculator:
         mx.eval([x for x in (toks, logprobs, chosen) if x is not None])
         tok_list = toks.tolist()
         # Accept: a row's tokens up to and including the first that differs from its draft; every row emits
-        # its own run (rows keep different numbers of positions: BatchKV.rollback_rows).
+        # its own run (rows keep different numbers of positions: PagedLaneKV.rollback_rows).
         runs, starts, pos = [], [], 0
         for d in drafts:
             n = 1
@@ -338,7 +336,7 @@ class Speculator:
         if any(drafts):
             self.stats.spec_steps += 1
         # Row i's KV is right for its pending tokens and the drafts it emitted (all but the token it emitted
-        # last): it keeps those positions, the rest of its W become holes (or are cut at the batch's end).
+        # last): it keeps those positions and forgets the rest of its W.
         # A row that finished in this delivery (a stop, its last token) is retired after the step; its KV
         # past what it emitted is never read and never reaches the prefix cache.
         keep = []

@@ -7,7 +7,8 @@
 // user's machine, see native/__init__.py), split over a small thread pool where it pays:
 //
 //   attention   softmax attention, GQA, causal or a boolean mask, and an optional prefix held once
-//               for the batch (cascade attention, kv_cache.SharedPrefix); one task per (row, KV
+//               for the batch (cascade attention, kv_cache.SharedPrefix); keys and values either
+//               per row or in a page pool read through a slot table (kv_pages); one task per (row, KV
 //               head, block of up to 16 query positions): decode (one position) and prefill alike.
 //   linear      x @ w.T (+ bias) for a decode step's few rows, reading nn.Linear's weights in place
 //               (float32, or bfloat16 widened in registers: weights_dtype="bfloat16").
@@ -512,13 +513,15 @@ static inline void linear_tile(const float* x, int64_t ldx, WRow w, const float*
 
 class Attention : public mx::Primitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal, bool has_mask, bool has_shared, bool has_shared_mask)
+  Attention(mx::Stream stream, float scale, bool causal, bool has_mask, bool has_shared, bool has_shared_mask,
+            bool has_table)
       : mx::Primitive(stream),
         scale_(scale),
         causal_(causal),
         has_mask_(has_mask),
         has_shared_(has_shared),
-        has_shared_mask_(has_shared_mask) {}
+        has_shared_mask_(has_shared_mask),
+        has_table_(has_table) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -528,12 +531,12 @@ class Attention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Attention&>(other);
     return scale_ == o.scale_ && causal_ == o.causal_ && has_mask_ == o.has_mask_ && has_shared_ == o.has_shared_ &&
-        has_shared_mask_ == o.has_shared_mask_;
+        has_shared_mask_ == o.has_shared_mask_ && has_table_ == o.has_table_;
   }
 
  private:
   float scale_;
-  bool causal_, has_mask_, has_shared_, has_shared_mask_;
+  bool causal_, has_mask_, has_shared_, has_shared_mask_, has_table_;
 };
 
 // What one (row, KV head, position) task reads. Strides in elements; key/value rows are contiguous in D.
@@ -550,6 +553,9 @@ struct AttnArgs {
   int64_t ms0 = 0, ms2 = 0, ms3 = 0;
   bool causal = false;  // query l sees own columns t <= T - L + l
   const bool* shared_mask = nullptr;  // (B,)
+  // Paged KV (kv_pages): k / v are the pools (KH, slots, D) and row b's column t is slot
+  // table[b * T + t]; nullptr: column t of row b is k's own (b, :, t).
+  const int32_t* table = nullptr;
   float* out;  // (B, H, L, Dv)
   int H, KH, L, T, D, Dv;
   float qscale;
@@ -612,14 +618,16 @@ static void attend(const AttnArgs& a, int b, int kh, int l) {
     }
   }
   {
-    const float* kb = a.k + b * a.ks0 + kh * a.ks1;
-    const float* vb = a.v + b * a.vs0 + kh * a.vs1;
+    const float* kb = a.k + (a.table ? 0 : b * a.ks0) + kh * a.ks1;
+    const float* vb = a.v + (a.table ? 0 : b * a.vs0) + kh * a.vs1;
+    const int32_t* trow = a.table ? a.table + static_cast<int64_t>(b) * a.T : nullptr;
     const bool* mrow = a.mask ? a.mask + b * a.ms0 + l * a.ms2 : nullptr;
     const int visible = a.causal ? a.T - a.L + l + 1 : a.T;
     for (int t = 0; t < visible; ++t) {
       if (mrow && !mrow[t * a.ms3]) continue;  // skipped, not added as a zero: padding-invariant sums
-      krows[n] = kb + t * a.ks2;
-      vrows[n] = vb + t * a.vs2;
+      const int64_t c = trow ? trow[t] : t;
+      krows[n] = kb + c * a.ks2;
+      vrows[n] = vb + c * a.vs2;
       ++n;
     }
   }
@@ -857,15 +865,17 @@ static void attend_block(const AttnArgs& a, int b, int kh, int l0, int l1) {
     }
   }
   {
-    const float* kb = a.k + b * a.ks0 + kh * a.ks1;
-    const float* vb = a.v + b * a.vs0 + kh * a.vs1;
+    const float* kb = a.k + (a.table ? 0 : b * a.ks0) + kh * a.ks1;
+    const float* vb = a.v + (a.table ? 0 : b * a.vs0) + kh * a.vs1;
+    const int32_t* trow = a.table ? a.table + static_cast<int64_t>(b) * a.T : nullptr;
     const int last = a.causal ? std::min(a.T, a.T - a.L + l1) : a.T;
     for (int t = 0; t < last; ++t) {
       bool any = !mbase;
       for (int l = l0; l < l1 && !any; ++l) any = visible(t, l);
       if (!any) continue;
-      krows[nU] = kb + t * a.ks2;
-      vrows[nU] = vb + t * a.vs2;
+      const int64_t c = trow ? trow[t] : t;
+      krows[nU] = kb + c * a.ks2;
+      vrows[nU] = vb + c * a.vs2;
       cols.push_back(t);
       ++nU;
     }
@@ -946,7 +956,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
   enc.dispatch([inputs, out, scale = scale_, causal = causal_, has_mask = has_mask_, has_shared = has_shared_,
-                has_shared_mask = has_shared_mask_]() mutable {
+                has_shared_mask = has_shared_mask_, has_table = has_table_]() mutable {
     const mx::array& q = inputs[0];  // (B, H, L, D)
     const mx::array& k = inputs[1];  // (B, KH, T, D)
     const mx::array& v = inputs[2];  // (B, KH, T, Dv)
@@ -955,9 +965,13 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     const mx::array* sk = has_shared ? &inputs[next++] : nullptr;  // (1, KH, P, D)
     const mx::array* sv = has_shared ? &inputs[next++] : nullptr;  // (1, KH, P, Dv)
     const mx::array* smask = has_shared_mask ? &inputs[next++] : nullptr;  // bool, B elements
+    const mx::array* table = has_table ? &inputs[next++] : nullptr;  // int32 (B, T): k, v are (1, KH, slots, D)
 
     AttnArgs a;
-    a.H = q.shape(1), a.L = q.shape(2), a.D = q.shape(3), a.KH = k.shape(1), a.T = k.shape(2), a.Dv = v.shape(3);
+    a.H = q.shape(1), a.L = q.shape(2), a.D = q.shape(3), a.KH = k.shape(1), a.Dv = v.shape(3);
+    a.T = table ? table->shape(1) : k.shape(2);
+    std::vector<int32_t> tbuf;
+    a.table = table ? dense<int32_t>(*table, tbuf) : nullptr;
     a.causal = causal;
     const int B = q.shape(0);
     Rows kr = rows_of(k), vr = rows_of(v), skr, svr;
@@ -1009,12 +1023,18 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
 
 mx::array attention(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale,
                     std::optional<mx::array> mask, bool causal, std::optional<mx::array> shared_keys,
-                    std::optional<mx::array> shared_values, std::optional<mx::array> shared_mask) {
+                    std::optional<mx::array> shared_values, std::optional<mx::array> shared_mask,
+                    std::optional<mx::array> table) {
   if (queries.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4)
     throw std::invalid_argument("attention: queries, keys and values must be 4-D");
   const int B = queries.shape(0), H = queries.shape(1), L = queries.shape(2);
-  const int KH = keys.shape(1), T = keys.shape(2), Dv = values.shape(3);
-  if (keys.shape(0) != B || values.shape(0) != B || values.shape(1) != KH || values.shape(2) != T ||
+  const int KH = keys.shape(1), Dv = values.shape(3);
+  // Paged KV: keys and values are (1, KH, slots, D) pools read through the (B, T) int32 slot table.
+  const int KB = table ? 1 : B;
+  if (table && (table->ndim() != 2 || table->shape(0) != B || table->dtype() != mx::int32))
+    throw std::invalid_argument("attention: table must be (B, T) int32");
+  const int T = table ? table->shape(1) : keys.shape(2);
+  if (keys.shape(0) != KB || values.shape(0) != KB || values.shape(1) != KH || values.shape(2) != keys.shape(2) ||
       keys.shape(3) != queries.shape(3) || KH == 0 || H % KH != 0)
     throw std::invalid_argument("attention: inconsistent shapes");
   if (causal && (mask || L > T)) throw std::invalid_argument("attention: causal takes no mask and L <= T");
@@ -1050,8 +1070,10 @@ mx::array attention(const mx::array& queries, const mx::array& keys, const mx::a
       throw std::invalid_argument("attention: shared_mask must be (B,) boolean");
     inputs.push_back(*shared_mask);
   }
+  if (table) inputs.push_back(*table);
   return mx::array({B, H, L, Dv}, mx::float32,
-                   std::make_shared<Attention>(stream, scale, causal, mask.has_value(), has_shared, has_smask),
+                   std::make_shared<Attention>(stream, scale, causal, mask.has_value(), has_shared, has_smask,
+                                               table.has_value()),
                    std::move(inputs));
 }
 
@@ -1667,7 +1689,7 @@ NB_MODULE(_parallm_native, m) {
   m.doc() = "ParaLLM's native CPU kernels (MLX primitives)";
   m.def("attention", &parallm::attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"),
         nb::arg("scale"), nb::arg("mask") = nb::none(), nb::arg("causal") = false, nb::arg("shared_keys") = nb::none(),
-        nb::arg("shared_values") = nb::none(), nb::arg("shared_mask") = nb::none());
+        nb::arg("shared_values") = nb::none(), nb::arg("shared_mask") = nb::none(), nb::arg("table") = nb::none());
   m.def("linear", &parallm::linear, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("gemm_split", &parallm::gemm_split, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
   m.def("has_sgemm", [] { return parallm::find_sgemm() != nullptr; });

@@ -1,0 +1,433 @@
+"""The running rows' KV in pages: a page pool per decode lane and a page table per row.
+
+Every layer of a lane stores its keys and values in one pool array ``(KV heads, pages x PAGE, D)``
+(head-major, so a row's tokens of one head lie in runs of PAGE consecutive rows of D). A row holds a list
+of pages; its tokens fill them in order from ``head`` (the offset of its first token in its first page).
+All layers of a lane share the page tables: a row's token t sits in the same slot of every layer's pool.
+
+What this buys over one left-padded ``(B, H, longest, D)`` array per layer:
+
+- a row costs the pages of its own length: a 6,000-token row joining 8 short ones allocates its own
+  pages, not 6,000 columns for each of the 9 rows;
+- joining writes only the joining rows' KV; a row leaving frees its pages (nothing else is copied);
+- rows end where they end: a speculative step in which rows keep different numbers of verified
+  positions just shortens each row's table (no holes, no compaction);
+- admission can count pages actually held (``PagedLaneKV.pages_after``).
+
+Attention reads the tables. On the CPU the engine's native kernel takes the pool and the ``(B, T)``
+slot table and reads each visible key where it is (``cpu_kernels``; no copy). Everywhere else (MLX's
+SDPA on Metal and CUDA, the MLX-ops attention, quantized KV) a layer's ``update_and_fetch`` hands back
+the step's working set gathered from the pool, ``(B, KV heads, T, D)``, left-padded as mlx-lm's models
+expect: one gather per layer per step, which MLX never computes when the native kernel is used instead
+(it is lazy and nothing reads it). The measured cost of that gather is in docs/benchmarks.md.
+
+Page 0 is never handed out: padding columns of the table point at it, so a gathered working set holds
+finite values everywhere (masked columns must not be NaN: 0 x NaN poisons a weighted sum).
+
+A prefix every row may continue (``kv_cache.SharedPrefix``) stays outside the pool, held once and read
+once per step by the cascade attention; rows that continue it store only their later tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from . import kv_quant as kvq
+
+PAGE = 8  # tokens per page (allocation granularity; attention reads the table token by token)
+_GROW = 1.25  # pool arrays grow geometrically (each growth is one copy of the pool) ...
+_SHRINK_SLACK = 2  # ... and shrink (one gather) to _GROW x the pages in use when they hold more than twice that
+_MIN_PAGES = 32
+
+
+class PagePool:
+    """Which pages of a lane are free and how many holders each used page has. Page 0 is reserved
+    (padding target) and is neither free nor used. Pure accounting: the arrays live in the layers."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = max(1, capacity)  # pages the arrays are sized for (page 0 included)
+        self.refs = [0] * self.capacity
+        self.free = list(range(self.capacity - 1, 0, -1))  # popped from the end: lowest ids first
+
+    @property
+    def used(self) -> int:
+        return self.capacity - 1 - len(self.free)
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` pages with one holder each; the capacity grows (geometrically) when too few are free."""
+        if n > len(self.free):
+            new = max(self.capacity + n - len(self.free), int(self.capacity * _GROW), _MIN_PAGES)
+            self.refs += [0] * (new - self.capacity)
+            self.free = list(range(new - 1, self.capacity - 1, -1)) + self.free
+            self.capacity = new
+        pages = [self.free.pop() for _ in range(n)]
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refs[p] > 0, f"page {p} is not in use"
+            self.refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refs[p] > 0, f"page {p} released more often than held"
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
+    def remap(self) -> dict[int, int]:
+        """Renumber the used pages 1..used (the arrays are then gathered to match); returns old -> new."""
+        live = [p for p in range(1, self.capacity) if self.refs[p]]
+        mapping = {p: i + 1 for i, p in enumerate(live)}
+        capacity = max(int((len(live) + 1) * _GROW), _MIN_PAGES)
+        refs = [0] * capacity
+        for p, q in mapping.items():
+            refs[q] = self.refs[p]
+        self.refs, self.capacity = refs, capacity
+        self.free = list(range(capacity - 1, len(live), -1))
+        return mapping
+
+
+class PageRow:
+    """One row's pages and where its tokens sit in them: tokens [0, length) occupy the slots
+    ``head .. head + length`` of the concatenated pages."""
+
+    __slots__ = ("pages", "head", "length")
+
+    def __init__(self):
+        self.pages: list[int] = []
+        self.head = 0
+        self.length = 0
+
+    def slots(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The pool slots of tokens [start, end)."""
+        end = self.length if end is None else end
+        if end <= start:
+            return np.zeros(0, dtype=np.int32)
+        first, last = (self.head + start) // PAGE, (self.head + end - 1) // PAGE + 1
+        base = np.asarray(self.pages[first:last], dtype=np.int32)[:, None] * PAGE
+        run = (base + np.arange(PAGE, dtype=np.int32)).ravel()
+        a = self.head + start - first * PAGE
+        return run[a : a + end - start]
+
+    def pages_for(self, length: int) -> int:
+        return (self.head + length + PAGE - 1) // PAGE if length else 0
+
+    def grow(self, pool: PagePool, n: int) -> None:
+        """Room for ``n`` more tokens (pages allocated as needed); the length grows by n."""
+        need = self.pages_for(self.length + n) - len(self.pages)
+        if need > 0:
+            self.pages += pool.alloc(need)
+        self.length += n
+
+    def truncate(self, n: int, pool: PagePool) -> None:
+        """Forget the last ``n`` tokens; pages left empty are freed."""
+        self.length -= n
+        keep = self.pages_for(self.length)
+        if keep < len(self.pages):
+            pool.release(self.pages[keep:])
+            del self.pages[keep:]
+        if not self.length:
+            self.head = 0
+
+    def drop_front(self, n: int, pool: PagePool) -> None:
+        """Forget the first ``n`` tokens (they are read from a shared prefix from now on)."""
+        self.head += n
+        self.length -= n
+        gone = self.head // PAGE if self.length else len(self.pages)
+        if gone:
+            pool.release(self.pages[:gone])
+            del self.pages[:gone]
+        self.head = self.head - gone * PAGE if self.length else 0
+
+    def clear(self, pool: PagePool) -> None:
+        pool.release(self.pages)
+        self.pages, self.head, self.length = [], 0, 0
+
+
+class PagedLayerKV:
+    """One layer of a lane, as mlx-lm's models call a cache (``offset``, ``update_and_fetch``,
+    ``make_mask``) plus what the engine's attention hook reads (the shared prefix, :meth:`native_inputs`)."""
+
+    def __init__(self, lane: "PagedLaneKV"):
+        self.lane = lane
+        self.keys = None  # (KH, capacity x PAGE, D) as stored (float, or kv_quant.QuantizedKV)
+        self.values = None
+        self.offset = mx.array([], dtype=mx.int32)
+        self._shared_k = self._shared_v = None
+
+    @property
+    def mask_5d(self) -> bool:
+        return self.lane.mask_5d
+
+    # -- storage --------------------------------------------------------------------------------
+    def _ensure(self, like_k, like_v) -> None:
+        """Arrays sized for the lane's page capacity (created on the first write, grown with the pool)."""
+        slots = self.lane.pool.capacity * PAGE
+        if self.keys is None:
+            KH = like_k.shape[-3]
+            self.keys = kvq.zeros((KH, slots, like_k.shape[-1]), like_k)
+            self.values = kvq.zeros((like_v.shape[-3], slots, like_v.shape[-1]), like_v)
+        elif self.keys.shape[1] < slots:
+            grow = [(0, 0), (0, slots - self.keys.shape[1]), (0, 0)]
+            self.keys, self.values = kvq.pad(self.keys, grow), kvq.pad(self.values, grow)
+
+    def write(self, slots: mx.array, keys, values) -> None:
+        """Store (KH, n, D) keys and values (storage format) at ``slots`` (n,)."""
+        self._ensure(keys, values)
+        self.keys[:, slots] = keys
+        self.values[:, slots] = values
+
+    def remap(self, gather: mx.array) -> None:
+        """The arrays rebuilt as ``gather`` (new slot -> old slot) picks them (the pool was renumbered)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, gather], self.values[:, gather]
+
+    def set_shared(self, keys, values) -> None:
+        self._shared_k, self._shared_v = keys, values
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # -- the cache protocol ---------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Write this step's (B, KH, n, D) keys and values to the slots :meth:`PagedLaneKV.begin` chose;
+        return the step's working set (B, KH, T, D) gathered from the pool (lazy: not computed when the
+        native kernel reads the pool instead)."""
+        lane = self.lane
+        n = keys.shape[2]
+        k = kvq.store(kvq.transpose(keys, (1, 0, 2, 3)), lane.fmt)
+        v = kvq.store(kvq.transpose(values, (1, 0, 2, 3)), lane.fmt)
+        k = kvq.reshape(k, (k.shape[0], -1, keys.shape[-1]))
+        v = kvq.reshape(v, (v.shape[0], -1, values.shape[-1]))
+        self.write(lane.step_write, k, v)
+        self.offset = self.offset + n
+        table = lane.step_table
+        return (kvq.as_float(kvq.transpose(self.keys[:, table], (1, 0, 2, 3))),
+                kvq.as_float(kvq.transpose(self.values[:, table], (1, 0, 2, 3))))
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if window_size is not None:
+            raise ValueError("a sliding-window layer got a full-attention cache")  # never run it wrong
+        mask = self.lane.step_mask
+        if mask is None or not self.mask_5d:
+            return mask
+        return mask[:, :, None]
+
+    def native_inputs(self):
+        """(keys pool, values pool, slot table) for the native kernel, each pool (1, KH, slots, D), or
+        None where it cannot read them (quantized KV)."""
+        if self.keys is None or isinstance(self.keys, kvq.QuantizedKV):
+            return None
+        return self.keys[None], self.values[None], self.lane.step_table
+
+    @property
+    def shared_keys(self):
+        return kvq.as_float(self._shared_k)
+
+    @property
+    def shared_values(self):
+        return kvq.as_float(self._shared_v)
+
+    @property
+    def shared_mask(self):
+        return self.lane.shared_mask
+
+
+class PagedLaneKV:
+    """A decode lane's KV: the page pool, each row's pages, and one :class:`PagedLayerKV` per layer
+    (``layers``: what the model is called with)."""
+
+    def __init__(self, n_layers: int, fmt=None):
+        self.fmt = fmt
+        self.pool = PagePool()
+        self.rows: list[PageRow] = []
+        self.layers = [PagedLayerKV(self) for _ in range(n_layers)]
+        self.mask_5d = False
+        # The shared prefix (kv_cache.SharedPrefix): its length and which rows continue it.
+        self.shared_len = 0
+        self.shared_rows: list[bool] = []
+        self.shared_mask: mx.array | None = None  # (B,) bool; None: every row continues it (or none is set)
+        # The step being built (begin): where each row's new positions go, the left-padded table, the mask.
+        self.step_write: mx.array | None = None
+        self.step_table: mx.array | None = None
+        self.step_mask = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def lengths(self) -> list[int]:
+        """Each row's own tokens (after the shared prefix when it continues one)."""
+        return [r.length for r in self.rows]
+
+    def positions(self) -> list[int]:
+        """Each row's position: its tokens, the shared prefix's included."""
+        return [r.length + (self.shared_len if u else 0) for r, u in zip(self.rows, self.shared_rows)]
+
+    # -- membership -----------------------------------------------------------------------------
+    def set_shared(self, per_layer: list | None) -> None:
+        """Hold a prefix once ((1, KH, P, D) keys and values per layer; None: none) for rows that will
+        continue it. Only while no row uses one."""
+        assert not any(self.shared_rows), "rows still continue the current shared prefix"
+        for layer, kv in zip(self.layers, per_layer or [(None, None)] * len(self.layers)):
+            layer.set_shared(*kv)
+        self.shared_len = 0 if not per_layer else per_layer[0][0].shape[2]
+        self._sync()
+
+    def add(self, per_layer: list[list], shared: list[bool] | None = None) -> None:
+        """Append rows: ``per_layer[layer][r]`` is row r's (1, KH, L, D) keys and values (the tokens after
+        the shared prefix for rows flagged in ``shared``; (None, None) for none). Each row gets its own
+        pages; one scatter per layer writes every joining row."""
+        n = len(per_layer[0])
+        shared = shared or [False] * n
+        if any(shared) and not self.shared_len:
+            raise ValueError("rows continue a shared prefix but none is set")
+        lengths = [0 if k is None else k.shape[2] for k, _ in per_layer[0]]
+        new = []
+        for L in lengths:
+            row = PageRow()
+            row.grow(self.pool, L)
+            new.append(row)
+        if any(lengths):
+            slots = mx.array(np.concatenate([r.slots() for r in new]))
+            for layer, rows in zip(self.layers, per_layer):
+                parts = [(k, v) for k, v in rows if k is not None and k.shape[2]]
+                k = kvq.concatenate([kvq.store(p[0], self.fmt)[0] for p in parts], axis=1)
+                v = kvq.concatenate([kvq.store(p[1], self.fmt)[0] for p in parts], axis=1)
+                layer.write(slots, k, v)
+        self.rows += new
+        self.shared_rows += list(shared)
+        self._sync()
+
+    def share_rows(self, indices: list[int]) -> None:
+        """Rows ``indices`` hold their whole context and their first ``shared_len`` tokens are bitwise the
+        shared prefix: they drop those tokens (their pages are freed) and read the prefix instead."""
+        P = self.shared_len
+        assert P
+        for i in indices:
+            assert not self.shared_rows[i] and self.rows[i].length >= P, "row cannot share the prefix"
+            self.rows[i].drop_front(P, self.pool)
+            self.shared_rows[i] = True
+        self._shrink_if_slack()
+        self._sync()
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these rows (in this order); the others' pages are freed."""
+        kept = set(indices)
+        for i, row in enumerate(self.rows):
+            if i not in kept:
+                row.clear(self.pool)
+        self.rows = [self.rows[i] for i in indices]
+        self.shared_rows = [self.shared_rows[i] for i in indices]
+        if not self.rows:  # an idle lane holds no memory
+            self.pool = PagePool()
+            for layer in self.layers:
+                layer.keys = layer.values = None
+        else:
+            self._shrink_if_slack()
+        self._sync()
+
+    def _shrink_if_slack(self) -> None:
+        if self.pool.capacity > max(_MIN_PAGES, _SHRINK_SLACK * (self.pool.used + 1)):
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Renumber the used pages to the front and cut the arrays to match (one gather per array)."""
+        mapping = self.pool.remap()
+        order = [0] + sorted(mapping, key=mapping.get)
+        gather = (np.asarray(order, dtype=np.int32)[:, None] * PAGE + np.arange(PAGE, dtype=np.int32)).ravel()
+        pad = self.pool.capacity * PAGE - len(gather)
+        gather = mx.array(np.concatenate([gather, np.zeros(pad, dtype=np.int32)]))  # spare pages: copies of 0
+        for layer in self.layers:
+            layer.remap(gather)
+        for row in self.rows:
+            row.pages = [mapping[p] for p in row.pages]
+
+    def rollback(self, n: int) -> None:
+        """Forget every row's last ``n`` tokens."""
+        if n:
+            for row in self.rows:
+                row.truncate(n, self.pool)
+            self._sync()
+
+    def rollback_rows(self, width: int, keeps: list[int]) -> None:
+        """After a forward that wrote ``width`` positions per row, row i keeps its first ``keeps[i]``."""
+        for row, k in zip(self.rows, keeps):
+            if width - k:
+                row.truncate(width - k, self.pool)
+        self._sync()
+
+    # -- a step ---------------------------------------------------------------------------------
+    def begin(self, n: int) -> None:
+        """Before a forward of ``n`` positions per row: pages for them, where they are written, each
+        layer's RoPE offsets, the left-padded slot table and the mask every layer reads."""
+        before = self.positions()
+        write = []
+        for row in self.rows:
+            start = row.length
+            row.grow(self.pool, n)
+            write.append(row.slots(start))
+        lengths = self.lengths()
+        T = max(lengths, default=0)
+        table = np.zeros((len(self.rows), T), dtype=np.int32)  # padding reads page 0
+        for i, row in enumerate(self.rows):
+            if row.length:
+                table[i, T - row.length :] = row.slots()
+        self.step_write = mx.array(np.concatenate(write) if write else np.zeros(0, dtype=np.int32))
+        self.step_table = mx.array(table)
+        if n == 1 and len(set(lengths)) <= 1:
+            self.step_mask = None  # every row sees every column: SDPA's unmasked path
+        else:
+            pad = mx.array([T - L for L in lengths], dtype=mx.int32)
+            self.step_mask = create_causal_mask(n, offset=T - n, left_padding=pad)
+        offset = mx.array(before, dtype=mx.int32)
+        for layer in self.layers:
+            layer.offset = offset
+
+    def _sync(self) -> None:
+        self.step_write = self.step_table = self.step_mask = None
+        offset = mx.array(self.positions(), dtype=mx.int32)
+        for layer in self.layers:
+            layer.offset = offset
+        uses = self.shared_rows
+        self.shared_mask = None if not self.shared_len or all(uses) else mx.array(uses, dtype=mx.bool_)
+
+    # -- reading a row --------------------------------------------------------------------------
+    def row(self, i: int, start: int, end: int) -> list[tuple]:
+        """Row i's tokens [start, end) (counted from the sequence's first token, the shared prefix
+        included when the row continues it), per layer as private (1, KH, end - start, D) copies."""
+        P = self.shared_len if self.shared_rows[i] else 0
+        slots = mx.array(self.rows[i].slots(max(start, P) - P, end - P)) if end > P else None
+        out = []
+        for layer in self.layers:
+            ks, vs = [], []
+            if start < P:
+                ks.append(layer._shared_k[..., start : min(end, P), :])
+                vs.append(layer._shared_v[..., start : min(end, P), :])
+            if slots is not None:
+                ks.append(layer.keys[:, slots][None])
+                vs.append(layer.values[:, slots][None])
+            cat = lambda parts: parts[0] if len(parts) == 1 else kvq.concatenate(parts, axis=2)  # noqa: E731
+            out.append((kvq.contiguous(cat(ks)), kvq.contiguous(cat(vs))))
+        return out
+
+    # -- memory ---------------------------------------------------------------------------------
+    @staticmethod
+    def page_bytes(bytes_per_token: int) -> int:
+        return PAGE * bytes_per_token
+
+    def pages_after(self, extra: int) -> int:
+        """Pages the rows hold after ``extra`` more positions each (what admission counts; the arrays
+        may be larger by their growth step, at most twice as large once rows leave: see _SHRINK_SLACK)."""
+        return sum(r.pages_for(r.length + extra) for r in self.rows) + 1
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for x in (layer.keys, layer.values) for a in kvq.arrays(x)]

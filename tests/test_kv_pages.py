@@ -1,0 +1,164 @@
+"""The decode rows' paged KV (kv_pages): through any sequence of joins, decode steps, speculative
+verifications that keep different counts per row, rows switching to a shared prefix, and rows leaving,
+
+- every page's holder count equals the rows whose tables hold it, no page is in two rows, free + used
+  pages = the pool, and the arrays are sized for the pool (also checked on the real scheduler by
+  tests/test_kv_accounting.py);
+- each row's RoPE position, the columns its queries attend to in the step's working set, and what
+  ``row`` hands the radix tree are exactly its tokens, in order;
+- the bytes held are the pool arrays', and an empty lane holds none.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
+from parallm_engine.kv_pages import PAGE, PagedLaneKV, PagePool
+
+H, D = 2, 8
+
+
+def check_pages(kv: PagedLaneKV) -> None:
+    """The page invariants of one lane."""
+    pool = kv.pool
+    holders = [0] * pool.capacity
+    for row in kv.rows:
+        assert row.pages_for(row.length) == len(row.pages) and 0 <= row.head < PAGE
+        for p in row.pages:
+            holders[p] += 1
+    assert holders[0] == 0 and pool.refs[0] == 0, "page 0 (padding) is never handed out"
+    assert pool.refs == holders, "a page's holder count is not the rows holding it"
+    assert max(holders) <= 1, "a page is in two rows"
+    assert sorted(pool.free) == [p for p in range(1, pool.capacity) if not holders[p]]
+    assert pool.used + len(pool.free) + 1 == pool.capacity
+    for layer in kv.layers:
+        assert layer.keys is None or layer.keys.shape[1] == pool.capacity * PAGE
+    assert kv.nbytes() == sum(0 if la.keys is None else la.keys.nbytes + la.values.nbytes for la in kv.layers)
+
+
+def _kv(tags: list[float]) -> mx.array:
+    """(1, H, n, D) keys whose token t is tags[t] everywhere (position-identifying values)."""
+    a = np.broadcast_to(np.array(tags, np.float32)[None, None, :, None], (1, H, len(tags), D))
+    return mx.array(a.copy())
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("join"), st.lists(st.integers(0, 20), min_size=1, max_size=3)),
+    st.tuples(st.just("step"), st.just(1)),
+    st.tuples(st.just("verify"), st.lists(st.integers(0, 5), min_size=6, max_size=6)),
+    st.tuples(st.just("drop"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+    st.tuples(st.just("share"), st.integers(0, 9)),
+), min_size=1, max_size=14)
+
+
+@settings(max_examples=120, deadline=None)
+@given(first=st.lists(st.integers(0, 30), min_size=1, max_size=4), ops=_OPS, P=st.sampled_from([0, 5, 11]))
+def test_rows_read_exactly_their_tokens_and_pages_are_held_once(first, ops, P):
+    layers = 2
+    kv = PagedLaneKV(layers)
+    tag = iter(range(1, 10**6))
+    prefix = [-1000.0 + t for t in range(P)]
+    if P:
+        kv.set_shared([(_kv(prefix), _kv(prefix) + 0.5)] * layers)
+    expect: list[list[float]] = []  # each row's whole sequence (the shared prefix included if it uses it)
+
+    def join(lengths, mode):
+        """mode 0: rows of their own tokens; 1: rows continuing the shared prefix (storing only their
+        own tokens); 2: rows holding the prefix's tokens themselves (they may switch: "share")."""
+        rows = []
+        for n in lengths:
+            tags = [float(next(tag)) for _ in range(n)]
+            stored = (prefix if mode == 2 else []) + tags
+            x = _kv(stored) if stored else None
+            rows.append((x, None if x is None else x + 0.5))
+            expect.append((prefix if mode else []) + tags)
+        kv.add([rows] * layers, [mode == 1] * len(rows))
+
+    join(first, 0)
+    for op, arg in ops:
+        if op == "join":
+            join(arg, arg[0] % 3 if P else 0)
+        elif op in ("step", "verify") and expect:
+            W = 1 if op == "step" else 4
+            new = [[float(next(tag)) for _ in range(W)] for _ in expect]
+            x = mx.array(np.broadcast_to(np.array(new, np.float32)[:, None, :, None], (len(new), H, W, D)).copy())
+            before = [len(e) for e in expect]
+            kv.begin(W)
+            for layer in kv.layers:
+                assert np.array(layer.offset).tolist() == before  # RoPE: each row's own position
+                mask = layer.make_mask(W)  # built before the write, as the models do
+                keys, values = layer.update_and_fetch(x, x + 0.5)
+                assert np.array(layer.offset).tolist() == [b + W for b in before]
+            keys, values = np.array(keys), np.array(values)
+            T = keys.shape[2]
+            for r, e in enumerate(expect):
+                own = e[P:] if kv.shared_rows[r] else e
+                for q in range(W):  # query q sees the row's own tokens up to its new position q
+                    seen = np.ones(T, bool) if mask is None else np.array(mask)[r, 0, q]
+                    cols = [c for c in range(T) if seen[c]]
+                    np.testing.assert_array_equal(keys[r, 1, cols, 3], own + new[r][: q + 1])
+                    np.testing.assert_array_equal(values[r, 0, cols, 0], np.array(own + new[r][: q + 1]) + 0.5)
+            if op == "step":
+                keeps = [1] * len(expect)
+            else:
+                keeps = [arg[i % len(arg)] % (W + 1) for i in range(len(expect))]
+                kv.rollback_rows(W, keeps)
+            for e, n, k in zip(expect, new, keeps):
+                e.extend(n[:k])
+        elif op == "drop" and expect:
+            gone = {i % len(expect) for i in arg}
+            keep = [i for i in range(len(expect)) if i not in gone]
+            kv.keep(keep)
+            expect = [expect[i] for i in keep]
+        elif op == "share" and P and expect:
+            r = arg % len(expect)
+            if not kv.shared_rows[r] and expect[r][:P] == prefix:
+                kv.share_rows([r])  # a row that holds the prefix bitwise switches to the shared copy
+        check_pages(kv)
+        assert kv.positions() == [len(e) for e in expect]
+        for r, e in enumerate(expect):
+            if e:
+                per_layer = kv.row(r, 0, len(e))
+                for k, v in per_layer:
+                    np.testing.assert_array_equal(np.array(k)[0, 1, :, 2], e)
+                    np.testing.assert_array_equal(np.array(v)[0, 0, :, 0], np.array(e) + 0.5)
+                if len(e) > 2:
+                    k, _ = kv.row(r, 1, len(e) - 1)[1]
+                    np.testing.assert_array_equal(np.array(k)[0, 0, :, 1], e[1:-1])
+    kv.keep([])
+    check_pages(kv)
+    assert kv.nbytes() == 0  # an idle lane holds nothing
+
+
+def test_a_long_row_joining_costs_its_own_pages_only():
+    """Short rows and one long row: the lane holds the rows' own pages, not every row as long as the
+    longest (the left-padded layout's cost)."""
+    kv = PagedLaneKV(1)
+    kv.add([[(_kv([1.0] * 10), _kv([1.0] * 10)) for _ in range(8)]])
+    kv.add([[(_kv([2.0] * 3000), _kv([2.0] * 3000))]])
+    need = 8 * -(-10 // PAGE) + -(-3000 // PAGE) + 1
+    assert kv.pool.used + 1 == need
+    assert kv.pool.capacity <= 1.3 * need  # growth slack only
+    assert kv.pages_after(0) == need and kv.pages_after(PAGE) == need + 9
+    kv.keep(list(range(8)))  # the long row leaves: the pool shrinks back
+    check_pages(kv)
+    assert kv.pool.capacity <= 2 * (8 * -(-10 // PAGE) + 1)
+
+
+def test_page_pool_accounting():
+    pool = PagePool()
+    a = pool.alloc(3)
+    b = pool.alloc(100)  # grows
+    assert 0 not in a + b and len(set(a + b)) == 103
+    pool.retain(a)
+    pool.release(a)
+    assert pool.used == 103
+    pool.release(a + b)
+    assert pool.used == 0 and len(pool.free) == pool.capacity - 1
+    with pytest.raises(AssertionError):
+        pool.release(a)

@@ -244,6 +244,28 @@ def test_paged_attention_reads_the_pool_through_the_table_with_the_same_bits(nat
         nat.attention(q, pool_k, pool_v, 0.125, mask, False, None, None, None, mx.zeros((B + 1, W), dtype=mx.int32))
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_paged_write_puts_each_row_position_at_its_slot(nat, n):
+    """The new keys (B, KH, n, D) land at their slots of the head-major pool (KH, S, D), whether or not
+    the pool's buffer can be reused; nothing else changes."""
+    rng = np.random.default_rng(n)
+    B, KH, S, D = 4, 3, 64, 16
+    pool = mx.array(rng.standard_normal((KH, S, D)).astype(np.float32))
+    rows = mx.array(rng.standard_normal((B, KH, n, D)).astype(np.float32))
+    slots = rng.choice(np.arange(1, S), size=B * n, replace=False).astype(np.int32)
+    want = np.array(pool).copy()
+    want[:, slots] = np.array(rows).transpose(1, 0, 2, 3).reshape(KH, B * n, D)
+    kept = pool  # another reference: the kernel must copy, not write the caller's array
+    got = nat.paged_write(pool, rows, mx.array(slots))
+    np.testing.assert_array_equal(np.array(got), want)
+    assert not np.array_equal(np.array(kept), want)
+    strided = mx.array(rng.standard_normal((B, n, KH, D)).astype(np.float32)).swapaxes(1, 2)  # a view
+    want[:, slots] = np.array(strided).transpose(1, 0, 2, 3).reshape(KH, B * n, D)
+    np.testing.assert_array_equal(np.array(nat.paged_write(got, strided, mx.array(slots))), want)
+    with pytest.raises(ValueError):
+        nat.paged_write(pool, rows, mx.array(slots[:-1]))
+
+
 @pytest.mark.parametrize("D", [16, 20])
 def test_fully_masked_row_gives_zeros_not_nan(nat, D):
     q = mx.random.normal((2, 2, 3, D))

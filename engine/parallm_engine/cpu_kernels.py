@@ -67,6 +67,11 @@ def _native():
     return native.load()
 
 
+def native_module():
+    """The native kernels module while :func:`enabled` is on and they are in use here, else None."""
+    return _native() if is_enabled() else None
+
+
 def native_available() -> bool:
     """Whether the native kernels are in use (builds them on the first call where they can be)."""
     return _native() is not None
@@ -450,6 +455,7 @@ def _engine_sdpa(orig_sdpa):
                                     cache.shared_mask if shared is not None else None, table=paged[2])
             if out is not None:
                 return out
+            keys, values = cache.working_set()  # update_and_fetch may not have built it (kv_pages)
         if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
             if sinks is not None:
                 raise NotImplementedError("attention sinks with a shared prefix")

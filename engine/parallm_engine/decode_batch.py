@@ -63,6 +63,9 @@ class DecodeBatch:
 
         self._streams_made = n_lanes == 1
         self.shared: SharedPrefix | None = None
+        # The model's attention takes the layer's keys and values only into the engine's attention hook,
+        # whose native kernel can read the page pool (set by the scheduler): no working set is gathered.
+        self.attention_reads_pool = False
 
     def _ensure_streams(self) -> None:
         if not self._streams_made:
@@ -175,6 +178,7 @@ class DecodeBatch:
         parts = []
         start = 0
         solo = sum(1 for lane in self.lanes if lane.seqs) == 1  # one lane has the cores' kernels to itself
+        nat = cpu_kernels.native_module()
         for lane in self.lanes:
             n = len(lane.seqs)
             if not n:
@@ -183,7 +187,7 @@ class DecodeBatch:
                 rows = tokens if n == len(tokens) else tokens[start : start + n]
                 # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
                 extra = model.decode_kwargs(lane.seqs, rows.shape[1]) if hasattr(model, "decode_kwargs") else {}
-                lane.kv.begin(rows.shape[1])
+                lane.kv.begin(rows.shape[1], nat, self.attention_reads_pool)
                 with cpu_kernels.solo_lane(solo):
                     logits = model(rows, cache=lane.kv.layers, **extra)
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))

@@ -37,7 +37,7 @@ from mlx_lm.models.base import create_causal_mask
 from . import kv_quant as kvq
 
 PAGE = 8  # tokens per page (allocation granularity; attention reads the table token by token)
-_GROW = 1.25  # pool arrays grow geometrically (each growth is one copy of the pool) ...
+_GROW = 1.5  # pool arrays grow geometrically (each growth is one copy of the pool) ...
 _SHRINK_SLACK = 2  # ... and shrink (one gather) to _GROW x the pages in use when they hold more than twice that
 _MIN_PAGES = 32
 
@@ -196,17 +196,27 @@ class PagedLayerKV:
     # -- the cache protocol ---------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write this step's (B, KH, n, D) keys and values to the slots :meth:`PagedLaneKV.begin` chose;
-        return the step's working set (B, KH, T, D) gathered from the pool (lazy: not computed when the
-        native kernel reads the pool instead)."""
+        return the step's working set (B, KH, T, D) gathered from the pool, or, when the engine's native
+        attention reads the pool itself (``lane.native_reads``), the pools as stand-ins: the attention hook
+        then builds the working set only if the native kernel declines (:meth:`working_set`)."""
         lane = self.lane
-        n = keys.shape[2]
-        k = kvq.store(kvq.transpose(keys, (1, 0, 2, 3)), lane.fmt)
-        v = kvq.store(kvq.transpose(values, (1, 0, 2, 3)), lane.fmt)
-        k = kvq.reshape(k, (k.shape[0], -1, keys.shape[-1]))
-        v = kvq.reshape(v, (v.shape[0], -1, values.shape[-1]))
-        self.write(lane.step_write, k, v)
-        self.offset = self.offset + n
-        table = lane.step_table
+        nat = lane.native
+        if nat is not None and lane.fmt is None and keys.dtype == mx.float32 and values.dtype == mx.float32:
+            self._ensure(keys, values)
+            self.keys = nat.paged_write(self.keys, keys, lane.step_write)
+            self.values = nat.paged_write(self.values, values, lane.step_write)
+        else:
+            k = kvq.store(keys.transpose(1, 0, 2, 3).reshape(keys.shape[1], -1, keys.shape[-1]), lane.fmt)
+            v = kvq.store(values.transpose(1, 0, 2, 3).reshape(values.shape[1], -1, values.shape[-1]), lane.fmt)
+            self.write(lane.step_write, k, v)
+        self.offset = self.offset + keys.shape[2]
+        if self.native_inputs() is not None:
+            return self.keys, self.values
+        return self.working_set()
+
+    def working_set(self):
+        """This step's (B, KH, T, D) keys and values as attention reads them, gathered from the pool."""
+        table = self.lane.step_table
         return (kvq.as_float(kvq.transpose(self.keys[:, table], (1, 0, 2, 3))),
                 kvq.as_float(kvq.transpose(self.values[:, table], (1, 0, 2, 3))))
 
@@ -220,8 +230,9 @@ class PagedLayerKV:
 
     def native_inputs(self):
         """(keys pool, values pool, slot table) for the native kernel, each pool (1, KH, slots, D), or
-        None where it cannot read them (quantized KV)."""
-        if self.keys is None or isinstance(self.keys, kvq.QuantizedKV):
+        None where it must not read them: quantized KV, or a model whose attention is not just the
+        layer's keys and values into the engine's hook (MLA attends over its latents as keys and values)."""
+        if not self.lane.native_reads or self.keys is None or isinstance(self.keys, kvq.QuantizedKV):
             return None
         return self.keys[None], self.values[None], self.lane.step_table
 
@@ -256,6 +267,8 @@ class PagedLaneKV:
         self.step_write: mx.array | None = None
         self.step_table: mx.array | None = None
         self.step_mask = None
+        self.native = None  # the native kernels module when it writes this step's KV (begin)
+        self.native_reads = False  # the model's attention hook reads the pool through the native kernel
 
     @property
     def batch_size(self) -> int:
@@ -363,9 +376,12 @@ class PagedLaneKV:
         self._sync()
 
     # -- a step ---------------------------------------------------------------------------------
-    def begin(self, n: int) -> None:
+    def begin(self, n: int, native=None, native_reads: bool = False) -> None:
         """Before a forward of ``n`` positions per row: pages for them, where they are written, each
-        layer's RoPE offsets, the left-padded slot table and the mask every layer reads."""
+        layer's RoPE offsets, the left-padded slot table and the mask every layer reads. ``native``: the
+        native kernels module (it writes the new KV); ``native_reads``: the model's attention goes through
+        the engine's hook, whose native kernel reads the pool (no working set is gathered)."""
+        self.native, self.native_reads = native, native_reads and native is not None
         before = self.positions()
         write = []
         for row in self.rows:

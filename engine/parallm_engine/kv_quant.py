@@ -231,13 +231,6 @@ def transpose(x, axes):
     return x._like(tuple(mx.transpose(p, axes) for p in x._parts()))
 
 
-def reshape(x, shape):
-    """``mx.reshape`` of leading axes (the head axis, ``shape[-1]``, is kept whole)."""
-    if not isinstance(x, QuantizedKV):
-        return mx.reshape(x, shape)
-    return x._like(tuple(mx.reshape(p, (*shape[:-1], p.shape[-1])) for p in x._parts()))
-
-
 def contiguous(x):
     if not isinstance(x, QuantizedKV):
         return mx.contiguous(x)

@@ -14,6 +14,7 @@
 //               (float32, or bfloat16 widened in registers: weights_dtype="bfloat16").
 //   linear_bf16_packed  bf16(x) @ w.T with AVX512_BF16 on weights packed into panels at load
 //               (weights_dtype="bfloat16-matmul"), every row count.
+//   paged_write a decode step's new keys or values into a lane's page pool, in place.
 //   rms_norm    nn.RMSNorm in one pass.
 //   swiglu      silu(gate) * x.
 //   rope_rows   rotary embedding of a few positions per row from a cos/sin table.
@@ -1683,6 +1684,66 @@ mx::array rms_norm(const mx::array& x, std::optional<mx::array> weight, float ep
                    std::move(inputs));
 }
 
+// ---------------------------------------------------------------------------------------------
+// paged_write: a decode lane's page pool (kv_pages) with this step's new keys (or values) written at
+// their slots. MLX's own scatter computes every element's index separately (a visible share of a
+// decode step at batch 32); this copies each (row, position, head) as one run of D floats, and
+// transposes on the way (the pool is head-major, the model's keys (B, KH, n, D)). The pool's buffer is
+// reused when nothing else holds it (the usual case: the lane's layer held the only reference).
+
+class PagedWrite : public mx::UnaryPrimitive {
+ public:
+  explicit PagedWrite(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& pool = inputs[0];  // (KH, S, D)
+    if (pool.is_donatable() && pool.flags().row_contiguous) {
+      out.copy_shared_buffer(pool);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    const bool copy_pool = out.data<float>() != pool.data<float>();
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([pool, rows = inputs[1], slots = inputs[2], y = out.data<float>(), copy_pool]() {
+      const int64_t KH = pool.shape(0), S = pool.shape(1), D = pool.shape(2);
+      if (copy_pool) {
+        std::vector<float> buf;
+        const float* src = dense<float>(pool, buf);
+        std::memcpy(y, src, pool.nbytes());
+      }
+      const int B = rows.shape(0), n = rows.shape(2);
+      Rows r = rows_of(rows);
+      std::vector<int32_t> sbuf;
+      const int32_t* slot = dense<int32_t>(slots, sbuf);
+      for (int b = 0; b < B; ++b)
+        for (int j = 0; j < n; ++j) {
+          const int64_t s = slot[static_cast<int64_t>(b) * n + j];
+          if (s < 0 || s >= S) continue;  // never: kv_pages sizes the pool before writing (guards memory)
+          for (int64_t kh = 0; kh < KH; ++kh)
+            std::memcpy(y + (kh * S + s) * D, r.data + b * r.strides[0] + kh * r.strides[1] + j * r.strides[2],
+                        D * sizeof(float));
+        }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("parallm paged_write is a CPU kernel");
+  }
+  const char* name() const override { return "ParallmPagedWrite"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array paged_write(const mx::array& pool, const mx::array& rows, const mx::array& slots) {
+  if (pool.ndim() != 3 || rows.ndim() != 4 || rows.shape(1) != pool.shape(0) || rows.shape(3) != pool.shape(2))
+    throw std::invalid_argument("paged_write: pool (KH, S, D) and rows (B, KH, n, D)");
+  if (slots.dtype() != mx::int32 || slots.size() != static_cast<size_t>(rows.shape(0)) * rows.shape(2))
+    throw std::invalid_argument("paged_write: slots must be B * n int32");
+  require_f32(pool, "paged_write pool");
+  require_f32(rows, "paged_write rows");
+  auto stream = mx::default_stream(mx::default_device());
+  return mx::array(pool.shape(), mx::float32, std::make_shared<PagedWrite>(stream), {pool, rows, slots});
+}
+
 }  // namespace parallm
 
 NB_MODULE(_parallm_native, m) {
@@ -1696,6 +1757,7 @@ NB_MODULE(_parallm_native, m) {
   m.def("linear_bf16_packed", &parallm::linear_bf16_packed, nb::arg("x"), nb::arg("packed"), nb::arg("n"),
         nb::arg("bias") = nb::none());
   m.def("has_bf16_dot", [] { return parallm::kBf16Dot; });
+  m.def("paged_write", &parallm::paged_write, nb::arg("pool"), nb::arg("rows"), nb::arg("slots"));
   m.def("rms_norm", &parallm::rms_norm, nb::arg("x"), nb::arg("weight") = nb::none(), nb::arg("eps"));
   m.def("swiglu", &parallm::swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("rope_rows", &parallm::rope_rows, nb::arg("x"), nb::arg("positions"), nb::arg("cos_table"),

@@ -145,7 +145,13 @@ def test_a_long_row_joining_costs_its_own_pages_only():
     assert kv.pool.used + 1 == need
     assert kv.pool.capacity <= 1.3 * need  # growth slack only
     assert kv.pages_after(0) == need and kv.pages_after(PAGE) == need + 9
-    kv.keep(list(range(8)))  # the long row leaves: the pool shrinks back
+    kv.pool.spare = 0  # no free budget: the arrays grow to exactly what the rows need
+    before, free = kv.pool.capacity, len(kv.pool.free)
+    n = (free + 5) * PAGE
+    kv.add([[(_kv([3.0] * n), _kv([3.0] * n))]])
+    assert kv.pool.capacity == before + 5 and not kv.pool.free
+    check_pages(kv)
+    kv.keep(list(range(8)))  # the long rows leave: the pool shrinks back
     check_pages(kv)
     assert kv.pool.capacity <= 2 * (8 * -(-10 // PAGE) + 1)
 

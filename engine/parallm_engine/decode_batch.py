@@ -222,6 +222,13 @@ class DecodeBatch:
         own = pages * PagedLaneKV.page_bytes(bytes_per_token)
         return own + (self.shared.nbytes() if self.shared is not None else 0)
 
+    def set_spare(self, spare_bytes: int, bytes_per_token: int) -> None:
+        """The KV budget left free (the rows with their watermark and the prefix cache taken): what the
+        lanes' page pools may grow into beyond their rows' pages, shared between the lanes."""
+        pages = max(0, spare_bytes) // PagedLaneKV.page_bytes(bytes_per_token) // len(self.lanes)
+        for lane in self.lanes:
+            lane.kv.pool.spare = pages
+
     def nbytes(self) -> int:
         """KV bytes of the batch: every row's own storage, and the shared prefix once."""
         return self._rows_nbytes() + (self.shared.nbytes() if self.shared is not None else 0)

@@ -37,6 +37,12 @@ class KVManager:
         tree_owned = self.batch.nbytes() - self.batch.held_nbytes()
         return self.batch.footprint(extra, self.bytes_per_token) - tree_owned + self.draft_kv_bytes()
 
+    def spare_bytes(self) -> int:
+        """Budget nobody holds or will need within the watermark: the running rows' pages (grown by
+        the watermark) and the prefix cache taken away."""
+        cache = self.cache.total_bytes if self.cache is not None else 0
+        return self.budget - self.rows_bytes(self.config.watermark_tokens) - cache
+
     def pinned_cache_bytes(self) -> int:
         """Prefix-cache bytes that cannot be evicted now."""
         if self.cache is None:

@@ -50,6 +50,9 @@ class PagePool:
         self.capacity = max(1, capacity)  # pages the arrays are sized for (page 0 included)
         self.refs = [0] * self.capacity
         self.free = list(range(self.capacity - 1, 0, -1))  # popped from the end: lowest ids first
+        # Spare pages the arrays may hold beyond what is used after a growth (set from the free KV
+        # budget: growth slack never takes memory the budget does not have); None: no limit.
+        self.spare: int | None = None
 
     @property
     def used(self) -> int:
@@ -58,7 +61,11 @@ class PagePool:
     def alloc(self, n: int) -> list[int]:
         """``n`` pages with one holder each; the capacity grows (geometrically) when too few are free."""
         if n > len(self.free):
-            new = max(self.capacity + n - len(self.free), int(self.capacity * _GROW), _MIN_PAGES)
+            exact = self.capacity + n - len(self.free)
+            new = max(int(self.capacity * _GROW), _MIN_PAGES)
+            if self.spare is not None:
+                new = min(new, exact + self.spare)
+            new = max(new, exact)
             self.refs += [0] * (new - self.capacity)
             self.free = list(range(new - 1, self.capacity - 1, -1)) + self.free
             self.capacity = new
@@ -438,8 +445,9 @@ class PagedLaneKV:
         return PAGE * bytes_per_token
 
     def pages_after(self, extra: int) -> int:
-        """Pages the rows hold after ``extra`` more positions each (what admission counts; the arrays
-        may be larger by their growth step, at most twice as large once rows leave: see _SHRINK_SLACK)."""
+        """Pages the rows hold after ``extra`` more positions each (what admission and preemption count).
+        The arrays may hold more: a growth step taken only from free budget (``PagePool.spare``), or up to
+        twice the pages in use after rows leave (_SHRINK_SLACK)."""
         return sum(r.pages_for(r.length + extra) for r in self.rows) + 1
 
     def nbytes(self) -> int:

@@ -270,6 +270,8 @@ class Scheduler:
             if joined:
                 self._join(joined)
             if self.running:
+                if self.layout == "attention":  # page pools grow only into budget nobody holds
+                    self.batch.set_spare(self.kv.spare_bytes(), self.kv_bytes_per_token)
                 self.runner.step()
             elif self.runner.in_flight:
                 self.runner.flush()

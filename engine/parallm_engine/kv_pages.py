@@ -222,10 +222,17 @@ class PagedLayerKV:
         return self.working_set()
 
     def working_set(self):
-        """This step's (B, KH, T, D) keys and values as attention reads them, gathered from the pool."""
-        table = self.lane.step_table
-        return (kvq.as_float(kvq.transpose(self.keys[:, table], (1, 0, 2, 3))),
-                kvq.as_float(kvq.transpose(self.values[:, table], (1, 0, 2, 3))))
+        """This step's (B, KH, T, D) keys and values as attention reads them: one gather per array from
+        the pool seen as (KH x slots) rows, straight into that layout (no transposing copy after it)."""
+        return self._gather(self.keys), self._gather(self.values)
+
+    def _gather(self, pool):
+        KH, S = pool.shape[0], pool.shape[1]
+        index = self.lane.step_index(KH, S)
+        flat = lambda a: a.reshape(KH * S, a.shape[-1])[index]  # noqa: E731
+        if isinstance(pool, kvq.QuantizedKV):
+            return pool._like(tuple(flat(p) for p in pool._parts())).dequantize()
+        return flat(pool)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
@@ -274,6 +281,7 @@ class PagedLaneKV:
         self.step_write: mx.array | None = None
         self.step_table: mx.array | None = None
         self.step_mask = None
+        self._step_index: dict = {}  # (KH, slots) -> the working set's gather index (step_index)
         self.native = None  # the native kernels module when it writes this step's KV (begin)
         self.native_reads = False  # the model's attention hook reads the pool through the native kernel
 
@@ -401,6 +409,7 @@ class PagedLaneKV:
         for i, row in enumerate(self.rows):
             if row.length:
                 table[i, T - row.length :] = row.slots()
+        self._step_index = {}
         self.step_write = mx.array(np.concatenate(write) if write else np.zeros(0, dtype=np.int32))
         self.step_table = mx.array(table)
         if n == 1 and len(set(lengths)) <= 1:
@@ -412,8 +421,18 @@ class PagedLaneKV:
         for layer in self.layers:
             layer.offset = offset
 
+    def step_index(self, KH: int, S: int) -> mx.array:
+        """(B, KH, T) rows of a pool flattened to (KH x S, D) that make this step's working set (built once
+        per step and pool shape, shared by the layers)."""
+        key = (KH, S)
+        if key not in self._step_index:
+            heads = mx.arange(KH, dtype=mx.int32)[None, :, None] * S
+            self._step_index[key] = self.step_table[:, None, :] + heads
+        return self._step_index[key]
+
     def _sync(self) -> None:
         self.step_write = self.step_table = self.step_mask = None
+        self._step_index = {}
         offset = mx.array(self.positions(), dtype=mx.int32)
         for layer in self.layers:
             layer.offset = offset

@@ -448,14 +448,15 @@ def _engine_sdpa(orig_sdpa):
         shared = getattr(cache, "shared_keys", None)
         # Paged rows (kv_pages): the native kernel reads the page pool through the slot table; the
         # working set ``keys`` / ``values`` gathered for other paths is then never computed.
-        paged = cache.native_inputs() if is_enabled() and sinks is None and hasattr(cache, "native_inputs") else None
+        paged = cache.native_inputs() if hasattr(cache, "native_inputs") else None
         if paged is not None:
             out = _native_attention(queries, paged[0], paged[1], scale, mask, shared,
                                     cache.shared_values if shared is not None else None,
-                                    cache.shared_mask if shared is not None else None, table=paged[2])
+                                    cache.shared_mask if shared is not None else None,
+                                    table=paged[2]) if is_enabled() and sinks is None else None
             if out is not None:
                 return out
-            keys, values = cache.working_set()  # update_and_fetch may not have built it (kv_pages)
+            keys, values = cache.working_set()  # update_and_fetch handed out the pools as stand-ins
         if shared is not None:  # an engine cache holding a prefix once (kv_cache.SharedPrefix)
             if sinks is not None:
                 raise NotImplementedError("attention sinks with a shared prefix")

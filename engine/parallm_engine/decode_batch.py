@@ -216,8 +216,9 @@ class DecodeBatch:
         raise KeyError("sequence is not in the batch")
 
     def footprint(self, extra: int, bytes_per_token: int) -> int:
-        """KV bytes the batch holds after ``extra`` more decode steps: each lane's pages (every row its
-        own length, rounded up to a page; the pool arrays' size when larger) and the shared prefix once."""
+        """KV bytes the batch's rows need after ``extra`` more decode steps: each lane's pages (every row
+        its own length, rounded up to a page) and the shared prefix once. The pool arrays may be larger
+        only by budget nobody else holds (:meth:`set_spare`); :meth:`nbytes` is what they hold."""
         pages = sum(lane.kv.pages_after(extra) for lane in self.lanes if lane.seqs)
         own = pages * PagedLaneKV.page_bytes(bytes_per_token)
         return own + (self.shared.nbytes() if self.shared is not None else 0)

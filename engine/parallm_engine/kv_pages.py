@@ -12,14 +12,17 @@ What this buys over one left-padded ``(B, H, longest, D)`` array per layer:
 - joining writes only the joining rows' KV; a row leaving frees its pages (nothing else is copied);
 - rows end where they end: a speculative step in which rows keep different numbers of verified
   positions just shortens each row's table (no holes, no compaction);
-- admission can count pages actually held (``PagedLaneKV.pages_after``).
+- admission counts the rows' pages (``PagedLaneKV.pages_after``); the arrays grow (by half, one copy)
+  only into KV budget nobody holds (``PagePool.spare``) and shrink when rows leave.
 
 Attention reads the tables. On the CPU the engine's native kernel takes the pool and the ``(B, T)``
 slot table and reads each visible key where it is (``cpu_kernels``; no copy). Everywhere else (MLX's
 SDPA on Metal and CUDA, the MLX-ops attention, quantized KV) a layer's ``update_and_fetch`` hands back
 the step's working set gathered from the pool, ``(B, KV heads, T, D)``, left-padded as mlx-lm's models
-expect: one gather per layer per step, which MLX never computes when the native kernel is used instead
-(it is lazy and nothing reads it). The measured cost of that gather is in docs/benchmarks.md.
+expect: one gather per array per layer per step. Where the native kernel reads the pool, none is built
+(``update_and_fetch`` hands out the pools as stand-ins; the attention hook gathers the working set only
+if the kernel declines). The measured cost of the gather is in docs/benchmarks.md. On the CPU a step's
+new KV is written by the native ``paged_write`` (in place); elsewhere by MLX's scatter.
 
 Page 0 is never handed out: padding columns of the table point at it, so a gathered working set holds
 finite values everywhere (masked columns must not be NaN: 0 x NaN poisons a weighted sum).

@@ -168,3 +168,30 @@ def test_page_pool_accounting():
     assert pool.used == 0 and len(pool.free) == pool.capacity - 1
     with pytest.raises(AssertionError):
         pool.release(a)
+
+
+def test_engine_stats_and_metrics_report_the_pages(tiny_engine):
+    """While rows decode, ``Engine.stats()`` and ``/metrics`` report the pages they hold (each row its own
+    length rounded up to a page); when they finish, none."""
+    from parallm_engine import metrics
+
+    vocab = tiny_engine.model_info.vocab_size
+    prompts = [[(7 * i + j) % (vocab - 10) + 5 for j in range(20 + 9 * i)] for i in range(3)]
+    handles = [tiny_engine.submit(p, max_tokens=40, temperature=0, ignore_eos=True) for p in prompts]
+    streams = [iter(h) for h in handles]
+    for s in streams:
+        next(s)
+
+    def snapshot():
+        sched = tiny_engine._scheduler
+        rows = [r for lane in sched.batch.lanes for r in lane.kv.rows]
+        return sched.memory_stats(), sum(len(r.pages) for r in rows), len(rows)
+
+    stats, held, rows = tiny_engine.run_on_engine_thread(snapshot)
+    assert rows and stats["kv_pages_used"] == held > 0 and stats["kv_page_tokens"] == PAGE
+    page = metrics.render(tiny_engine.stats(), None, "tiny")
+    assert "parallm_kv_pages_used" in page
+    for h in handles:
+        tiny_engine._collect(h)
+    stats, held, rows = tiny_engine.run_on_engine_thread(snapshot)
+    assert rows == 0 and stats["kv_pages_used"] == 0

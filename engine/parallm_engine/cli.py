@@ -65,8 +65,10 @@ def cmd_info(args) -> int:
         kv_bits = resolve_kv_bits(None)
     except ParaLLMError as exc:
         kv_bits = f"error: {exc}"
+    from .kv_pages import PAGE
+
     out["memory"] = {"device_bytes": engine_backend.memory_bytes, "source": engine_backend.memory_source,
-                     "kv_budget_bytes": kv_budget, "kv_bits": kv_bits,
+                     "kv_budget_bytes": kv_budget, "kv_bits": kv_bits, "kv_page_tokens": PAGE,
                      "mlx_limits": mlx_limits(engine_backend.device, engine_backend.memory_bytes, kv_budget, 0)}
     if out["cpu_kernels"]:
         from . import native
@@ -111,7 +113,8 @@ def cmd_info(args) -> int:
           "(--kv-memory / Engine(kv_memory=))")
     bits = mem["kv_bits"]
     stored = f"at {bits} bits" if isinstance(bits, int) else bits or "unquantized"
-    print(f"          KV stored {stored} (--kv-bits 8|4 / Engine(kv_bits=) / PARALLM_KV_BITS)")
+    print(f"          KV stored {stored} (--kv-bits 8|4 / Engine(kv_bits=) / PARALLM_KV_BITS), "
+          f"running rows in pages of {mem['kv_page_tokens']} tokens")
     limits = ", ".join(f"{k} {v / 2**30:.1f} GiB" + (" + the weights" if k == "wired" else "")
                        for k, v in mem["mlx_limits"].items())
     print(f"          MLX limits: {limits}")

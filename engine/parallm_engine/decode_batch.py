@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from . import cpu_kernels
 from .kv_cache import SharedPrefix
-from .kv_pages import PagedLaneKV
+from .kv_pages import PAGE, PagedLaneKV
 
 #: Rows a lane takes before the next lane gets any (see the module docstring).
 LANE_FILL_ROWS = 32
@@ -229,6 +229,14 @@ class DecodeBatch:
         pages = max(0, spare_bytes) // PagedLaneKV.page_bytes(bytes_per_token) // len(self.lanes)
         for lane in self.lanes:
             lane.kv.pool.spare = pages
+
+    def page_stats(self) -> dict:
+        """The lanes' pages: tokens per page, pages the rows hold, and pages allocated but free."""
+        return {
+            "kv_page_tokens": PAGE,
+            "kv_pages_used": sum(lane.kv.pool.used for lane in self.lanes),
+            "kv_pages_free": sum(len(lane.kv.pool.free) for lane in self.lanes if lane.kv.layers[0].keys is not None),
+        }
 
     def nbytes(self) -> int:
         """KV bytes of the batch: every row's own storage, and the shared prefix once."""

@@ -181,6 +181,8 @@ _MEMORY_METRICS = (
      "What the running sequences leave the prefix cache now (its cap within the budget, at most)."),
     ("prefix_cache_pinned_bytes", "prefix_cache_pinned_bytes",
      "Prefix-cache bytes in use by prefilling or running sequences (not evictable now)."),
+    ("kv_pages_used", "kv_pages_used", "KV pages (kv_page_tokens tokens each) the running rows hold."),
+    ("kv_pages_free", "kv_pages_free", "KV pages the decode lanes' pools hold allocated but unused."),
     ("mlx_active_bytes", "mlx_active_memory_bytes", "Memory MLX's allocator has handed out."),
     ("mlx_cache_bytes", "mlx_cache_memory_bytes", "Freed memory MLX keeps for reuse (bounded by the engine)."),
     ("mlx_peak_bytes", "mlx_peak_memory_bytes", "Most memory MLX has had handed out at once."),

@@ -570,6 +570,7 @@ class Scheduler:
             "kv_bytes_held": self.kv_bytes_held(),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_bits": self.kv_format.bits if self.kv_format else None,
+            **(self.batch.page_stats() if self.layout == "attention" else {}),
             "preemptions": self.preemptions,
             **mlx_memory(),
         }

@@ -7,7 +7,7 @@ before the others join, holds its own copy of the prefix beside the tree's.)
 
 The first request of such a fan-out prefills alone (the others wait for its prefix to be cached) and
 joins the batch with its whole context; when the others join, it gives up its own copy of the prefix
-and reads the shared one (``BatchKV.share_rows``), or every later row would be as long as it is.
+and reads the shared one (``PagedLaneKV.share_rows``: its prefix pages are freed).
 """
 
 from __future__ import annotations

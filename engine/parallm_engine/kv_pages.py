@@ -12,7 +12,7 @@ What this buys over one left-padded ``(B, H, longest, D)`` array per layer:
 - joining writes only the joining rows' KV; a row leaving frees its pages (nothing else is copied);
 - rows end where they end: a speculative step in which rows keep different numbers of verified
   positions just shortens each row's table (no holes, no compaction);
-- admission counts the rows' pages (``PagedLaneKV.pages_after``); the arrays grow (by half, one copy)
+- admission counts the rows' pages (``PagedLaneKV.pages_after``); the arrays grow (by a quarter, one copy)
   only into KV budget nobody holds (``PagePool.spare``) and shrink when rows leave.
 
 Attention reads the tables. On the CPU the engine's native kernel takes the pool and the ``(B, T)``
@@ -40,7 +40,7 @@ from mlx_lm.models.base import create_causal_mask
 from . import kv_quant as kvq
 
 PAGE = 8  # tokens per page (allocation granularity; attention reads the table token by token)
-_GROW = 1.5  # pool arrays grow geometrically (each growth is one copy of the pool) ...
+_GROW = 1.25  # pool arrays grow geometrically (each growth is one copy of the pool) ...
 _SHRINK_SLACK = 2  # ... and shrink (one gather) to _GROW x the pages in use when they hold more than twice that
 _MIN_PAGES = 32
 

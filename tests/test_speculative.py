@@ -89,7 +89,7 @@ def test_rollback_forgets_the_last_positions_exactly():
     new_k, new_v = mx.random.normal((B, H, 4, D)), mx.random.normal((B, H, 4, D))
     kv.begin(4)
     layer.update_and_fetch(new_k, new_v)
-    kv.rollback(2)
+    kv.rollback_rows(4, [2, 2, 2])
     for i, (k, v) in enumerate(rows):
         got_k, got_v = kv.row(i, 0, k.shape[2] + 2)[0]
         assert mx.array_equal(got_k, mx.concatenate([k, new_k[i : i + 1, :, :2]], axis=2))

@@ -77,11 +77,6 @@ class PagePool:
             self.refs[p] = 1
         return pages
 
-    def retain(self, pages: list[int]) -> None:
-        for p in pages:
-            assert self.refs[p] > 0, f"page {p} is not in use"
-            self.refs[p] += 1
-
     def release(self, pages: list[int]) -> None:
         for p in pages:
             assert self.refs[p] > 0, f"page {p} released more often than held"
@@ -288,10 +283,6 @@ class PagedLaneKV:
         self.native = None  # the native kernels module when it writes this step's KV (begin)
         self.native_reads = False  # the model's attention hook reads the pool through the native kernel
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.rows)
-
     def lengths(self) -> list[int]:
         """Each row's own tokens (after the shared prefix when it continues one)."""
         return [r.length for r in self.rows]
@@ -378,13 +369,6 @@ class PagedLaneKV:
             layer.remap(gather)
         for row in self.rows:
             row.pages = [mapping[p] for p in row.pages]
-
-    def rollback(self, n: int) -> None:
-        """Forget every row's last ``n`` tokens."""
-        if n:
-            for row in self.rows:
-                row.truncate(n, self.pool)
-            self._sync()
 
     def rollback_rows(self, width: int, keeps: list[int]) -> None:
         """After a forward that wrote ``width`` positions per row, row i keeps its first ``keeps[i]``."""
@@ -474,6 +458,3 @@ class PagedLaneKV:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
-
-    def arrays(self) -> list[mx.array]:
-        return [a for layer in self.layers for x in (layer.keys, layer.values) for a in kvq.arrays(x)]

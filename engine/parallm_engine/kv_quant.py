@@ -223,14 +223,6 @@ def concatenate(parts: list, axis: int = 0):
     return parts[0]._like(tuple(mx.concatenate([q._parts()[j] for q in parts], axis=axis) for j in range(3)))
 
 
-def transpose(x, axes):
-    """``mx.transpose`` of leading axes (the head axis stays last)."""
-    if not isinstance(x, QuantizedKV):
-        return mx.transpose(x, axes)
-    assert axes[-1] == len(axes) - 1, "the head axis stays last"
-    return x._like(tuple(mx.transpose(p, axes) for p in x._parts()))
-
-
 def contiguous(x):
     if not isinstance(x, QuantizedKV):
         return mx.contiguous(x)

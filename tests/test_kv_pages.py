@@ -18,24 +18,42 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
-from parallm_engine.kv_pages import PAGE, PagedLaneKV, PagePool
+from parallm_engine.kv_pages import PAGE, PagedLaneKV, PagedSegment, PagePool
 
 H, D = 2, 8
 
 
 def check_pages(kv: PagedLaneKV) -> None:
-    """The page invariants of one lane."""
+    """The page invariants of one lane: every page's row count equals the rows holding it (their own
+    pages or a borrowed prefix) and its tree count the prefix-cache segments holding it; a page is
+    written by at most one row (its own), so a page in two rows is a read-only borrowed prefix page;
+    free + used = the pool and used = the rows' pages + the pages only the prefix cache holds."""
     pool = kv.pool
     holders = [0] * pool.capacity
+    owners = [0] * pool.capacity
+    tree = [0] * pool.capacity
     for row in kv.rows:
         assert row.pages_for(row.length) == len(row.pages) and 0 <= row.head < PAGE
+        assert row.borrowed_pages == list(dict.fromkeys((row.borrowed // PAGE).tolist()))
         for p in row.pages:
             holders[p] += 1
-    assert holders[0] == 0 and pool.refs[0] == 0, "page 0 (padding) is never handed out"
+            owners[p] += 1
+        for p in row.borrowed_pages:
+            holders[p] += 1
+            assert pool.tree[p] or holders[p] > 1, "a borrowed page is neither the cache's nor another row's"
+    for seg in kv.segments:
+        assert seg.lane is kv and seg.pages == list(dict.fromkeys((seg.slots // PAGE).tolist()))
+        for p in seg.pages:
+            tree[p] += 1
+    assert holders[0] == 0 and pool.refs[0] == 0 and pool.tree[0] == 0, "page 0 (padding) is never handed out"
     assert pool.refs == holders, "a page's holder count is not the rows holding it"
-    assert max(holders) <= 1, "a page is in two rows"
-    assert sorted(pool.free) == [p for p in range(1, pool.capacity) if not holders[p]]
+    assert pool.tree == tree, "a page's cache count is not the segments holding it"
+    assert max(owners) <= 1, "a page is written by two rows"
+    assert sorted(pool.free) == [p for p in range(1, pool.capacity) if not holders[p] and not tree[p]]
+    cached = sum(1 for p in range(pool.capacity) if tree[p] and not holders[p])
+    assert pool.cached == cached, "pages only the cache holds are miscounted"
     assert pool.used + len(pool.free) + 1 == pool.capacity
+    assert pool.used == pool.row_pages + pool.cached
     for layer in kv.layers:
         assert layer.keys is None or layer.keys.shape[1] == pool.capacity * PAGE
     assert kv.nbytes() == sum(0 if la.keys is None else la.keys.nbytes + la.values.nbytes for la in kv.layers)
@@ -53,7 +71,13 @@ _OPS = st.lists(st.one_of(
     st.tuples(st.just("verify"), st.lists(st.integers(0, 5), min_size=6, max_size=6)),
     st.tuples(st.just("drop"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
     st.tuples(st.just("share"), st.integers(0, 9)),
-), min_size=1, max_size=14)
+    # the prefix cache: hold a row's tokens [a, b) by reference, release or split an entry, and a new
+    # row that borrows an entry's tokens and adds its own
+    st.tuples(st.just("cache"), st.tuples(st.integers(0, 9), st.integers(0, 40), st.integers(1, 40))),
+    st.tuples(st.just("uncache"), st.integers(0, 9)),
+    st.tuples(st.just("split"), st.tuples(st.integers(0, 9), st.integers(1, 40))),
+    st.tuples(st.just("borrow"), st.tuples(st.integers(0, 9), st.integers(0, 12))),
+), min_size=1, max_size=18)
 
 
 @settings(max_examples=120, deadline=None)
@@ -66,6 +90,7 @@ def test_rows_read_exactly_their_tokens_and_pages_are_held_once(first, ops, P):
     if P:
         kv.set_shared([(_kv(prefix), _kv(prefix) + 0.5)] * layers)
     expect: list[list[float]] = []  # each row's whole sequence (the shared prefix included if it uses it)
+    cached: list[tuple] = []  # prefix-cache entries: (PagedSegment, the tokens it holds)
 
     def join(lengths, mode):
         """mode 0: rows of their own tokens; 1: rows continuing the shared prefix (storing only their
@@ -119,7 +144,34 @@ def test_rows_read_exactly_their_tokens_and_pages_are_held_once(first, ops, P):
             r = arg % len(expect)
             if not kv.shared_rows[r] and expect[r][:P] == prefix:
                 kv.share_rows([r])  # a row that holds the prefix bitwise switches to the shared copy
+        elif op == "cache" and expect:
+            r, a, n = arg[0] % len(expect), arg[1], arg[2]
+            stored = expect[r][P:] if kv.shared_rows[r] else expect[r]
+            a = min(a, max(len(stored) - 1, 0))
+            b = min(a + n, len(stored))
+            if b > a:
+                cached.append((PagedSegment(kv, kv.rows[r].slots(a, b)), stored[a:b]))
+        elif op == "uncache" and cached:
+            seg, _ = cached.pop(arg % len(cached))
+            seg.release()
+        elif op == "split" and cached:
+            i = arg[0] % len(cached)
+            seg, tags = cached[i]
+            if len(tags) > 1:
+                k = 1 + arg[1] % (len(tags) - 1)
+                upper, lower = seg.split(k)
+                cached[i : i + 1] = [(upper, tags[:k]), (lower, tags[k:])]
+        elif op == "borrow" and cached:
+            seg, tags = cached[arg[0] % len(cached)]
+            own = [float(next(tag)) for _ in range(arg[1])]
+            x = _kv(own) if own else None
+            kv.add([[(x, None if x is None else x + 0.5)]] * layers, [False], [seg.slots])
+            expect.append(tags + own)
         check_pages(kv)
+        for seg, tags in cached:  # an entry reads its tokens whatever the rows did since
+            for k, v in seg.layers():
+                np.testing.assert_array_equal(np.array(k)[0, 1, :, 0], tags)
+                np.testing.assert_array_equal(np.array(v)[0, 0, :, 3], np.array(tags) + 0.5)
         assert kv.positions() == [len(e) for e in expect]
         for r, e in enumerate(expect):
             if e:
@@ -131,6 +183,11 @@ def test_rows_read_exactly_their_tokens_and_pages_are_held_once(first, ops, P):
                     k, _ = kv.row(r, 1, len(e) - 1)[1]
                     np.testing.assert_array_equal(np.array(k)[0, 0, :, 1], e[1:-1])
     kv.keep([])
+    check_pages(kv)
+    assert kv.pool.used == kv.pool.cached  # what is left is the prefix cache's
+    for seg, _ in cached:
+        seg.release()
+    kv.trim()
     check_pages(kv)
     assert kv.nbytes() == 0  # an idle lane holds nothing
 
@@ -170,7 +227,7 @@ def test_page_pool_accounting():
 
 def test_engine_stats_and_metrics_report_the_pages(tiny_engine):
     """While rows decode, ``Engine.stats()`` and ``/metrics`` report the pages they hold (each row its own
-    length rounded up to a page); when they finish, none."""
+    length rounded up to a page); when they finish, their pages are the prefix cache's."""
     from parallm_engine import metrics
 
     vocab = tiny_engine.model_info.vocab_size
@@ -192,4 +249,5 @@ def test_engine_stats_and_metrics_report_the_pages(tiny_engine):
     for h in handles:
         tiny_engine._collect(h)
     stats, held, rows = tiny_engine.run_on_engine_thread(snapshot)
-    assert rows == 0 and stats["kv_pages_used"] == 0
+    # the rows' pages stay as the prefix cache's (held by reference, not copied)
+    assert rows == 0 and stats["kv_pages_used"] == stats["kv_pages_cached"] > 0

@@ -32,15 +32,18 @@ def _prefix(engine, repeat: int = 5) -> list[int]:
     return ids
 
 
-def _joins(engine) -> list[tuple[list[bool] | None, int]]:
-    """Record every join's shared-prefix flags and the prefix length the batch holds then."""
+def _joins(engine) -> list[tuple[list[bool] | None, int, int]]:
+    """Record every join's shared-prefix flags, the prefix length the batch holds then, and how many rows
+    read it then (those that joined continuing it and those that adopted it)."""
     sched = engine._scheduler
     seen = []
     original = sched.batch.join
 
-    def join(seqs, shared=None):
-        original(seqs, shared)
-        seen.append((list(shared) if shared else None, sched.batch.shared.length if sched.batch.shared else 0))
+    def join(seqs, shared=None, lend=None):
+        original(seqs, shared, lend)
+        batch = sched.batch
+        seen.append((list(shared) if shared else None, batch.shared.length if batch.shared else 0,
+                     sum(sum(lane.kv.shared_rows) for lane in batch.lanes)))
 
     sched.batch.join = join
     return seen
@@ -74,9 +77,8 @@ def test_fanout_holds_the_prefix_once_and_gives_the_same_tokens(engines):
     assert got == _tokens(copies, prompts, lengths)
     assert got == [_tokens(copies, [p], [n])[0] for p, n in zip(prompts, lengths)]
     # Every request ended up continuing the one prefix, the first one (which computed it) included.
-    flags = [f for fl, _ in joins if fl for f in fl]
-    assert flags.count(True) == len(prompts)
-    assert max(length for _, length in joins) >= len(prefix) - 1
+    assert max(rows for _, _, rows in joins) == len(prompts)
+    assert max(length for _, length, _ in joins) >= len(prefix) - 1
     _wait_idle(shared)
     assert _released(shared)
 
@@ -117,7 +119,7 @@ def test_later_requests_join_the_held_prefix_or_not(engines):
     late = [shared.submit(p, max_tokens=12, temperature=0, ignore_eos=True) for p in (later_same, later_other)]
     late_tokens = [shared._collect(h).token_ids for h in late]
     first_tokens = [shared._collect(h).token_ids for h in handles]
-    late_flags = [f for fl, length in joins[1:] if length for f in (fl or [])]
+    late_flags = [f for fl, length, _ in joins[len(first):] if length for f in (fl or [])]  # a join per row
     assert sorted(late_flags) == [False, True]
     assert late_tokens == [_tokens(copies, [p], [12])[0] for p in (later_same, later_other)]
     assert first_tokens == [_tokens(copies, [p], [60])[0] for p in first]
@@ -162,8 +164,8 @@ def test_fan_out_on_the_pure_mlx_path_holds_the_prefix_once(engines, tiny_model_
         want = [r.token_ids for r in shared.generate(prompts, max_tokens=16, temperature=0)]
         joins = _joins(mlx_only)
         got = mlx_only.generate(prompts, max_tokens=16, temperature=0)
-        flags = [f for fl, length in joins if fl and length >= P for f in fl]
-        assert len(flags) == 32 and all(flags)  # every row read the one copy of the prefix
+        # every row read the one copy of the prefix (joining with it, or the first adopting it)
+        assert max(rows for _, length, rows in joins if length >= P) == 32
         assert [r.token_ids for r in got] == want
         assert all(r.usage.cached_tokens >= P for r in got)
         per_token = mlx_only.model_info.kv_bytes_per_token()

@@ -31,8 +31,10 @@ import contextlib
 import mlx.core as mx
 
 from . import cpu_kernels
+import numpy as np
+
 from .kv_cache import SharedPrefix
-from .kv_pages import PAGE, PagedLaneKV
+from .kv_pages import PAGE, PagedLaneKV, PagedSegment
 
 #: Rows a lane takes before the next lane gets any (see the module docstring).
 LANE_FILL_ROWS = 32
@@ -107,10 +109,12 @@ class DecodeBatch:
                 lane.kv.set_shared(None)
         prefix.release()
 
-    def join(self, seqs: list, shared: list[bool] | None = None) -> None:
+    def join(self, seqs: list, shared: list[bool] | None = None, lend=None) -> None:
         """Add prefilled sequences (each with ``seq.cache``: one cache per layer with ``valid()`` and
         ``tail(start)``). Those flagged in ``shared`` continue the batch's shared prefix and bring only
-        their tokens after it."""
+        their tokens after it. ``lend(seq, lane_kv, start)``: slots of ``lane_kv``'s pool holding the
+        sequence's tokens from ``start`` on that the prefix cache holds (the row reads them there instead
+        of storing a copy), or None."""
         self._ensure_streams()
         flags = dict(zip(map(id, seqs), shared or [False] * len(seqs)))
         P = self.shared.length if self.shared is not None else 0
@@ -126,9 +130,12 @@ class DecodeBatch:
             if not group:
                 continue
             uses = [flags[id(s)] for s in group]
+            starts = [P if u else 0 for u in uses]
+            lent = [lend(s, lane.kv, a) if lend is not None else None for s, a in zip(group, starts)]
+            lent = [np.zeros(0, dtype=np.int32) if b is None else b for b in lent]
             with lane.context():
-                lane.kv.add([[s.cache[layer].tail(P) if u else s.cache[layer].valid() for s, u in zip(group, uses)]
-                             for layer in range(self.n_layers)], uses)
+                lane.kv.add([[s.cache[layer].tail(a + len(b)) for s, a, b in zip(group, starts, lent)]
+                             for layer in range(self.n_layers)], uses, lent)
             for s in group:
                 s.cache = None
             lane.seqs.extend(group)
@@ -154,13 +161,17 @@ class DecodeBatch:
         if self.shared is not None and not any(any(lane.kv.shared_rows) for lane in self.lanes):
             self._release_shared()
 
-    def clear(self) -> None:
+    def clear(self) -> list[PagedLaneKV]:
+        """Forget every row and start the lanes' KV afresh; returns the old lanes' KV (the prefix cache
+        must drop what it held in their pools)."""
+        old = [lane.kv for lane in self.lanes]
         for lane in self.lanes:
             lane.seqs = []
             lane.kv = PagedLaneKV(self.n_layers, self.fmt)
             lane.kv.mask_5d = self.mask_5d
         if self.shared is not None:
             self._release_shared()
+        return old
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, model, tokens: mx.array) -> mx.array:
@@ -206,13 +217,21 @@ class DecodeBatch:
 
     # -- KV access ------------------------------------------------------------------------------
     def row_segments(self, seq):
-        """A function (start, end) -> per-layer private KV copies of ``seq``'s tokens [start, end),
-        for the radix tree."""
+        """A function (start, end) -> ``seq``'s KV of tokens [start, end) for the radix tree: the pages
+        they are in, held by reference (``PagedSegment``), or private copies where part of them is the
+        batch's shared prefix."""
         for lane in self.lanes:
             for i, s in enumerate(lane.seqs):
                 if s is seq:
                     kv = lane.kv
-                    return lambda a, b: kv.row(i, a, b)
+                    P = kv.shared_len if kv.shared_rows[i] else 0
+
+                    def segment(a: int, b: int):
+                        if a < P:
+                            return kv.row(i, a, b)
+                        return PagedSegment(kv, kv.rows[i].slots(a - P, b - P))
+
+                    return segment
         raise KeyError("sequence is not in the batch")
 
     def footprint(self, extra: int, bytes_per_token: int) -> int:
@@ -221,7 +240,7 @@ class DecodeBatch:
         only by budget nobody else holds (:meth:`set_spare`); :meth:`nbytes` is what they hold."""
         pages = sum(lane.kv.pages_after(extra) for lane in self.lanes if lane.seqs)
         own = pages * PagedLaneKV.page_bytes(bytes_per_token)
-        return own + (self.shared.nbytes() if self.shared is not None else 0)
+        return own + (self.shared.held_nbytes() if self.shared is not None else 0)
 
     def set_spare(self, spare_bytes: int, bytes_per_token: int) -> None:
         """The KV budget left free (the rows with their watermark and the prefix cache taken): what the
@@ -235,20 +254,31 @@ class DecodeBatch:
         return {
             "kv_page_tokens": PAGE,
             "kv_pages_used": sum(lane.kv.pool.used for lane in self.lanes),
+            "kv_pages_cached": self.cached_pages(),
             "kv_pages_free": sum(len(lane.kv.pool.free) for lane in self.lanes if lane.kv.layers[0].keys is not None),
         }
 
+    def cached_pages(self) -> int:
+        """Pages of the lanes' pools that only the prefix cache holds."""
+        return sum(lane.kv.pool.cached for lane in self.lanes)
+
+    def trim(self) -> None:
+        """Lanes whose pools hold much more than their pages in use shrink (see PagedLaneKV.trim)."""
+        for lane in self.lanes:
+            with lane.context():
+                lane.kv.trim()
+
     def nbytes(self) -> int:
-        """KV bytes of the batch: every row's own storage, and the shared prefix once."""
-        return self._rows_nbytes() + (self.shared.nbytes() if self.shared is not None else 0)
+        """KV bytes of the running batch: the pages its rows hold (each once), and the shared prefix once."""
+        rows = sum(lane.kv.rows_nbytes() for lane in self.lanes)
+        return rows + (self.shared.nbytes() if self.shared is not None else 0)
 
     def held_nbytes(self) -> int:
-        """KV bytes only the batch keeps alive: :meth:`nbytes` less a shared prefix that is the radix
+        """KV bytes the lanes' arrays and the shared prefix keep alive, each once: the pools (the rows'
+        pages, the prefix cache's pages in them, free pages) and a shared prefix unless it is the radix
         tree's own arrays (counted there)."""
-        return self._rows_nbytes() + (self.shared.held_nbytes() if self.shared is not None else 0)
-
-    def _rows_nbytes(self) -> int:
-        return sum(lane.kv.nbytes() for lane in self.lanes)
+        pools = sum(lane.kv.nbytes() for lane in self.lanes)
+        return pools + (self.shared.held_nbytes() if self.shared is not None else 0)
 
     def set_mask_5d(self) -> None:
         """Masks shaped (B, 1, 1, L, S) for models that lay scores out per KV head and repeat (gemma2)."""

@@ -7,7 +7,9 @@ first: its least recently used unpinned entries are evicted before any running s
 Pinned entries (a prefilling sequence's matched prefix, a shared prefix the batch reads) cannot be
 evicted and count against the rows' share.
 
-A shared prefix that is the radix tree's own arrays is counted once, by the tree.
+A shared prefix that is the radix tree's own arrays is counted once, by the tree; so are pages of the
+lanes' pools that only the tree holds. Pages rows hold (their own, or a prefix borrowed from the tree)
+are the rows', each once however many rows and tree nodes hold it.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ class KVManager:
         return (seq.total_len + self.config.watermark_tokens) * self.bytes_per_token
 
     def rows_bytes(self, extra: int) -> int:
-        """The running rows after ``extra`` more decode steps, a shared prefix owned by the tree excepted."""
-        tree_owned = self.batch.nbytes() - self.batch.held_nbytes()
-        return self.batch.footprint(extra, self.bytes_per_token) - tree_owned + self.draft_kv_bytes()
+        """The running rows after ``extra`` more decode steps (pages they share counted once; a shared
+        prefix or pages only the prefix cache holds are the cache's)."""
+        return self.batch.footprint(extra, self.bytes_per_token) + self.draft_kv_bytes()
 
     def spare_bytes(self) -> int:
         """Budget nobody holds or will need within the watermark: the running rows' pages (grown by

@@ -50,7 +50,7 @@ def recover(sched, exc: BaseException) -> None:
         sched._release_prefill(s)
     sched.waiting.clear()
     sched.prefilling.clear()
-    sched.batch.clear()
+    sched.clear_batch()
     cache = sched.prefix_cache
     if cache is not None:
         cache.clear_unpinned()

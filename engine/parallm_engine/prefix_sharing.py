@@ -43,8 +43,11 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
             return None
         node = match.node
         radix.pin(node)
-        batch.set_shared(SharedPrefix(first[:length], radix.gather(match), release=lambda: radix.unpin(node),
-                                      tree_owned=len(match.nodes()) == 1))
+        # One node: the batch reads the node's own arrays (a paged node turns into arrays and gives its
+        # pages back; rows that borrowed them drop them when they adopt the prefix): held once.
+        single = len(match.nodes()) == 1
+        kv = list(radix.own_arrays(node)) if single else radix.gather(match)
+        batch.set_shared(SharedPrefix(first[:length], kv, release=lambda: radix.unpin(node), tree_owned=single))
         adopters = {id(s) for s in running if _continues(s, batch.shared)}
         if adopters:
             batch.adopt_shared(adopters)

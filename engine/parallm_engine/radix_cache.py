@@ -1,10 +1,14 @@
-"""SGLang-style radix tree over token ids whose nodes own KV segments.
+"""SGLang-style radix tree over token ids whose nodes hold KV segments.
 
-Each edge is labelled with a run of tokens (compressed); the node at its end owns that run's keys and
-values for every layer, as (1, H, n, D) arrays. A prefix is stored once however many sequences use
-it. Sequences pin the deepest node they matched; pins count up the parent chain, so splitting a node
-keeps every pin valid. Unpinned leaves are evicted least-recently-used when the tree exceeds its byte
-budget, and byte accounting is exact (the sum of the segments' ``nbytes``).
+Each edge is labelled with a run of tokens (compressed); the node at its end holds that run's keys and
+values for every layer, either by reference as slots of a decode lane's page pool
+(``kv_pages.PagedSegment``: the pages the rows wrote; rows borrow them back, so a prefix is held once
+however many rows and nodes use it, and a split copies nothing) or as its own (1, H, n, D) arrays (a
+prefix the decode batch reads once for all its rows, ``kv_cache.SharedPrefix``; the engine's tests).
+Sequences pin the deepest node they matched; pins count up the parent chain, so splitting a node keeps
+every pin valid. Unpinned leaves are evicted least-recently-used when the tree exceeds its byte budget.
+The tree's bytes are its arrays plus the pages only it holds (pages a row also holds are the row's):
+``page_nbytes`` and ``cached_pages`` are set by the owner of the pools (the scheduler).
 """
 
 from __future__ import annotations
@@ -17,17 +21,27 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from . import kv_quant as kvq
+from .kv_pages import PagedSegment
 
 # One KV segment: per layer (keys, values), each (1, H, n, D) (``kv_quant.QuantizedKV`` when quantized).
 Segment = list[tuple[mx.array, mx.array]]
 
 
-def _segment_nbytes(seg: Segment) -> int:
+def _segment_nbytes(seg) -> int:
+    """Bytes of a segment's own arrays (a paged segment's pages are counted by the pool)."""
+    if seg is None or isinstance(seg, PagedSegment):
+        return 0
     return sum(k.nbytes + v.nbytes for k, v in seg)
 
 
-def _segment_arrays(seg: Segment) -> list[mx.array]:
+def _segment_arrays(seg) -> list[mx.array]:
+    if isinstance(seg, PagedSegment):
+        return []
     return [a for k, v in seg for x in (k, v) for a in kvq.arrays(x)]
+
+
+def _layers(seg) -> Segment:
+    return seg.layers() if isinstance(seg, PagedSegment) else seg
 
 
 def _slice_segment(seg: Segment, start: int, end: int | None) -> Segment:
@@ -77,8 +91,12 @@ class RadixCache:
         self.max_bytes = int(max_bytes)
         self.root = RadixNode((), None, None)
         self.root.ref = 1  # never evicted
-        self.total_bytes = 0
-        self._pinned_bytes = 0  # kept by pin / unpin / split, so the scheduler can ask every step
+        self.array_bytes = 0  # the nodes' own arrays
+        self._pinned_bytes = 0  # of those, pinned nodes' (kept by pin / unpin / split: asked every step)
+        self._pinned_paged: set[RadixNode] = set()  # pinned nodes holding pages
+        # Paged segments: bytes of one page, and how many pages only the tree holds (every lane's pool).
+        self.page_nbytes = 0
+        self.cached_pages: Callable[[], int] = lambda: 0
         self._nodes = 0  # kept as nodes come and go, so stats() is O(1) (published every step)
         self._tokens = 0
         self.evictions = 0
@@ -86,6 +104,11 @@ class RadixCache:
         self.lookups = 0
         self.lookup_tokens = 0
         self.hit_tokens = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """What the tree alone keeps alive: its arrays and the pages no row holds."""
+        return self.array_bytes + self.cached_pages() * self.page_nbytes
 
     # -- lookup ---------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], record: bool = True) -> PrefixMatch:
@@ -119,31 +142,57 @@ class RadixCache:
         nodes = match.nodes()
         if not nodes:
             return None
-        if len(nodes) == 1:
-            return list(nodes[0].kv)
-        layers = len(nodes[0].kv)
+        segs = [_layers(nd.kv) for nd in nodes]
+        if len(segs) == 1:
+            return list(segs[0])
         return [
             (
-                kvq.concatenate([nd.kv[l][0] for nd in nodes], axis=2),
-                kvq.concatenate([nd.kv[l][1] for nd in nodes], axis=2),
+                kvq.concatenate([seg[l][0] for seg in segs], axis=2),
+                kvq.concatenate([seg[l][1] for seg in segs], axis=2),
             )
-            for l in range(layers)
+            for l in range(len(segs[0]))
         ]
+
+    def own_arrays(self, node: RadixNode) -> Segment:
+        """``node``'s KV as its own arrays (a paged node copies its slots out and gives its pages back):
+        what a decode batch reads as one shared prefix."""
+        if isinstance(node.kv, PagedSegment):
+            seg = node.kv
+            kv = [(kvq.contiguous(k), kvq.contiguous(v)) for k, v in seg.layers()]
+            mx.eval(_segment_arrays(kv))
+            seg.release()
+            self._set_kv(node, kv)
+        return node.kv
+
+    def _set_kv(self, node: RadixNode, kv) -> None:
+        """Replace a node's segment, keeping the byte and pin counters."""
+        nbytes = _segment_nbytes(kv)
+        self.array_bytes += nbytes - node.nbytes
+        if node.ref:
+            self._pinned_bytes += nbytes - node.nbytes
+            if isinstance(kv, PagedSegment):
+                self._pinned_paged.add(node)
+            else:
+                self._pinned_paged.discard(node)
+        node.kv, node.nbytes = kv, nbytes
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Split ``node``'s edge after k tokens; returns the new upper node (holding tokens[:k])."""
         parent = node.parent
-        upper = RadixNode(node.tokens[:k], _slice_segment(node.kv, 0, k), parent)
+        if isinstance(node.kv, PagedSegment):
+            upper_kv, lower_kv = node.kv.split(k)  # no copy: the slots are cut
+        else:
+            upper_kv, lower_kv = _slice_segment(node.kv, 0, k), _slice_segment(node.kv, k, None)
+        upper = RadixNode(node.tokens[:k], upper_kv, parent)
         upper.ref = node.ref  # everyone pinning node pinned its whole path, which now includes upper
         self._nodes += 1
         upper.last_used = node.last_used
-        lower_kv = _slice_segment(node.kv, k, None)
-        grown = upper.nbytes + _segment_nbytes(lower_kv) - node.nbytes
-        self.total_bytes += grown
-        if node.ref:
-            self._pinned_bytes += grown
-        node.kv = lower_kv
-        node.nbytes = _segment_nbytes(lower_kv)
+        self.array_bytes += upper.nbytes
+        if upper.ref:
+            self._pinned_bytes += upper.nbytes
+            if isinstance(upper_kv, PagedSegment):
+                self._pinned_paged.add(upper)
+        self._set_kv(node, lower_kv)
         node.tokens = node.tokens[k:]
         node.parent = upper
         upper.children[node.tokens[0]] = node
@@ -152,9 +201,9 @@ class RadixCache:
 
     # -- insert ---------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], kv_for: Callable[[int, int], Segment]) -> PrefixMatch:
-        """Store ``tokens``. ``kv_for(start, end)`` returns private KV copies for tokens[start:end]
-        and is called only for the part not already in the tree. Returns the match of the full run, with
-        ``held``: how many tokens the tree already had."""
+        """Store ``tokens``. ``kv_for(start, end)`` returns KV for tokens[start:end] (private copies, or a
+        ``PagedSegment`` holding the pages they are in) and is called only for the part not already in
+        the tree. Returns the match of the full run, with ``held``: how many tokens the tree already had."""
         m = self.match(tokens, record=False)
         m.held = m.length
         if m.length < len(tokens):
@@ -162,7 +211,7 @@ class RadixCache:
             mx.eval(_segment_arrays(seg))
             leaf = RadixNode(tuple(tokens[m.length :]), seg, m.node)
             m.node.children[leaf.tokens[0]] = leaf
-            self.total_bytes += leaf.nbytes
+            self.array_bytes += leaf.nbytes
             self._nodes += 1
             self._tokens += len(leaf.tokens)
             m = PrefixMatch(leaf, len(tokens), held=m.length)
@@ -175,6 +224,8 @@ class RadixCache:
             node.ref += 1
             if node.ref == 1:
                 self._pinned_bytes += node.nbytes
+                if isinstance(node.kv, PagedSegment):
+                    self._pinned_paged.add(node)
             node = node.parent
 
     def unpin(self, node: RadixNode) -> None:
@@ -183,6 +234,7 @@ class RadixCache:
             assert node.ref >= 0, "radix node unpinned more often than pinned"
             if node.ref == 0:
                 self._pinned_bytes -= node.nbytes
+                self._pinned_paged.discard(node)
             node = node.parent
 
     # -- eviction -------------------------------------------------------------------------------
@@ -190,34 +242,69 @@ class RadixCache:
         return self.evict(max(0, self.total_bytes - self.max_bytes))
 
     def evict(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` (if unpinned leaves allow), least recently used first."""
+        """Free at least ``nbytes`` (if unpinned leaves allow), least recently used first. A leaf whose
+        pages running rows also hold frees nothing and stays (it costs nothing while they run)."""
         freed = 0
         while freed < nbytes:
-            leaves = [n for n in self._iter_nodes() if not n.children and n.ref == 0]
+            leaves = [n for n in self._iter_nodes() if not n.children and n.ref == 0 and self._freeable(n)]
             if not leaves:
                 break
             leaves.sort(key=lambda n: n.last_used)
             for leaf in leaves:
-                freed += self._remove_leaf(leaf)
+                before = self.total_bytes
+                self._remove_leaf(leaf)
+                freed += before - self.total_bytes
                 if freed >= nbytes:
                     break
         return freed
 
-    def _remove_leaf(self, leaf: RadixNode) -> int:
+    @staticmethod
+    def _freeable(node: RadixNode) -> bool:
+        """Evicting it frees something, now or once its parent goes too (a page it shares with its
+        parent): a paged leaf all of whose pages running rows hold is kept."""
+        if isinstance(node.kv, PagedSegment):
+            return node.kv.cached_pages() > 0
+        return True
+
+    def _remove_leaf(self, leaf: RadixNode) -> None:
         del leaf.parent.children[leaf.tokens[0]]
-        self.total_bytes -= leaf.nbytes
+        self.array_bytes -= leaf.nbytes
         self._nodes -= 1
         self._tokens -= len(leaf.tokens)
         self.evictions += 1
         self.evicted_tokens += len(leaf.tokens)
-        freed = leaf.nbytes
+        if isinstance(leaf.kv, PagedSegment):
+            leaf.kv.release()
         leaf.kv = None
         leaf.parent = None
-        return freed
 
     def clear(self) -> None:
         """Drop every unpinned node."""
-        self.evict(self.total_bytes + 1)
+        while True:
+            leaves = [n for n in self._iter_nodes() if not n.children and n.ref == 0]
+            if not leaves:
+                break
+            for leaf in leaves:
+                self._remove_leaf(leaf)
+
+    def drop_lanes(self, lanes: list) -> None:
+        """The decode lanes' pools are gone (the batch was cleared after a failure): nodes holding their
+        pages leave the tree with everything below them; a pinned one keeps a copy of its KV instead."""
+        doomed = [n for n in self._iter_nodes() if isinstance(n.kv, PagedSegment) and n.kv.lane in lanes]
+        for node in doomed:
+            if node.parent is None:
+                continue  # already gone with an ancestor
+            if node.ref:
+                self.own_arrays(node)
+                continue
+            stack = [node]
+            order = []
+            while stack:
+                n = stack.pop()
+                order.append(n)
+                stack.extend(n.children.values())
+            for n in reversed(order):  # leaves first
+                self._remove_leaf(n)
 
     def clear_unpinned(self) -> int:
         """:meth:`clear`, returning the bytes freed."""
@@ -240,16 +327,30 @@ class RadixCache:
         return sum(len(n.tokens) for n in self._iter_nodes())
 
     def pinned_bytes(self) -> int:
-        """Bytes of pinned nodes (on the path of a pinned node): not evictable now."""
-        return self._pinned_bytes
+        """Bytes of pinned nodes (on the path of a pinned node) that only the tree holds: not evictable now."""
+        return self._pinned_bytes + self._cached_pages_of(self._pinned_paged) * self.page_nbytes
 
     def computed_pinned_bytes(self) -> int:
         """Recount of :meth:`pinned_bytes` from the nodes (tests compare the two)."""
-        return sum(n.nbytes for n in self._iter_nodes() if n.ref)
+        pinned = [n for n in self._iter_nodes() if n.ref]
+        return sum(_segment_nbytes(n.kv) for n in pinned) + self._cached_pages_of(pinned) * self.page_nbytes
 
     def computed_bytes(self) -> int:
-        """Recount from the segments themselves (tests compare it with ``total_bytes``)."""
-        return sum(_segment_nbytes(n.kv) for n in self._iter_nodes())
+        """Recount from the segments themselves and the pools' holders (tests compare it with
+        ``total_bytes``)."""
+        nodes = list(self._iter_nodes())
+        return sum(_segment_nbytes(n.kv) for n in nodes) + self._cached_pages_of(nodes) * self.page_nbytes
+
+    @staticmethod
+    def _cached_pages_of(nodes) -> int:
+        """Distinct pages of these nodes' paged segments that no row holds."""
+        pages = set()
+        for n in nodes:
+            seg = n.kv
+            if isinstance(seg, PagedSegment):
+                refs = seg.lane.pool.refs
+                pages.update((id(seg.lane), p) for p in seg.pages if not refs[p])
+        return len(pages)
 
     def stats(self) -> dict:
         return {

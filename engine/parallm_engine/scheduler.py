@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from . import cpu_kernels, kv_quant, memory_recovery
 from .decode_batch import DecodeBatch
@@ -37,6 +38,7 @@ from .errors import RequestCancelledError
 from .kv_manager import KVManager
 from .memory_budget import mlx_memory
 from .kv_cache import SequenceKV
+from .kv_pages import PagedLaneKV, PagedSegment
 from .model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
 from .output_processor import OutputProcessor
 from .prefill_runner import run_prefill_group
@@ -135,6 +137,9 @@ class Scheduler:
             self.radix = None
             self.snapshots = SnapshotCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self._share_prefix = False
+        if self.radix is not None:  # the tree's paged entries live in the lanes' pools
+            self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
+            self.radix.cached_pages = self.batch.cached_pages
         self.kv = KVManager(config, self.kv_bytes_per_token, self.batch, self.prefix_cache)
         # Speculative decoding needs KV it can roll back: the engine's own (attention layout) only; and
         # not quantized KV (kv_quant.NO_SPECULATION says why).
@@ -220,15 +225,25 @@ class Scheduler:
         self.waiting.clear()
         self.prefilling.clear()
         self.runner.clear()
-        self.batch.clear()
+        self.clear_batch()
+
+    def clear_batch(self) -> None:
+        """Drop every running row and start the lanes' KV afresh; what the prefix cache held in the old
+        pools goes with them (a failed step may have left them half-written)."""
+        old = self.batch.clear()
+        if self.radix is not None and old:
+            self.radix.drop_lanes(old)
 
     def batch_kv_bytes(self) -> int:
         return self.batch.nbytes()
 
     def kv_bytes_held(self) -> int:
-        """Every KV byte the engine keeps alive, each once: the batch's rows, a shared prefix unless it
-        is the prefix cache's own, and the prefix cache (radix tree or snapshots)."""
+        """Every KV byte the engine keeps alive, each once: the lanes' page pools (the rows' pages and the
+        prefix cache's pages in them), a shared prefix unless it is the prefix cache's own, and the
+        prefix cache's own arrays (radix tree) or snapshots."""
         cache = self.prefix_cache
+        if self.radix is not None:
+            return self.batch.held_nbytes() + self.radix.array_bytes
         return self.batch.held_nbytes() + (cache.total_bytes if cache is not None else 0)
 
     # -- memory ---------------------------------------------------------------------------------
@@ -263,11 +278,13 @@ class Scheduler:
     def step(self) -> None:
         t0 = time.perf_counter()
         self._make_room()
+        if self.layout == "attention":
+            self.batch.trim()  # pages the prefix cache gave back
         self._admit()
         self.runner.plain_rows = 0
         with cpu_kernels.enabled(self._cpu_kernels):
             joined, prefill_s, prefilled = self._timed_prefill()
-            if joined:
+            if joined and self.layout == "mixed":  # attention-layout rows joined as their prefill ended
                 self._join(joined)
             if self.running:
                 if self.layout == "attention":  # page pools grow only into budget nobody holds
@@ -510,15 +527,22 @@ class Scheduler:
 
     def _prompt_done(self, seq: Sequence, cache: list, done: list[Sequence]) -> None:
         """Context prefilled (all but its last token): store it in the prefix cache, hand the
-        sequence to the decode batch."""
+        sequence to the decode batch. Attention layout: the sequence joins the batch now, reading the
+        prefix the tree holds in its lane's pool from there (borrowed pages) and writing the rest into
+        its own pages, which the tree then holds by reference: the prompt's KV is held once, and a
+        prefill later in this step finds it in the tree (in-flight dedup)."""
         seq.cache = cache
         ids = seq.prefill_ids
-        if self.radix is not None and ids:
-            # The tree keeps the copy that got there first: the sequence's KV is bitwise the tree's for
-            # what it read from the tree and what it inserts now, unless someone else inserted tokens
-            # it also computed (then only the part it read).
-            held = self.radix.insert(ids, lambda a, b: [c.segment(a, b) for c in cache]).held
-            seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
+        if self.layout == "attention":
+            if self.radix is not None:
+                # The tree keeps the copy that got there first: the sequence's KV is bitwise the tree's
+                # for what it read from the tree and what it inserts now, unless someone else inserted
+                # tokens it also computed (then only the part it read).
+                held = self.radix.match(ids, record=False).length if ids else 0
+                seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
+            self._join([seq])
+            if self.radix is not None and ids:
+                self.radix.insert(ids, self.batch.row_segments(seq))
         elif self.snapshots is not None and ids and seq.cached_tokens < len(ids):
             self.snapshots.insert(ids, cache)
         seq.consumed = len(ids)
@@ -529,8 +553,29 @@ class Scheduler:
         done.append(seq)
 
     def _join(self, seqs: list[Sequence]) -> None:
+        if self.layout == "mixed":
+            self.batch.join(seqs, None)
+            return
         flags = shared_prefix_flags(self.batch, self.radix, seqs) if self._share_prefix else None
-        self.batch.join(seqs, flags)
+        self.batch.join(seqs, flags, self._lend if self.radix is not None else None)
+
+    @staticmethod
+    def _lend(seq: Sequence, lane_kv: PagedLaneKV, start: int):
+        """Slots of ``lane_kv``'s pool holding ``seq``'s context tokens [start, b) for the largest b the
+        prefix cache holds there as pages (None: none). The sequence read exactly these tokens from the
+        tree (its pinned match), so reading them from the pages gives the same numbers."""
+        if seq.match is None:
+            return None
+        parts, pos = [], 0
+        for node in seq.match.nodes():
+            end = pos + len(node.tokens)
+            if end > start:
+                seg = node.kv
+                if not isinstance(seg, PagedSegment) or seg.lane is not lane_kv:
+                    break
+                parts.append(seg.slots[max(0, start - pos):])
+            pos = end
+        return np.concatenate(parts) if parts else None
 
     # -- retiring -------------------------------------------------------------------------------
     def _cache_row(self, seq: Sequence) -> None:
@@ -558,6 +603,8 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.drop(rows)
         self.runner.drop(rows)
+        if self.radix is not None:  # pages the rows gave up may now be the tree's alone
+            self.radix.evict_to_budget()
 
     # -- introspection (engine thread) ----------------------------------------------------------
     def memory_stats(self) -> dict:

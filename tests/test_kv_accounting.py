@@ -1,8 +1,8 @@
 """KV accounting under any sequence of operations (hypothesis state machine on the real scheduler).
 
 Rules: submit (prompts over a few shared prefixes, greedy or seeded, n = 1 or 2, mixed priorities),
-step, abort, shrink or restore the one KV budget (forcing preemption and prefix-cache eviction),
-evict from the prefix cache. After every rule:
+step, abort, shrink or restore the one KV budget (forcing preemption and prefix-cache eviction), cut it
+below what two or more running rows hold (preemption), evict from the prefix cache. After every rule:
 
 - the radix tree's byte and pinned-byte counters equal a recount from its nodes;
 - every pin has a holder: per node, its own pins (its count less its children's) are never negative,
@@ -11,9 +11,10 @@ evict from the prefix cache. After every rule:
 - ``kv_bytes_held`` equals the bytes of the distinct arrays reachable from the batch, its shared
   prefix and the tree (each buffer once, whoever holds it);
 - every unfinished sequence is in exactly one place: waiting, prefilling or running;
-- each decode lane's pages (``kv_pages``): every page's holder count equals the rows whose tables hold
-  it, no page is in two rows, free + used pages = the pool's pages, the pool arrays are sized for the
-  pool, and every row's table covers exactly its tokens.
+- each decode lane's pages (``kv_pages``): every page's row count equals the rows whose tables hold it
+  (own or borrowed from the tree) and its tree count the tree's entries holding it, no page is written
+  by two rows, free + used pages = the pool's pages and used = the rows' + the tree's alone (cached), the
+  pool arrays are sized for the pool, and every row's table covers exactly its tokens.
 
 At the end everything drains: every request completes (or was aborted), greedy and seeded outputs equal
 the same request run alone, and nothing stays pinned or held by the batch.
@@ -115,10 +116,13 @@ def _make_machine(engine, lanes: int):
             self.requests.append(req)
 
         @precondition(lambda self: self.sched.has_work())
-        @rule(steps=st.integers(1, 4))
-        def step(self, steps):
+        @rule(steps=st.integers(1, 4), cut=st.sampled_from([False, False, True]))
+        def step(self, steps, cut):
             for _ in range(steps):
                 if self.sched.has_work():
+                    if cut and len(self.sched.running) >= 2:
+                        # a budget cut below what the running rows hold: all but one are preempted
+                        self.sched.config.kv_budget_bytes = 1
                     self.sched.step()
                     seen["shared"] += self.sched.batch.shared is not None
 
@@ -131,7 +135,7 @@ def _make_machine(engine, lanes: int):
             self.aborted.add(req.id)
             seen["aborts"] += 1
 
-        @rule(fraction=st.sampled_from([0.03, 0.06, 0.1, 0.2, 1.0]))
+        @rule(fraction=st.sampled_from([0.01, 0.03, 0.06, 0.1, 0.2, 1.0]))
         def set_budget(self, fraction):
             self.sched.config.kv_budget_bytes = int(full_budget * fraction)
 

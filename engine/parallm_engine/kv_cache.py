@@ -108,16 +108,21 @@ class SharedPrefix:
     """A prefix held once for every batch row that continues it: its tokens and, per layer, its
     (1, H, P, D) keys and values. ``release`` is called once when the batch stops using it (the
     scheduler unpins the radix node the KV came from, so the tree cannot evict and recompute it).
-    ``tree_owned``: the arrays are the radix node's own (not a concatenation), so holding them costs
-    no memory beyond the tree's."""
+    ``tree_node``: the radix node whose own arrays these are (not a concatenation), so holding them
+    costs no memory beyond the tree's, as long as the node still holds them (a split gives the node
+    copies of its halves: from then on the batch's arrays are its own)."""
 
-    def __init__(self, tokens: list[int], kv: list[tuple[mx.array, mx.array]], release=None,
-                 tree_owned: bool = False):
+    def __init__(self, tokens: list[int], kv: list[tuple[mx.array, mx.array]], release=None, tree_node=None):
         self.tokens = list(tokens)
         self.kv = kv
         self.length = len(self.tokens)
         self._release = release
-        self.tree_owned = tree_owned
+        self.tree_node = tree_node
+
+    @property
+    def tree_owned(self) -> bool:
+        node = self.tree_node
+        return node is not None and isinstance(node.kv, list) and bool(node.kv) and node.kv[0][0] is self.kv[0][0]
 
     def continues(self, prompt_ids: list[int]) -> bool:
         return len(prompt_ids) > self.length and prompt_ids[: self.length] == self.tokens

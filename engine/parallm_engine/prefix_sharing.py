@@ -47,7 +47,8 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
         # pages back; rows that borrowed them drop them when they adopt the prefix): held once.
         single = len(match.nodes()) == 1
         kv = list(radix.own_arrays(node)) if single else radix.gather(match)
-        batch.set_shared(SharedPrefix(first[:length], kv, release=lambda: radix.unpin(node), tree_owned=single))
+        batch.set_shared(SharedPrefix(first[:length], kv, release=lambda: radix.unpin(node),
+                                      tree_node=node if single else None))
         adopters = {id(s) for s in running if _continues(s, batch.shared)}
         if adopters:
             batch.adopt_shared(adopters)

@@ -242,15 +242,20 @@ class RadixCache:
         return self.evict(max(0, self.total_bytes - self.max_bytes))
 
     def evict(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` (if unpinned leaves allow), least recently used first. A leaf whose
-        pages running rows also hold frees nothing and stays (it costs nothing while they run)."""
+        """Free at least ``nbytes`` (if unpinned leaves allow), least recently used first. A paged leaf
+        all of whose pages running rows also hold frees nothing: it goes only when an unpinned ancestor
+        holds pages no row does (a prefix the rows read from the batch's shared copy), to reach them."""
         freed = 0
         while freed < nbytes:
-            leaves = [n for n in self._iter_nodes() if not n.children and n.ref == 0 and self._freeable(n)]
+            leaves = [n for n in self._iter_nodes() if not n.children and n.ref == 0]
+            leaves = [(not self._frees(n), n.last_used, n) for n in leaves]
+            leaves = [x for x in leaves if not x[0] or self._unlocks(x[2])]
             if not leaves:
                 break
-            leaves.sort(key=lambda n: n.last_used)
-            for leaf in leaves:
+            leaves.sort(key=lambda x: x[:2])
+            for _, _, leaf in leaves:
+                if leaf.parent is None:
+                    continue
                 before = self.total_bytes
                 self._remove_leaf(leaf)
                 freed += before - self.total_bytes
@@ -259,12 +264,21 @@ class RadixCache:
         return freed
 
     @staticmethod
-    def _freeable(node: RadixNode) -> bool:
-        """Evicting it frees something, now or once its parent goes too (a page it shares with its
-        parent): a paged leaf all of whose pages running rows hold is kept."""
+    def _frees(node: RadixNode) -> bool:
+        """Evicting it frees something, now or once its parent goes too (a page it shares with it)."""
         if isinstance(node.kv, PagedSegment):
             return node.kv.cached_pages() > 0
         return True
+
+    def _unlocks(self, leaf: RadixNode) -> bool:
+        """An unpinned ancestor frees something (nothing below an unpinned node is pinned: evicting
+        leaves reaches it)."""
+        node = leaf.parent
+        while node is not None and node is not self.root and node.ref == 0:
+            if self._frees(node):
+                return True
+            node = node.parent
+        return False
 
     def _remove_leaf(self, leaf: RadixNode) -> None:
         del leaf.parent.children[leaf.tokens[0]]

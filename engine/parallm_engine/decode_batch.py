@@ -133,8 +133,9 @@ class DecodeBatch:
             starts = [P if u else 0 for u in uses]
             lent = [lend(s, lane.kv, a) if lend is not None else None for s, a in zip(group, starts)]
             lent = [np.zeros(0, dtype=np.int32) if b is None else b for b in lent]
+            skip = [a + len(b) for a, b in zip(starts, lent)]  # tokens the row does not store itself
             with lane.context():
-                lane.kv.add([[s.cache[layer].tail(a + len(b)) for s, a, b in zip(group, starts, lent)]
+                lane.kv.add([[s.cache[layer].tail(k) if k else s.cache[layer].valid() for s, k in zip(group, skip)]
                              for layer in range(self.n_layers)], uses, lent)
             for s in group:
                 s.cache = None

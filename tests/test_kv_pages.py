@@ -38,9 +38,8 @@ def check_pages(kv: PagedLaneKV) -> None:
         for p in row.pages:
             holders[p] += 1
             owners[p] += 1
-        for p in row.borrowed_pages:
+        for p in row.borrowed_pages:  # read-only: a row keeps them even after the cache lets them go
             holders[p] += 1
-            assert pool.tree[p] or holders[p] > 1, "a borrowed page is neither the cache's nor another row's"
     for seg in kv.segments:
         assert seg.lane is kv and seg.pages == list(dict.fromkeys((seg.slots // PAGE).tolist()))
         for p in seg.pages:
@@ -240,10 +239,13 @@ def test_engine_stats_and_metrics_report_the_pages(tiny_engine):
     def snapshot():
         sched = tiny_engine._scheduler
         rows = [r for lane in sched.batch.lanes for r in lane.kv.rows]
-        return sched.memory_stats(), sum(len(r.pages) for r in rows), len(rows)
+        held = {p for r in rows for p in [*r.pages, *r.borrowed_pages]}
+        return sched.memory_stats(), len(held), len(rows)
 
     stats, held, rows = tiny_engine.run_on_engine_thread(snapshot)
-    assert rows and stats["kv_pages_used"] == held > 0 and stats["kv_page_tokens"] == PAGE
+    # (the engine is shared with other tests: its prefix cache may hold pages of theirs)
+    assert rows and stats["kv_pages_used"] - stats["kv_pages_cached"] == held > 0
+    assert stats["kv_page_tokens"] == PAGE
     page = metrics.render(tiny_engine.stats(), None, "tiny")
     assert "parallm_kv_pages_used" in page
     for h in handles:

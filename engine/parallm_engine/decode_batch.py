@@ -29,10 +29,9 @@ from __future__ import annotations
 import contextlib
 
 import mlx.core as mx
-
-from . import cpu_kernels
 import numpy as np
 
+from . import cpu_kernels
 from .kv_cache import SharedPrefix
 from .kv_pages import PAGE, PagedLaneKV, PagedSegment
 

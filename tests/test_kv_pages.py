@@ -253,3 +253,49 @@ def test_engine_stats_and_metrics_report_the_pages(tiny_engine):
     stats, held, rows = tiny_engine.run_on_engine_thread(snapshot)
     # the rows' pages stay as the prefix cache's (held by reference, not copied)
     assert rows == 0 and stats["kv_pages_used"] == stats["kv_pages_cached"] > 0
+
+
+def test_a_row_joins_the_running_lane_that_holds_its_prefix(tiny_engine):
+    """With two decode lanes, a request whose prefix the prefix cache holds in lane 1's pool joins lane 1
+    (which has room) rather than the first lane with room, and borrows those pages instead of storing a
+    copy; its tokens equal the same request alone."""
+    from parallm_engine.request import Channel, Request
+    from parallm_engine.sampling_params import SamplingParams
+    from parallm_engine.scheduler import Scheduler, SchedulerConfig
+    from parallm_engine.stats import EngineStats
+
+    from .model_zoo import prompt_ids
+
+    vocab = tiny_engine.model_info.vocab_size
+    config = SchedulerConfig(decode_lanes=2, cpu_kernels=tiny_engine.backend.cpu_kernels, step_time_target_s=0.0)
+    sched = Scheduler(tiny_engine.model, tiny_engine.tokenizer, tiny_engine.model_info, config, EngineStats())
+    sched.batch.fill_rows = 3
+
+    def submit(ids, max_tokens):
+        req = Request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), Channel())
+        sched.add(req)
+        return req
+
+    def step_until(done):
+        for _ in range(500):
+            if done():
+                return
+            sched.step()
+        raise AssertionError("the scheduler did not get there")
+
+    lanes = sched.batch.lanes
+    a, b, x = (submit(prompt_ids(40, vocab, seed=s), n) for s, n in ((1, 3), (2, 80), (3, 80)))
+    step_until(lambda: len(lanes[0].seqs) == 3)
+    c_ids = prompt_ids(40, vocab, seed=4)
+    c, d = submit(c_ids, 3), submit(prompt_ids(40, vocab, seed=5), 80)
+    step_until(lambda: a.finished and c.finished)
+    assert len(lanes[0].seqs) == 2 and len(lanes[1].seqs) == 1  # room in both; c's pages cached in lane 1's pool
+    follow = c_ids + c.result.choices[0].token_ids + prompt_ids(12, vocab, seed=6)
+    c2 = submit(follow, 6)
+    step_until(lambda: any(s.request is c2 for s in sched.running))
+    row = lanes[1].kv.rows[[s.request for s in lanes[1].seqs].index(c2)]
+    assert len(row.borrowed) >= 32  # read from the pages c left to the prefix cache (not copied)
+    check_pages(lanes[1].kv)
+    step_until(lambda: not sched.has_work() or all(r.finished for r in (b, x, d, c2)))
+    want = tiny_engine.generate([follow], max_tokens=6, temperature=0, ignore_eos=True)[0].token_ids
+    assert c2.result.choices[0].token_ids == want

@@ -32,9 +32,9 @@ def _prefix(engine, repeat: int = 5) -> list[int]:
     return ids
 
 
-def _joins(engine) -> list[tuple[list[bool] | None, int, int]]:
-    """Record every join's shared-prefix flags, the prefix length the batch holds then, and how many rows
-    read it then (those that joined continuing it and those that adopted it)."""
+def _joins(engine) -> list[tuple[list[bool] | None, int, int, list]]:
+    """Record every join's shared-prefix flags, the prefix length the batch holds then, how many rows
+    read it then (those that joined continuing it and those that adopted it), and the joining prompts."""
     sched = engine._scheduler
     seen = []
     original = sched.batch.join
@@ -43,7 +43,7 @@ def _joins(engine) -> list[tuple[list[bool] | None, int, int]]:
         original(seqs, shared, lend)
         batch = sched.batch
         seen.append((list(shared) if shared else None, batch.shared.length if batch.shared else 0,
-                     sum(sum(lane.kv.shared_rows) for lane in batch.lanes)))
+                     sum(sum(lane.kv.shared_rows) for lane in batch.lanes), [s.prompt_ids for s in seqs]))
 
     sched.batch.join = join
     return seen
@@ -77,8 +77,8 @@ def test_fanout_holds_the_prefix_once_and_gives_the_same_tokens(engines):
     assert got == _tokens(copies, prompts, lengths)
     assert got == [_tokens(copies, [p], [n])[0] for p, n in zip(prompts, lengths)]
     # Every request ended up continuing the one prefix, the first one (which computed it) included.
-    assert max(rows for _, _, rows in joins) == len(prompts)
-    assert max(length for _, length, _ in joins) >= len(prefix) - 1
+    assert max(rows for _, _, rows, _ in joins) == len(prompts)
+    assert max(length for _, length, _, _ in joins) >= len(prefix) - 1
     _wait_idle(shared)
     assert _released(shared)
 
@@ -119,7 +119,9 @@ def test_later_requests_join_the_held_prefix_or_not(engines):
     late = [shared.submit(p, max_tokens=12, temperature=0, ignore_eos=True) for p in (later_same, later_other)]
     late_tokens = [shared._collect(h).token_ids for h in late]
     first_tokens = [shared._collect(h).token_ids for h in handles]
-    late_flags = [f for fl, length, _ in joins[len(first):] if length for f in (fl or [])]  # a join per row
+    late = (later_same, later_other)
+    late_flags = [f for fl, length, _, ps in joins if length
+                  for f, p in zip(fl or [False] * len(ps), ps) if p in late]
     assert sorted(late_flags) == [False, True]
     assert late_tokens == [_tokens(copies, [p], [12])[0] for p in (later_same, later_other)]
     assert first_tokens == [_tokens(copies, [p], [60])[0] for p in first]
@@ -165,7 +167,7 @@ def test_fan_out_on_the_pure_mlx_path_holds_the_prefix_once(engines, tiny_model_
         joins = _joins(mlx_only)
         got = mlx_only.generate(prompts, max_tokens=16, temperature=0)
         # every row read the one copy of the prefix (joining with it, or the first adopting it)
-        assert max(rows for _, length, rows in joins if length >= P) == 32
+        assert max(rows for _, length, rows, _ in joins if length >= P) == 32
         assert [r.token_ids for r in got] == want
         assert all(r.usage.cached_tokens >= P for r in got)
         per_token = mlx_only.model_info.kv_bytes_per_token()

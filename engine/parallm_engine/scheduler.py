@@ -522,35 +522,48 @@ class Scheduler:
         """Prefill several short contexts together (``prefill_runner``), then hand each its KV."""
         finished = run_prefill_group(self.model, self.batch, group, self.n_layers, self.stats,
                                      share_prefix=self._share_prefix, mask_5d=self._mask_5d, fmt=self.kv_format)
-        for seq, row in finished:
-            self._prompt_done(seq, row, done)
+        self._prompts_done(finished, done)
 
     def _prompt_done(self, seq: Sequence, cache: list, done: list[Sequence]) -> None:
-        """Context prefilled (all but its last token): store it in the prefix cache, hand the
-        sequence to the decode batch. Attention layout: the sequence joins the batch now, reading the
-        prefix the tree holds in its lane's pool from there (borrowed pages) and writing the rest into
-        its own pages, which the tree then holds by reference: the prompt's KV is held once, and a
-        prefill later in this step finds it in the tree (in-flight dedup)."""
-        seq.cache = cache
-        ids = seq.prefill_ids
+        self._prompts_done([(seq, cache)], done)
+
+    def _prompts_done(self, finished: list[tuple[Sequence, list]], done: list[Sequence]) -> None:
+        """Contexts prefilled (all but their last token): store them in the prefix cache, hand the
+        sequences to the decode batch. Attention layout: they join the batch now (one write per layer
+        for all of them), each reading the prefix the tree holds in its lane's pool from there (borrowed
+        pages) and writing the rest into its own pages, which the tree then holds by reference: a
+        prompt's KV is held once, and a prefill later in this step finds it in the tree (in-flight
+        dedup)."""
+        seqs = [seq for seq, _ in finished]
+        for seq, cache in finished:
+            seq.cache = cache
         if self.layout == "attention":
             if self.radix is not None:
-                # The tree keeps the copy that got there first: the sequence's KV is bitwise the tree's
-                # for what it read from the tree and what it inserts now, unless someone else inserted
-                # tokens it also computed (then only the part it read).
-                held = self.radix.match(ids, record=False).length if ids else 0
-                seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
-            self._join([seq])
-            if self.radix is not None and ids:
-                self.radix.insert(ids, self.batch.row_segments(seq))
-        elif self.snapshots is not None and ids and seq.cached_tokens < len(ids):
-            self.snapshots.insert(ids, cache)
-        seq.consumed = len(ids)
-        if not seq.preemptions:
-            self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
-        self._unpin_match(seq)
-        seq.prefix_kv = None
-        done.append(seq)
+                # The tree keeps the copy that got there first: a sequence's KV is bitwise the tree's
+                # for what it read from the tree and what it inserts, unless someone else inserted
+                # tokens it also computed (then only the part it read): the tree now, or a sequence
+                # before it here (each inserts its whole context).
+                for i, seq in enumerate(seqs):
+                    ids = seq.prefill_ids
+                    held = self.radix.match(ids, record=False).length if ids else 0
+                    held = max([held] + [common_prefix_len(ids, s.prefill_ids) for s in seqs[:i]])
+                    seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
+            self._join(seqs)
+            if self.radix is not None:
+                for seq in seqs:
+                    if seq.prefill_ids:
+                        self.radix.insert(seq.prefill_ids, self.batch.row_segments(seq))
+        elif self.snapshots is not None:
+            for seq, cache in finished:
+                if seq.prefill_ids and seq.cached_tokens < len(seq.prefill_ids):
+                    self.snapshots.insert(seq.prefill_ids, cache)
+        for seq in seqs:
+            seq.consumed = len(seq.prefill_ids)
+            if not seq.preemptions:
+                self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
+            self._unpin_match(seq)
+            seq.prefix_kv = None
+            done.append(seq)
 
     def _join(self, seqs: list[Sequence]) -> None:
         if self.layout == "mixed":

@@ -122,7 +122,9 @@ class SharedPrefix:
     @property
     def tree_owned(self) -> bool:
         node = self.tree_node
-        return node is not None and isinstance(node.kv, list) and bool(node.kv) and node.kv[0][0] is self.kv[0][0]
+        if node is None or not isinstance(node.kv, list) or not node.kv:
+            return False
+        return node.kv[0][0] is self.kv[0][0]
 
     def continues(self, prompt_ids: list[int]) -> bool:
         return len(prompt_ids) > self.length and prompt_ids[: self.length] == self.tokens

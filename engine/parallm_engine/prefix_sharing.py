@@ -14,6 +14,9 @@ that join later.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
+from . import kv_quant as kvq
 from .kv_cache import SharedPrefix
 
 # Shorter prefixes are not worth the extra matmuls of the two-part (cascade) attention.
@@ -47,6 +50,8 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
         # pages back; rows that borrowed them drop them when they adopt the prefix): held once.
         single = len(match.nodes()) == 1
         kv = list(radix.own_arrays(node)) if single else radix.gather(match)
+        if not single:  # a concatenation (read from pages): made now, so it holds no reference to a pool
+            mx.eval([a for k, v in kv for x in (k, v) for a in kvq.arrays(x)])
         batch.set_shared(SharedPrefix(first[:length], kv, release=lambda: radix.unpin(node),
                                       tree_node=node if single else None))
         adopters = {id(s) for s in running if _continues(s, batch.shared)}

@@ -180,8 +180,8 @@ def test_fan_out_on_the_pure_mlx_path_holds_the_prefix_once(engines, tiny_model_
 
 def test_fan_out_whose_questions_branch_off_each_other_reads_one_cached_prefix(tiny_model_dir):
     """Questions over one cached document whose cached match ends a few tokens into another question
-    (" Question 1" vs " Question 12"): every prefill reads the document node's own arrays (no private
-    concatenation per prompt) and every answer equals the same request on a cold engine."""
+    (" Question 1" vs " Question 12"): every prefill of the group reads one copy of the document (no
+    private copy per prompt) and every answer equals the same request on a cold engine."""
     from parallm_engine import Engine
     from parallm_engine.scheduler import SHORT_TAIL_TOKENS
 
@@ -198,15 +198,20 @@ def test_fan_out_whose_questions_branch_off_each_other_reads_one_cached_prefix(t
         seen = []
         start = sched._start_prefill
 
+        prefixes = []
+
         def record(seq):
             start(seq)
             seen.append((seq.cached_tokens, [len(n.tokens) for n in seq.match.nodes()]))
+            prefixes.append(seq.prefix_kv[0][0])
 
         sched._start_prefill = record
         results = eng.generate([doc + q for q in qs[1:]], max_tokens=6, temperature=0, ignore_eos=True)
         # " Question 12" reaches 1-2 tokens into " Question 1...": stopped at the node before.
         assert seen and all(nodes[-1] >= SHORT_TAIL_TOKENS for _, nodes in seen), seen
         assert all(cached >= len(doc) for cached, _ in seen), seen
+        # one copy of the document for the whole group (read from pages once, not once per prompt)
+        assert len(prefixes) == len(qs) - 1 and all(k is prefixes[0] for k in prefixes)
         for q, r in zip(qs[1:], results):
             assert r.token_ids == cold.generate([doc + q], max_tokens=6, temperature=0, ignore_eos=True)[0].token_ids
     finally:

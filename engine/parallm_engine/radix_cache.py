@@ -97,6 +97,7 @@ class RadixCache:
         # Paged segments: bytes of one page, and how many pages only the tree holds (every lane's pool).
         self.page_nbytes = 0
         self.cached_pages: Callable[[], int] = lambda: 0
+        self._reads: dict[tuple, tuple] = {}  # this prefill phase's gathered prefixes (gather)
         self._nodes = 0  # kept as nodes come and go, so stats() is O(1) (published every step)
         self._tokens = 0
         self.evictions = 0
@@ -138,20 +139,33 @@ class RadixCache:
         return PrefixMatch(node, i)
 
     def gather(self, match: PrefixMatch) -> Segment | None:
-        """The matched prefix's KV, concatenated per layer: (1, H, length, D) arrays."""
+        """The matched prefix's KV, concatenated per layer: (1, H, length, D) arrays. A node's own arrays
+        are handed out as they are; a prefix read from pages or from several nodes is built once per
+        prefill phase (until :meth:`end_reads`) however many sequences match it, so a prefill group whose
+        rows continue it reads one copy (``prefill_runner``), not one per row."""
         nodes = match.nodes()
         if not nodes:
             return None
-        segs = [_layers(nd.kv) for nd in nodes]
-        if len(segs) == 1:
-            return list(segs[0])
-        return [
-            (
-                kvq.concatenate([seg[l][0] for seg in segs], axis=2),
-                kvq.concatenate([seg[l][1] for seg in segs], axis=2),
-            )
-            for l in range(len(segs[0]))
-        ]
+        if len(nodes) == 1 and not isinstance(nodes[0].kv, PagedSegment):
+            return list(nodes[0].kv)
+        key = tuple((id(nd.kv), len(nd.tokens)) for nd in nodes)
+        if key not in self._reads:
+            segs = [_layers(nd.kv) for nd in nodes]
+            kv = list(segs[0]) if len(segs) == 1 else [
+                (
+                    kvq.concatenate([seg[l][0] for seg in segs], axis=2),
+                    kvq.concatenate([seg[l][1] for seg in segs], axis=2),
+                )
+                for l in range(len(segs[0]))
+            ]
+            # the segments are kept with it, so their ids (the key) are not reused while it is cached
+            self._reads[key] = ([nd.kv for nd in nodes], kv)
+        return self._reads[key][1]
+
+    def end_reads(self) -> None:
+        """The prefill phase is over: forget the prefixes :meth:`gather` built (the sequences that read
+        them keep what they use)."""
+        self._reads.clear()
 
     def own_arrays(self, node: RadixNode) -> Segment:
         """``node``'s KV as its own arrays (a paged node copies its slots out and gives its pages back):

@@ -303,7 +303,11 @@ class Scheduler:
         """This step's prefill: the sequences that finished it, its seconds and its prompt tokens."""
         t0 = time.perf_counter()
         before = self.stats.prefill_tokens
-        joined = self._prefill()
+        try:
+            joined = self._prefill()
+        finally:
+            if self.radix is not None:
+                self.radix.end_reads()
         elapsed = time.perf_counter() - t0
         done = self.stats.prefill_tokens - before
         if done >= 16 and elapsed > 0:

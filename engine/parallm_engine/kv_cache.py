@@ -85,13 +85,6 @@ class SequenceKV:
             return "causal"
         return _shape(create_causal_mask(N, offset=self.offset), self.mask_5d)
 
-    def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        """A private copy of columns [start, end), for the radix tree."""
-        return (
-            kvq.contiguous(self.keys[..., start:end, :]),
-            kvq.contiguous(self.values[..., start:end, :]),
-        )
-
     def valid(self) -> tuple[mx.array | None, mx.array | None]:
         if self.keys is None:
             return None, None  # a one-token prompt: nothing prefilled
@@ -147,9 +140,9 @@ class FrozenKV:
     (B, H, P + L, D) block: tokens [0, p) sit in columns [P - p, P), tokens [p, p + n) in
     [P + L - n, P + L). When every row continued one shared prefix (``prefix``: its (1, H, P, D) keys
     and values, p == P) the block holds only the L chunk columns and tokens [0, P) come from the prefix.
-    What the prefill hands on to the radix tree (:meth:`segment`: private copies of just the asked-for
-    tokens) and the decode batch (:meth:`valid` / :meth:`tail`: lazy, copied once when the batch takes
-    them). Nothing is copied when the view is made."""
+    What the prefill hands on to the decode batch (:meth:`valid` / :meth:`tail`: lazy, copied once into
+    the row's pages when the batch takes them; the radix tree then holds those pages). Nothing is copied
+    when the view is made."""
 
     def __init__(self, keys: mx.array, values: mx.array, i: int, p: int, n: int, P: int, L: int, prefix=None):
         self._arrays = (keys, values)
@@ -178,9 +171,6 @@ class FrozenKV:
 
     def tail(self, start: int) -> tuple[mx.array, mx.array]:
         return self._take(0, start, self.offset), self._take(1, start, self.offset)
-
-    def segment(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        return kvq.contiguous(self._take(0, start, end)), kvq.contiguous(self._take(1, start, end))
 
 
 class PrefillBatchKV:

@@ -115,7 +115,7 @@ class DecodeBatch:
         ``tail(start)``). Those flagged in ``shared`` continue the batch's shared prefix and bring only
         their tokens after it. ``lend(seq, lane_kv, start)``: slots of ``lane_kv``'s pool holding the
         sequence's tokens from ``start`` on that the prefix cache holds (the row reads them there instead
-        of storing a copy), or None."""
+        of storing a copy; empty: none)."""
         self._ensure_streams()
         flags = dict(zip(map(id, seqs), shared or [False] * len(seqs)))
         P = self.shared.length if self.shared is not None else 0
@@ -134,8 +134,8 @@ class DecodeBatch:
                 continue
             uses = [flags[id(s)] for s in group]
             starts = [P if u else 0 for u in uses]
-            lent = [lend(s, lane.kv, a) if lend is not None else None for s, a in zip(group, starts)]
-            lent = [np.zeros(0, dtype=np.int32) if b is None else b for b in lent]
+            lent = [lend(s, lane.kv, a) if lend is not None else np.zeros(0, dtype=np.int32)
+                    for s, a in zip(group, starts)]
             skip = [a + len(b) for a, b in zip(starts, lent)]  # tokens the row does not store itself
             with lane.context():
                 lane.kv.add([[s.cache[layer].tail(k) if k else s.cache[layer].valid() for s, k in zip(group, skip)]
@@ -153,9 +153,9 @@ class DecodeBatch:
         best, best_len = None, 0
         for g, lane in enumerate(self.lanes):
             if 0 < counts[g] < self.fill_rows:
-                slots = lend(seq, lane.kv, start)
-                if slots is not None and len(slots) > best_len:
-                    best, best_len = g, len(slots)
+                n = len(lend(seq, lane.kv, start))
+                if n > best_len:
+                    best, best_len = g, n
         return best
 
     def adopt_shared(self, seqs: set[int]) -> None:

@@ -339,16 +339,16 @@ class PagedLaneKV:
         """Row i's tokens [start, end) (counted from the sequence's first token, the shared prefix
         included when the row continues it), per layer as private (1, KH, end - start, D) copies."""
         P = self.shared_len if self.shared_rows[i] else 0
-        slots = mx.array(self.rows[i].slots(max(start, P) - P, end - P)) if end > P else None
+        own = self.read(self.rows[i].slots(max(start, P) - P, end - P)) if end > P else None
         out = []
-        for layer in self.layers:
+        for l, layer in enumerate(self.layers):
             ks, vs = [], []
             if start < P:
                 ks.append(layer._shared_k[..., start : min(end, P), :])
                 vs.append(layer._shared_v[..., start : min(end, P), :])
-            if slots is not None:
-                ks.append(layer.keys[:, slots][None])
-                vs.append(layer.values[:, slots][None])
+            if own is not None:
+                ks.append(own[l][0])
+                vs.append(own[l][1])
             cat = lambda parts: parts[0] if len(parts) == 1 else kvq.concatenate(parts, axis=2)  # noqa: E731
             out.append((kvq.contiguous(cat(ks)), kvq.contiguous(cat(vs))))
         return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from . import kv_quant as kvq
 from .kv_pages import PagedSegment
@@ -162,6 +163,22 @@ class RadixCache:
             self._reads[key] = ([nd.kv for nd in nodes], kv)
         return self._reads[key][1]
 
+    @staticmethod
+    def lendable_slots(match: PrefixMatch | None, lane, start: int) -> np.ndarray:
+        """Slots of ``lane``'s pool (a ``kv_pages.PagedLaneKV``) holding the matched tokens [start, b),
+        for the largest b whose nodes hold them there as pages (empty: none). A sequence that read its
+        prefix from the tree (its pinned match) gets the same numbers reading them from these pages."""
+        parts, pos = [], 0
+        for node in match.nodes() if match is not None else []:
+            end = pos + len(node.tokens)
+            if end > start:
+                seg = node.kv
+                if not isinstance(seg, PagedSegment) or seg.lane is not lane:
+                    break
+                parts.append(seg.slots[max(0, start - pos):])
+            pos = end
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
     def end_reads(self) -> None:
         """The prefill phase is over: forget the prefixes :meth:`gather` built (the sequences that read
         them keep what they use)."""
@@ -197,15 +214,11 @@ class RadixCache:
             upper_kv, lower_kv = node.kv.split(k)  # no copy: the slots are cut
         else:
             upper_kv, lower_kv = _slice_segment(node.kv, 0, k), _slice_segment(node.kv, k, None)
-        upper = RadixNode(node.tokens[:k], upper_kv, parent)
+        upper = RadixNode(node.tokens[:k], None, parent)
         upper.ref = node.ref  # everyone pinning node pinned its whole path, which now includes upper
         self._nodes += 1
         upper.last_used = node.last_used
-        self.array_bytes += upper.nbytes
-        if upper.ref:
-            self._pinned_bytes += upper.nbytes
-            if isinstance(upper_kv, PagedSegment):
-                self._pinned_paged.add(upper)
+        self._set_kv(upper, upper_kv)
         self._set_kv(node, lower_kv)
         node.tokens = node.tokens[k:]
         node.parent = upper
@@ -268,8 +281,6 @@ class RadixCache:
                 break
             leaves.sort(key=lambda x: x[:2])
             for _, _, leaf in leaves:
-                if leaf.parent is None:
-                    continue
                 before = self.total_bytes
                 self._remove_leaf(leaf)
                 freed += before - self.total_bytes

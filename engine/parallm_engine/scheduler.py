@@ -29,7 +29,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from . import cpu_kernels, kv_quant, memory_recovery
 from .decode_batch import DecodeBatch
@@ -38,7 +37,7 @@ from .errors import RequestCancelledError
 from .kv_manager import KVManager
 from .memory_budget import mlx_memory
 from .kv_cache import SequenceKV
-from .kv_pages import PagedLaneKV, PagedSegment
+from .kv_pages import PagedLaneKV
 from .model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
 from .output_processor import OutputProcessor
 from .prefill_runner import run_prefill_group
@@ -576,23 +575,9 @@ class Scheduler:
         flags = shared_prefix_flags(self.batch, self.radix, seqs) if self._share_prefix else None
         self.batch.join(seqs, flags, self._lend if self.radix is not None else None)
 
-    @staticmethod
-    def _lend(seq: Sequence, lane_kv: PagedLaneKV, start: int):
-        """Slots of ``lane_kv``'s pool holding ``seq``'s context tokens [start, b) for the largest b the
-        prefix cache holds there as pages (None: none). The sequence read exactly these tokens from the
-        tree (its pinned match), so reading them from the pages gives the same numbers."""
-        if seq.match is None:
-            return None
-        parts, pos = [], 0
-        for node in seq.match.nodes():
-            end = pos + len(node.tokens)
-            if end > start:
-                seg = node.kv
-                if not isinstance(seg, PagedSegment) or seg.lane is not lane_kv:
-                    break
-                parts.append(seg.slots[max(0, start - pos):])
-            pos = end
-        return np.concatenate(parts) if parts else None
+    def _lend(self, seq: Sequence, lane_kv: PagedLaneKV, start: int):
+        """Rows read the prefix they hit from the tree's pages in their lane (RadixCache.lendable_slots)."""
+        return self.radix.lendable_slots(seq.match, lane_kv, start)
 
     # -- retiring -------------------------------------------------------------------------------
     def _cache_row(self, seq: Sequence) -> None:

@@ -68,6 +68,8 @@ _OPS = st.lists(st.one_of(
     st.tuples(st.just("join"), st.lists(st.integers(0, 20), min_size=1, max_size=3)),
     st.tuples(st.just("step"), st.just(1)),
     st.tuples(st.just("verify"), st.lists(st.integers(0, 5), min_size=6, max_size=6)),
+    # a ragged step: row i verifies its own number of positions (speculative.verify's forward_ragged)
+    st.tuples(st.just("ragged"), st.lists(st.integers(0, 15), min_size=6, max_size=6)),
     st.tuples(st.just("drop"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
     st.tuples(st.just("share"), st.integers(0, 9)),
     # the prefix cache: hold a row's tokens [a, b) by reference, release or split an entry, and a new
@@ -132,6 +134,40 @@ def test_rows_read_exactly_their_tokens_and_pages_are_held_once(first, ops, P):
             else:
                 keeps = [arg[i % len(arg)] % (W + 1) for i in range(len(expect))]
                 kv.rollback_rows(W, keeps)
+            for e, n, k in zip(expect, new, keeps):
+                e.extend(n[:k])
+        elif op == "ragged" and expect:
+            widths = [1 + arg[i % len(arg)] % 4 for i in range(len(expect))]
+            keeps = [arg[i % len(arg)] // 4 % (w + 1) for i, w in enumerate(widths)]
+            new = [[float(next(tag)) for _ in range(w)] for w in widths]
+            flat = [t for n in new for t in n]  # one model row per position, row by row
+            x = mx.array(np.broadcast_to(np.array(flat, np.float32)[:, None, None, None], (len(flat), H, 1, D)).copy())
+            before = [len(e) for e in expect]
+            kv.begin(widths)
+            W = max(widths)
+            rag = kv.layers[0].ragged
+            assert rag is not None and rag.width == W
+            cells = np.array(rag.cells).tolist()
+            assert np.array(rag.fill)[cells].tolist() == list(range(len(flat)))
+            for layer in kv.layers:
+                # RoPE: each model row at its own position (row i's j-th new token: before_i + j)
+                assert np.array(layer.offset).tolist() == [b + j for b, w in zip(before, widths) for j in range(w)]
+                keys, values = layer.update_and_fetch(x, x + 0.5)
+            keys, values = np.array(keys), np.array(values)
+            mask = np.ones((len(expect), 1, W, keys.shape[2]), bool) if rag.mask is None else np.array(rag.mask)
+            T = keys.shape[2]
+            p = 0
+            for r, e in enumerate(expect):
+                own = e[P:] if kv.shared_rows[r] else e
+                for q in range(widths[r]):  # the row's cell for its q-th position sees up to it
+                    cell = cells[p]
+                    assert divmod(cell, W) == (r, W - widths[r] + q)
+                    cols = [c for c in range(T) if mask[r, 0, cell % W, c]]
+                    np.testing.assert_array_equal(keys[r, 1, cols, 3], own + new[r][: q + 1])
+                    np.testing.assert_array_equal(values[r, 0, cols, 0], np.array(own + new[r][: q + 1]) + 0.5)
+                    p += 1
+            kv.rollback_rows(widths, keeps)
+            assert kv.layers[0].ragged is None
             for e, n, k in zip(expect, new, keeps):
                 e.extend(n[:k])
         elif op == "drop" and expect:

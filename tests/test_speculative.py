@@ -309,3 +309,44 @@ def test_server_speculative_field_and_usage_extension(engine):
     assert spec["usage"]["speculative"]["proposed_tokens"] > 0 and "speculative" not in plain["usage"]
     assert bad.status_code == 400 and "speculative" in bad.text
     assert "spec_accepted_tokens_total" in metrics
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["mlx-ops", "cpu-kernels"])
+def test_a_ragged_step_computes_what_the_rectangle_does(kernels):
+    """Verification runs each row over only its own positions (``DecodeBatch.forward_ragged``: one model
+    row per position, the attention laid out as the rows' rectangle): its logits are the padded
+    rectangle's at every real position, on the MLX-ops attention (Metal, CUDA) and the CPU kernels."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from parallm_engine import cpu_kernels
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+              "vocab_size": 128, "max_position_embeddings": 512, "tie_word_embeddings": True, "rope_theta": 10000.0}
+    mx.random.seed(7)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    assert cpu_kernels.install(model, 512, kernels=kernels)
+    nat = cpu_kernels.native_module() if kernels else None
+    kv = PagedLaneKV(2)
+    per_layer = [[], []]
+    for L in (7, 3, 12):
+        cache = make_prompt_cache(model)
+        model(mx.random.randint(0, 128, (1, L)), cache=cache)
+        for layer, c in zip(per_layer, cache):
+            layer.append((c.keys[..., :L, :], c.values[..., :L, :]))
+    kv.add(per_layer)
+    rows = [[5, 9, 17], [33], [2, 40]]
+    W = 3
+    with cpu_kernels.enabled(kernels):
+        kv.begin(W, nat, nat is not None)
+        rect = model(mx.array([r + [r[-1]] * (W - len(r)) for r in rows]), cache=kv.layers)
+        mx.eval(rect)
+        kv.rollback_rows(W, [0, 0, 0])
+        kv.begin([len(r) for r in rows], nat, nat is not None)
+        ragged = model(mx.array([t for r in rows for t in r])[:, None], cache=kv.layers)[:, 0]
+        mx.eval(ragged)
+        kv.rollback_rows([len(r) for r in rows], [len(r) for r in rows])
+    want = mx.stack([rect[i, j] for i, r in enumerate(rows) for j in range(len(r))])
+    assert mx.allclose(ragged, want, atol=1e-4, rtol=1e-4).item()
+    assert kv.positions() == [10, 4, 14] and kv.layers[0].ragged is None

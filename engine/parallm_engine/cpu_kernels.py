@@ -445,6 +445,12 @@ def _engine_sdpa(orig_sdpa):
     mlx-lm's own function otherwise."""
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        ragged = getattr(cache, "ragged", None)
+        if ragged is not None:  # a ragged step (kv_pages.PagedLaneKV.begin): the rows' rectangle
+            return ragged_attention(attend, queries, keys, values, cache, scale, sinks, ragged)
+        return attend(queries, keys, values, cache, scale, mask, sinks)
+
+    def attend(queries, keys, values, cache, scale, mask, sinks=None):
         shared = getattr(cache, "shared_keys", None)
         # Paged rows (kv_pages): the native kernel reads the page pool through the slot table; the
         # working set ``keys`` / ``values`` gathered for other paths is then never computed.
@@ -472,6 +478,23 @@ def _engine_sdpa(orig_sdpa):
         return orig_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     return sdpa
+
+
+def ragged_attention(attend, queries, keys, values, cache, scale, sinks, ragged):
+    """Attention of a ragged step: model row p is one position (queries (N, H, 1, D)) of a decode row
+    whose positions are consecutive model rows. The queries are laid out as the rows' (B, H, W, D)
+    rectangle (where a row has fewer than W positions, its cells before them repeat another query: computed,
+    never read), attended as any multi-position
+    step (the step's left-padded causal mask; each row's keys read once for all its positions), and
+    the real cells taken back: the same sums as the rectangular step, for only N positions' worth of
+    projections and MLP."""
+    N, H, _, D = queries.shape
+    W = ragged.width
+    B = ragged.fill.shape[0] // W
+    rect = queries.reshape(N, H, D)[ragged.fill].reshape(B, W, H, D).transpose(0, 2, 1, 3)
+    out = attend(rect, keys, values, cache, scale, ragged.mask, sinks)
+    Dv = out.shape[-1]
+    return out.transpose(0, 2, 1, 3).reshape(B * W, H, Dv)[ragged.cells].reshape(N, H, 1, Dv)
 
 
 def _engine_swiglu(orig_swiglu):

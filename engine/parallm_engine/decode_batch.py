@@ -69,6 +69,8 @@ class DecodeBatch:
         # The model's attention takes the layer's keys and values only into the engine's attention hook,
         # whose native kernel can read the page pool (set by the scheduler): no working set is gathered.
         self.attention_reads_pool = False
+        # The model's attention goes through the engine's hook (set by the scheduler): ragged steps can run.
+        self.attention_hooked = False
 
     def _ensure_streams(self) -> None:
         if not self._streams_made:
@@ -202,6 +204,34 @@ class DecodeBatch:
         (speculative verification); :meth:`rollback_rows` then drops the positions each row does not keep."""
         return self._per_lane(model, tokens, last_only=False)
 
+    def ragged_ok(self, model) -> bool:
+        """Whether :meth:`forward_ragged` can run ``model``: its attention goes through the engine's hook
+        (which lays a ragged step's positions out as the rows' rectangle) and it takes no per-row extras."""
+        return self.attention_hooked and not self.mask_5d and not hasattr(model, "decode_kwargs")
+
+    def forward_ragged(self, model, rows: list[list[int]]) -> mx.array:
+        """Lazy float32 logits (N, V) for each row's own positions ``rows[i]`` (rows in row order, a row's
+        positions in order; N their total): the projections and MLP compute only these N positions, not a
+        (B, max width) rectangle (speculative verification, where rows draft different numbers of tokens).
+        :meth:`rollback_rows` then drops the positions each row does not keep. Needs :meth:`ragged_ok`."""
+        parts = []
+        start = 0
+        solo = sum(1 for lane in self.lanes if lane.seqs) == 1
+        nat = cpu_kernels.native_module()
+        for lane in self.lanes:
+            n = len(lane.seqs)
+            if not n:
+                continue
+            mine = rows[start : start + n]
+            with lane.context():
+                lane.kv.begin([len(r) for r in mine], nat, self.attention_reads_pool)
+                flat = mx.array([t for r in mine for t in r], dtype=mx.int32)[:, None]
+                with cpu_kernels.solo_lane(solo):
+                    logits = model(flat, cache=lane.kv.layers)
+                parts.append(logits[:, 0, :].astype(mx.float32))
+            start += n
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
     def _per_lane(self, model, tokens: mx.array, last_only: bool) -> mx.array:
         """Each lane's rows through the model on the lane's stream; the lanes' logits in row order."""
         parts = []
@@ -223,14 +253,16 @@ class DecodeBatch:
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
-    def rollback_rows(self, width: int, keeps: list[int]) -> None:
-        """After :meth:`forward_block` of ``width`` positions, row i (row order) keeps its first
-        ``keeps[i]`` (each row's table just ends there: rows end where they end)."""
+    def rollback_rows(self, widths: int | list[int], keeps: list[int]) -> None:
+        """After :meth:`forward_block` of ``widths`` positions per row (or :meth:`forward_ragged`, a list:
+        row i's own), row i (row order) keeps its first ``keeps[i]`` (each row's table just ends there:
+        rows end where they end)."""
         start = 0
         for lane in self.lanes:
             n = len(lane.seqs)
             if n:
-                lane.kv.rollback_rows(width, keeps[start : start + n])
+                part = widths if isinstance(widths, int) else widths[start : start + n]
+                lane.kv.rollback_rows(part, keeps[start : start + n])
             start += n
 
     # -- KV access ------------------------------------------------------------------------------

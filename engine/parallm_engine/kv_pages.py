@@ -40,12 +40,23 @@ once per step by the cascade attention; rows that continue it store only their l
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from . import kv_quant as kvq
 from .page_pool import MIN_PAGES, PAGE, SHRINK_SLACK, PagedSegment, PagePool, PageRow  # noqa: F401 (re-exported)
+
+class RaggedStep(NamedTuple):
+    """Where a ragged step's model rows (one position each) sit in the rows' attention rectangle."""
+
+    cells: mx.array  # (N,) model row p -> its cell of the flattened (B x W) rectangle
+    fill: mx.array  # (B x W,) cell -> the model row in it (a padding cell: 0, its output never read)
+    width: int  # W
+    mask: mx.array  # the rectangle's (B, 1, W, T) mask (left padding and causal)
+
 
 class PagedLayerKV:
     """One layer of a lane, as mlx-lm's models call a cache (``offset``, ``update_and_fetch``,
@@ -142,6 +153,10 @@ class PagedLayerKV:
         return self.keys[None], self.values[None], self.lane.step_table
 
     @property
+    def ragged(self) -> "RaggedStep | None":
+        return self.lane.ragged
+
+    @property
     def shared_keys(self):
         return kvq.as_float(self._shared_k)
 
@@ -174,6 +189,7 @@ class PagedLaneKV:
         self.step_table: mx.array | None = None
         self.step_mask = None
         self._step_index: dict = {}  # (KH, slots) -> the working set's gather index (step_index)
+        self.ragged: RaggedStep | None = None  # a ragged step's layout (begin)
         self.native = None  # the native kernels module when it writes this step's KV (begin)
         self.native_reads = False  # the model's attention hook reads the pool through the native kernel
 
@@ -278,28 +294,39 @@ class PagedLaneKV:
         for seg in self.segments:
             seg.remap(mapping)
 
-    def rollback_rows(self, width: int, keeps: list[int]) -> None:
-        """After a forward that wrote ``width`` positions per row, row i keeps its first ``keeps[i]``."""
-        for row, k in zip(self.rows, keeps):
-            if width - k:
-                row.truncate(width - k, self.pool)
+    def rollback_rows(self, widths: int | list[int], keeps: list[int]) -> None:
+        """After a forward that wrote ``widths`` positions per row (a list: row i's own), row i keeps its
+        first ``keeps[i]`` of them."""
+        widths = [widths] * len(self.rows) if isinstance(widths, int) else widths
+        for row, w, k in zip(self.rows, widths, keeps):
+            if w - k:
+                row.truncate(w - k, self.pool)
         self._sync()
 
     # -- a step ---------------------------------------------------------------------------------
-    def begin(self, n: int, native=None, native_reads: bool = False) -> None:
-        """Before a forward of ``n`` positions per row: pages for them, where they are written, each
-        layer's RoPE offsets, the left-padded slot table and the mask every layer reads. ``native``: the
-        native kernels module (it writes the new KV); ``native_reads``: the model's attention goes through
-        the engine's hook, whose native kernel reads the pool (no working set is gathered)."""
+    def begin(self, n: int | list[int], native=None, native_reads: bool = False) -> None:
+        """Before a forward of ``n`` positions per row (a list: row i's own count, a ragged step): pages
+        for them, where they are written, each layer's RoPE offsets, the left-padded slot table and the
+        mask every layer reads. ``native``: the native kernels module (it writes the new KV);
+        ``native_reads``: the model's attention goes through the engine's hook, whose native kernel reads
+        the pool (no working set is gathered).
+
+        A ragged step's forward takes one position per model row (N = the counts' sum, row by row): the
+        projections and MLP compute only real positions. Its attention runs on the rows as a rectangle of
+        width max(n) (``ragged``: where each model row sits in it), through the engine's hook
+        (:func:`cpu_kernels.ragged_attention`), so a row's keys are read once for all its positions."""
+        widths = [n] * len(self.rows) if isinstance(n, int) else list(n)
+        assert len(widths) == len(self.rows)
         self.native, self.native_reads = native, native_reads and native is not None
         before = self.positions()
         write = []
-        for row in self.rows:
+        for row, w in zip(self.rows, widths):
             start = row.length
-            row.grow(self.pool, n)
+            row.grow(self.pool, w)
             write.append(row.slots(start))
         lengths = self.lengths()
         T = max(lengths, default=0)
+        W = max(widths, default=0)
         table = np.zeros((len(self.rows), T), dtype=np.int32)  # padding reads page 0
         for i, row in enumerate(self.rows):
             if row.length:
@@ -307,12 +334,22 @@ class PagedLaneKV:
         self._step_index = {}
         self.step_write = mx.array(np.concatenate(write) if write else np.zeros(0, dtype=np.int32))
         self.step_table = mx.array(table)
-        if n == 1 and len(set(lengths)) <= 1:
+        if W == 1 and len(set(lengths)) <= 1:
             self.step_mask = None  # every row sees every column: SDPA's unmasked path
         else:
             pad = mx.array([T - L for L in lengths], dtype=mx.int32)
-            self.step_mask = create_causal_mask(n, offset=T - n, left_padding=pad)
-        offset = mx.array(before, dtype=mx.int32)
+            self.step_mask = create_causal_mask(W, offset=T - W, left_padding=pad)
+        self.ragged = None
+        if isinstance(n, int):
+            offset = mx.array(before, dtype=mx.int32)
+        else:
+            # Model row p is row i's position j: the rectangle's cell (i, W - w_i + j) (right-aligned, as
+            # the row's new keys are in the table), at RoPE position before_i + j.
+            cells = np.concatenate([i * W + W - w + np.arange(w) for i, w in enumerate(widths)]).astype(np.int32)
+            fill = np.zeros(len(widths) * W, dtype=np.int32)  # a cell no model row fills repeats row 0's query
+            fill[cells] = np.arange(len(cells), dtype=np.int32)
+            self.ragged = RaggedStep(mx.array(cells), mx.array(fill), W, self.step_mask)
+            offset = mx.array(np.concatenate([b + np.arange(w) for b, w in zip(before, widths)]).astype(np.int32))
         for layer in self.layers:
             layer.offset = offset
 
@@ -328,6 +365,7 @@ class PagedLaneKV:
     def _sync(self) -> None:
         self.step_write = self.step_table = self.step_mask = None
         self._step_index = {}
+        self.ragged = None
         offset = mx.array(self.positions(), dtype=mx.int32)
         for layer in self.layers:
             layer.offset = offset

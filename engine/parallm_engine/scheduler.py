@@ -46,7 +46,7 @@ from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
 from .sequence import Sequence, common_prefix_len
 from .snapshot_cache import SnapshotCache
-from .speculative import Speculator
+from .speculative import TOKEN_BUDGET, Speculator
 from .stats import EngineStats
 from .vision import prefill_forward
 
@@ -131,6 +131,8 @@ class Scheduler:
             self._share_prefix = bool(self.radix is not None and hooked and not mla)
             # MLA also reads its cached keys outside attention (positional scores): it gets them gathered.
             self.batch.attention_reads_pool = hooked and not mla
+            # ... and MLA passes positional scores in its mask, which a ragged step's rectangle replaces.
+            self.batch.attention_hooked = hooked and not mla
         else:
             self.batch = MixedDecodeBatch()
             self.radix = None
@@ -145,7 +147,11 @@ class Scheduler:
         self.no_speculation = None if self.layout == "attention" else NO_SPECULATION_MIXED
         if self.kv_format is not None:
             self.no_speculation = kv_quant.NO_SPECULATION
-        self.speculator = Speculator(config.speculative, stats, model_info.context_window) \
+        # Positions one verify step may compute: on the CPU, what the native linear takes per lane (past it
+        # a lane's projections go to BLAS at several times the cost per position).
+        native_rows = cpu_kernels.native_linear_rows() if self.native_kernels else 0
+        budget = min(TOKEN_BUDGET, native_rows * config.decode_lanes) if native_rows else TOKEN_BUDGET
+        self.speculator = Speculator(config.speculative, stats, model_info.context_window, token_budget=budget) \
             if self.no_speculation is None else None
         if self.speculator is not None:  # a draft model's KV for its rows counts with the rows (draft_model.py)
             self.kv.draft_kv_bytes = self.speculator.draft_rows.nbytes

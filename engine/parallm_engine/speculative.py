@@ -9,8 +9,10 @@ rows' acceptance rates make best promises more tokens per second than a plain st
 :meth:`Speculator.wants`). Then the scheduler's pipelined step in flight is delivered first (proposals
 need the latest tokens on the host), each row proposes up to ``k`` tokens (the continuation of the
 latest earlier occurrence of its context's last n-gram in its own prompt + output), and one forward
-runs every row over W = 1 + max k positions (rows with fewer drafts, and rows that do not speculate,
-are padded; their extra positions are computed and dropped).
+runs every row over its own 1 + k positions (a ragged step: ``DecodeBatch.forward_ragged``; a row
+without drafts costs one position). Where the model's attention does not go through the engine's hook
+the forward is a (B, 1 + max k) rectangle instead: shorter rows are padded, their extra positions
+computed and dropped.
 
 Acceptance is exact. At every verified position j of a row the target's own sampler draws a token
 t_j with the same settings and, for a seeded row, the same key it would use without speculation
@@ -105,6 +107,10 @@ class RowState:
     config: SpeculativeConfig
     index: NgramIndex
     rate: float = 1.0  # recent acceptance rate (exponential average)
+    # Acceptance is bursty: the first draft's rate, and a next draft's after an accepted one, apart
+    # (spec_policy.run_odds): a copying row's later drafts are worth more than rate^j says.
+    first: float = 1.0
+    cont: float = 0.9
     rest: int = 0  # steps left without speculation after a run of rejections
     draft_rest: int = 8  # the draft-model method's next rest (doubles while its drafts keep failing)
     proposed: int = 0
@@ -178,11 +184,11 @@ class Speculator:
             st = self._state(s, cfg)
             if not cfg.adaptive:
                 fixed = max(fixed, 1 + cfg.num_tokens)
-            rows.append((st.rate if st.rest == 0 else 0.0, cfg.num_tokens if st.rest == 0 else 0))
+            rows.append((st.first, cfg.num_tokens, st.cont) if st.rest == 0 else (0.0, 0))
         # Adaptive rows speculate as measured costs and their acceptance say, unless speculating has lately
         # delivered less than plain steps for this batch size (spec_policy.RealizedGain).
         adaptive = 1
-        if any(cap for _, cap in rows) and (fixed > 1 or self.realized.allows(len(running))):
+        if any(row[1] for row in rows) and (fixed > 1 or self.realized.allows(len(running))):
             adaptive = choose_width(self.cost, rows, self.token_budget)
         self._width = min(max(adaptive, fixed), self.token_budget // len(running), MAX_WIDTH)
         return self._width >= 2
@@ -197,13 +203,16 @@ class Speculator:
                 continue
             if st.rest > 0:
                 st.rest -= 1
-            elif st.rate < _RETRY_RATE:
-                st.rate += (_RETRY_RATE - st.rate) * _RATE_RECOVERY
+            else:
+                if st.rate < _RETRY_RATE:
+                    st.rate += (_RETRY_RATE - st.rate) * _RATE_RECOVERY
+                if st.first < _RETRY_RATE:
+                    st.first += (_RETRY_RATE - st.first) * _RATE_RECOVERY
 
     def observe_plain_step(self, rows: int, seconds: float) -> None:
         """An ordinary pipelined decode step's rows and seconds (the scheduler's timing, prefill
         excluded); speculative steps time themselves."""
-        self.cost.observe(rows, seconds)
+        self.cost.observe_plain(rows, seconds)
 
     def _k_for(self, seq, st: RowState, cap: int) -> int:
         cfg = st.config
@@ -270,7 +279,7 @@ class Speculator:
             return False
         positions, tokens = self.verify(runner, running, drafts)
         seconds = time.perf_counter() - t0
-        self.cost.observe(positions, seconds)
+        self.cost.observe(len(running), positions, seconds)
         self.realized.observe(len(running), tokens, seconds, self.cost)
         return True
 
@@ -280,15 +289,22 @@ class Speculator:
         Returns the positions the forward computed and the tokens delivered."""
         B = len(running)
         pending = [(s.request.prompt_ids + s.output_ids)[s.consumed :] for s in running]
-        W = max(len(u) + len(d) for u, d in zip(pending, drafts))
-        inputs = [u + d + [u[-1]] * (W - len(u) - len(d)) for u, d in zip(pending, drafts)]
-        logits = runner.batch.forward_block(runner.model, mx.array(inputs))
-        V = logits.shape[-1]
+        widths = [len(u) + len(d) for u, d in zip(pending, drafts)]
+        W = max(widths)
+        batch = runner.batch
+        if batch.ragged_ok(runner.model):  # each row computes its own positions only
+            logits = batch.forward_ragged(runner.model, [u + d for u, d in zip(pending, drafts)])
+            starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+        else:  # a (B, W) rectangle: shorter rows padded with their last token, computed and dropped
+            inputs = [u + d + [u[-1]] * (W - len(u) - len(d)) for u, d in zip(pending, drafts)]
+            logits = batch.forward_block(runner.model, mx.array(inputs))
+            logits = logits.reshape(B * W, logits.shape[-1])
+            starts, widths = [i * W for i in range(B)], W
         # Sample every verified position as decoding would there: a row's last pending token (the
         # next token's logits) and each of its drafts.
         flat, samplers, constraints, chains, owners = [], [], [], [], []
         for i, (s, u, d) in enumerate(zip(running, pending, drafts)):
-            first = i * W + len(u) - 1
+            first = starts[i] + len(u) - 1
             if not d:
                 flat.append(first)
                 samplers.append(s.sampler)  # its own state: penalties and key chain advance as usual
@@ -304,7 +320,7 @@ class Speculator:
                 samplers.append(_PositionSampler(s.sampler.params, chain[j] if chain else None))
                 constraints.append(masks[j])
                 owners.append(i)
-        rows = logits.reshape(B * W, V)[mx.array(flat)]
+        rows = logits[mx.array(flat)]
         if any(c is not None for c in constraints):
             rows = apply_constraints(rows, constraints)
         toks, logprobs = sample_batch(rows, samplers)
@@ -345,10 +361,10 @@ class Speculator:
             keep.append(len(u) + max(0, added - 1))
             if d:
                 self._account(s, len(d), max(0, min(added - 1, len(d))), chains[i])
-        runner.batch.rollback_rows(W, keep)
+        batch.rollback_rows(widths, keep)
         for s, k in zip(running, keep):
             s.consumed += k
-        return B * W, len(emit)
+        return (B * W if isinstance(widths, int) else sum(widths)), len(emit)
 
     def _account(self, s, proposed: int, accepted: int, chain) -> None:
         if chain:  # the row's key chain moves on by the tokens it emitted
@@ -359,11 +375,16 @@ class Speculator:
             st.proposed += proposed
             st.accepted += accepted
             st.rate = 0.7 * st.rate + 0.3 * (accepted / proposed)
+            st.first = 0.7 * st.first + 0.3 * (accepted > 0)
+            trials = accepted - 1 + (accepted < proposed)  # drafts tried after an accepted one
+            if accepted and trials:
+                st.cont = 0.7 * st.cont + 0.3 * ((accepted - 1) / trials)
             if st.config.adaptive and st.rate < _MIN_RATE:
                 st.rest, st.rate = _REST, 0.5  # rest, then try again from a middling estimate
                 if st.config.method == "draft":  # drafting costs forwards: retry with one token, rest longer
                     st.rest, st.rate = st.draft_rest, 0.2
                     st.draft_rest = min(2 * st.draft_rest, _MAX_DRAFT_REST)
+                st.first = st.rate
             elif st.rate >= 0.5:
                 st.draft_rest = _REST
         usage = s.request.usage

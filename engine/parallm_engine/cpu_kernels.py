@@ -483,11 +483,10 @@ def _engine_sdpa(orig_sdpa):
 def ragged_attention(attend, queries, keys, values, cache, scale, sinks, ragged):
     """Attention of a ragged step: model row p is one position (queries (N, H, 1, D)) of a decode row
     whose positions are consecutive model rows. The queries are laid out as the rows' (B, H, W, D)
-    rectangle (where a row has fewer than W positions, its cells before them repeat another query: computed,
-    never read), attended as any multi-position
-    step (the step's left-padded causal mask; each row's keys read once for all its positions), and
-    the real cells taken back: the same sums as the rectangular step, for only N positions' worth of
-    projections and MLP."""
+    rectangle (where a row has fewer than W positions, its cells before them repeat another query:
+    computed, never read), attended as any multi-position step (the step's left-padded causal mask; each
+    row's keys read once for all its positions), and the real cells taken back: the same sums as the
+    rectangular step, for only N positions' worth of projections and MLP."""
     N, H, _, D = queries.shape
     W = ragged.width
     B = ragged.fill.shape[0] // W

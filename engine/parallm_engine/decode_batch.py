@@ -214,26 +214,11 @@ class DecodeBatch:
         positions in order; N their total): the projections and MLP compute only these N positions, not a
         (B, max width) rectangle (speculative verification, where rows draft different numbers of tokens).
         :meth:`rollback_rows` then drops the positions each row does not keep. Needs :meth:`ragged_ok`."""
-        parts = []
-        start = 0
-        solo = sum(1 for lane in self.lanes if lane.seqs) == 1
-        nat = cpu_kernels.native_module()
-        for lane in self.lanes:
-            n = len(lane.seqs)
-            if not n:
-                continue
-            mine = rows[start : start + n]
-            with lane.context():
-                lane.kv.begin([len(r) for r in mine], nat, self.attention_reads_pool)
-                flat = mx.array([t for r in mine for t in r], dtype=mx.int32)[:, None]
-                with cpu_kernels.solo_lane(solo):
-                    logits = model(flat, cache=lane.kv.layers)
-                parts.append(logits[:, 0, :].astype(mx.float32))
-            start += n
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        return self._per_lane(model, None, last_only=True, rows=rows)
 
-    def _per_lane(self, model, tokens: mx.array, last_only: bool) -> mx.array:
-        """Each lane's rows through the model on the lane's stream; the lanes' logits in row order."""
+    def _per_lane(self, model, tokens: mx.array | None, last_only: bool, rows: list[list[int]] | None = None):
+        """Each lane's rows through the model on the lane's stream; the lanes' logits in row order.
+        ``rows``: a ragged step instead of ``tokens`` (one model row per position)."""
         parts = []
         start = 0
         solo = sum(1 for lane in self.lanes if lane.seqs) == 1  # one lane has the cores' kernels to itself
@@ -243,12 +228,17 @@ class DecodeBatch:
             if not n:
                 continue
             with lane.context():
-                rows = tokens if n == len(tokens) else tokens[start : start + n]
-                # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
-                extra = model.decode_kwargs(lane.seqs, rows.shape[1]) if hasattr(model, "decode_kwargs") else {}
-                lane.kv.begin(rows.shape[1], nat, self.attention_reads_pool)
+                if rows is not None:
+                    mine = rows[start : start + n]
+                    lane.kv.begin([len(r) for r in mine], nat, self.attention_reads_pool)
+                    x, extra = mx.array([t for r in mine for t in r], dtype=mx.int32)[:, None], {}
+                else:
+                    x = tokens if n == len(tokens) else tokens[start : start + n]
+                    # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
+                    extra = model.decode_kwargs(lane.seqs, x.shape[1]) if hasattr(model, "decode_kwargs") else {}
+                    lane.kv.begin(x.shape[1], nat, self.attention_reads_pool)
                 with cpu_kernels.solo_lane(solo):
-                    logits = model(rows, cache=lane.kv.layers, **extra)
+                    logits = model(x, cache=lane.kv.layers, **extra)
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)

@@ -49,13 +49,14 @@ from mlx_lm.models.base import create_causal_mask
 from . import kv_quant as kvq
 from .page_pool import MIN_PAGES, PAGE, SHRINK_SLACK, PagedSegment, PagePool, PageRow  # noqa: F401 (re-exported)
 
+
 class RaggedStep(NamedTuple):
     """Where a ragged step's model rows (one position each) sit in the rows' attention rectangle."""
 
     cells: mx.array  # (N,) model row p -> its cell of the flattened (B x W) rectangle
     fill: mx.array  # (B x W,) cell -> the model row in it (a padding cell: 0, its output never read)
     width: int  # W
-    mask: mx.array  # the rectangle's (B, 1, W, T) mask (left padding and causal)
+    mask: mx.array | None  # the rectangle's (B, 1, W, T) mask (left padding and causal); None: all visible
 
 
 class PagedLayerKV:

@@ -149,7 +149,8 @@ class Scheduler:
             self.no_speculation = kv_quant.NO_SPECULATION
         # Positions one verify step may compute: on the CPU, what the native linear takes per lane (past it
         # a lane's projections go to BLAS at several times the cost per position).
-        native_rows = cpu_kernels.native_linear_rows() if self.native_kernels else 0
+        with cpu_kernels.solo_lane(config.decode_lanes == 1):  # one lane has the kernels' threads to itself
+            native_rows = cpu_kernels.native_linear_rows() if self.native_kernels else 0
         budget = min(TOKEN_BUDGET, native_rows * config.decode_lanes) if native_rows else TOKEN_BUDGET
         self.speculator = Speculator(config.speculative, stats, model_info.context_window, token_budget=budget) \
             if self.no_speculation is None else None

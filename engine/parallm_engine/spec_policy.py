@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-#: Observations a bucket keeps (its cost is their median; the least of them while it has fewer than 3).
+#: Observations a bucket keeps (its cost is their lower median; the least of them while it has fewer than 3).
 _KEEP = 5
 #: A speculative step must promise this much more throughput than a plain step (noise, and a verify
 #: step cannot overlap the host's work with the device's as a plain pipelined step does: measured, but

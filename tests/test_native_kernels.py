@@ -276,6 +276,26 @@ def test_fully_masked_row_gives_zeros_not_nan(nat, D):
     assert (out[1] == 0).all()
 
 
+@pytest.mark.parametrize("D", [16, 20])
+def test_a_position_that_sees_none_of_its_own_columns_is_padding(nat, D):
+    """A ragged verify step's rectangle cells no row fills see none of their own columns (every real
+    query sees its own key): zeros, not computed, even where the row continues a shared prefix; the other
+    positions keep their bits."""
+    rng = np.random.default_rng(0)
+    B, H, KH, L, T, P = 2, 4, 2, 3, 6, 5
+    q = mx.array(rng.standard_normal((B, H, L, D)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((B, KH, T, D)).astype(np.float32)) for _ in range(2))
+    sk, sv = (mx.array(rng.standard_normal((1, KH, P, D)).astype(np.float32)) for _ in range(2))
+    real = np.array(create_causal_mask(L, offset=T - L))[None, None].repeat(B, 0)  # (B, 1, L, T)
+    padded = real.copy()
+    padded[0, 0, :2] = False  # row 0 has one position: its first two cells are padding
+    got = np.array(nat.attention(q, k, v, 0.25, mx.array(padded), False, sk, sv, None))
+    want = np.array(nat.attention(q, k, v, 0.25, mx.array(real), False, sk, sv, None))
+    assert (got[0, :, :2] == 0).all()
+    np.testing.assert_array_equal(got[0, :, 2:], want[0, :, 2:])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_attention_rejects_what_it_does_not_handle(nat):
     q = mx.zeros((1, 4, 2, 16))
     kv = mx.zeros((1, 2, 3, 16))

@@ -56,7 +56,8 @@ class RaggedStep(NamedTuple):
     cells: mx.array  # (N,) model row p -> its cell of the flattened (B x W) rectangle
     fill: mx.array  # (B x W,) cell -> the model row in it (a padding cell: 0, its output never read)
     width: int  # W
-    mask: mx.array | None  # the rectangle's (B, 1, W, T) mask (left padding and causal); None: all visible
+    mask: mx.array | None  # the rectangle's (B, 1, W, T) mask (left padding, causal, cells no row fills
+    # see nothing); None: every cell sees every column
 
 
 class PagedLayerKV:
@@ -349,7 +350,12 @@ class PagedLaneKV:
             cells = np.concatenate([i * W + W - w + np.arange(w) for i, w in enumerate(widths)]).astype(np.int32)
             fill = np.zeros(len(widths) * W, dtype=np.int32)  # a cell no model row fills repeats row 0's query
             fill[cells] = np.arange(len(cells), dtype=np.int32)
-            self.ragged = RaggedStep(mx.array(cells), mx.array(fill), W, self.step_mask)
+            mask = self.step_mask
+            if mask is not None:  # the cells no row fills see nothing: the native kernel skips them
+                filled = np.zeros(len(widths) * W, dtype=bool)
+                filled[cells] = True
+                mask = mx.logical_and(mask, mx.array(filled.reshape(len(widths), 1, W, 1)))
+            self.ragged = RaggedStep(mx.array(cells), mx.array(fill), W, mask)
             offset = mx.array(np.concatenate([b + np.arange(w) for b, w in zip(before, widths)]).astype(np.int32))
         for layer in self.layers:
             layer.offset = offset

@@ -292,10 +292,10 @@ class Speculator:
         widths = [len(u) + len(d) for u, d in zip(pending, drafts)]
         W = max(widths)
         batch = runner.batch
-        if batch.ragged_ok(runner.model):  # each row computes its own positions only
+        if len(set(widths)) > 1 and batch.ragged_ok(runner.model):  # each row computes its own positions only
             logits = batch.forward_ragged(runner.model, [u + d for u, d in zip(pending, drafts)])
             starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
-        else:  # a (B, W) rectangle: shorter rows padded with their last token, computed and dropped
+        else:  # a (B, W) rectangle (shorter rows padded with their last token, computed and dropped)
             inputs = [u + d + [u[-1]] * (W - len(u) - len(d)) for u, d in zip(pending, drafts)]
             logits = batch.forward_block(runner.model, mx.array(inputs))
             logits = logits.reshape(B * W, logits.shape[-1])

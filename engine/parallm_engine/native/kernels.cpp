@@ -636,7 +636,9 @@ static void attend(const AttnArgs& a, int b, int kh, int l) {
   const int64_t first = (static_cast<int64_t>(b) * a.H + kh * rep) * a.L + l;
   float* out = a.out + first * Dv;
   const int64_t ostride = static_cast<int64_t>(a.L) * Dv;
-  if (n == 0) {  // nothing to attend to (a fully masked row): zeros, never NaN
+  // Nothing to attend to (a fully masked row), or none of its own columns (a position that is padding,
+  // e.g. a ragged verify step's rectangle cells no row fills; every real query sees its own key): zeros.
+  if (n == 0 || n == (use_prefix ? a.P : 0)) {
     for (int r = 0; r < rep; ++r) std::fill(out + r * ostride, out + r * ostride + Dv, 0.0f);
     return;
   }
@@ -838,7 +840,7 @@ static inline void weigh_values64(const float* p, const int* idx, int n, const f
 }
 
 static void attend_block(const AttnArgs& a, int b, int kh, int l0, int l1) {
-  const int rep = a.H / a.KH, D = a.D, Dv = a.Dv, nl = l1 - l0, rows = rep * nl;
+  const int rep = a.H / a.KH, D = a.D, Dv = a.Dv, nl = l1 - l0;
   const bool use_prefix = a.sk && (!a.shared_mask || a.shared_mask[b]);
   const int nP = use_prefix ? a.P : 0;
   const bool* mbase = a.mask ? a.mask + b * a.ms0 : nullptr;
@@ -883,6 +885,8 @@ static void attend_block(const AttnArgs& a, int b, int kh, int l0, int l1) {
   }
   vis.resize(static_cast<size_t>(nl) * std::max(nU, 1));
   nvis.assign(nl, 0);
+  thread_local std::vector<int> pos;  // the block's positions that see one of their own columns
+  pos.clear();
   for (int l = l0; l < l1; ++l) {
     int* v = &vis[static_cast<size_t>(l - l0) * nU];
     int n = 0;
@@ -890,12 +894,23 @@ static void attend_block(const AttnArgs& a, int b, int kh, int l0, int l1) {
     for (int u = nP; u < nU; ++u)
       if (visible(cols[u - nP], l)) v[n++] = u;
     nvis[l - l0] = n;
+    if (n > nP) pos.push_back(l);
   }
-  // Query rows: row i = (position l0 + i / rep, head kh * rep + i % rep), scaled.
+  // A position that sees none of its own columns is padding (every real query sees its own key: e.g. a
+  // ragged verify step's rectangle cells no row fills): zeros, and not computed.
+  for (int l = l0; l < l1; ++l)
+    if (nvis[l - l0] == nP)
+      for (int r = 0; r < rep; ++r) {
+        float* out = a.out + ((static_cast<int64_t>(b) * a.H + kh * rep + r) * a.L + l) * Dv;
+        std::fill(out, out + Dv, 0.0f);
+      }
+  const int rows = rep * static_cast<int>(pos.size());
+  if (rows == 0) return;
+  // Query rows: row i = (position pos[i / rep], head kh * rep + i % rep), scaled.
   const int rows2 = (rows + 1) / 2 * 2;
   qbuf.resize(static_cast<size_t>(rows2) * D);
   for (int i = 0; i < rows; ++i) {
-    const int l = l0 + i / rep, h = kh * rep + i % rep;
+    const int l = pos[i / rep], h = kh * rep + i % rep;
     const float* qrow = a.q + ((static_cast<int64_t>(b) * a.H + h) * a.L + l) * D;
     for (int d = 0; d < D; ++d) qbuf[static_cast<size_t>(i) * D + d] = qrow[d] * a.qscale;
   }
@@ -914,7 +929,7 @@ static void attend_block(const AttnArgs& a, int b, int kh, int l0, int l1) {
   thread_local std::vector<float> inv;
   inv.resize(rows);
   for (int i = 0; i < rows; ++i) {
-    const int li = i / rep, n = nvis[li];
+    const int li = pos[i / rep] - l0, n = nvis[li];
     const int* v = &vis[static_cast<size_t>(li) * nU];
     float* c = &cs[static_cast<size_t>(i) * ldc];
     const float* srow = &S[static_cast<size_t>(i) * ldS];
@@ -928,7 +943,7 @@ static void attend_block(const AttnArgs& a, int b, int kh, int l0, int l1) {
   for (int u0 = 0; u0 < nU; u0 += kVTile) {
     const int u1 = std::min(nU, u0 + kVTile);
     for (int i = 0; i < rows; ++i) {
-      const int li = i / rep, n = nvis[li];
+      const int li = pos[i / rep] - l0, n = nvis[li];
       const int* v = &vis[static_cast<size_t>(li) * nU];
       const float* p = &cs[static_cast<size_t>(i) * ldc];
       float* o = &acc[static_cast<size_t>(i) * Dv];
@@ -943,7 +958,7 @@ static void attend_block(const AttnArgs& a, int b, int kh, int l0, int l1) {
     }
   }
   for (int i = 0; i < rows; ++i) {
-    const int l = l0 + i / rep, h = kh * rep + i % rep;
+    const int l = pos[i / rep], h = kh * rep + i % rep;
     float* out = a.out + ((static_cast<int64_t>(b) * a.H + h) * a.L + l) * Dv;
     const float* o = &acc[static_cast<size_t>(i) * Dv];
     for (int d = 0; d < Dv; ++d) out[d] = o[d] * inv[i];  // a row that sees nothing: zeros, never NaN

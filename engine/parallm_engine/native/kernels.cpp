@@ -9,7 +9,9 @@
 //   attention   softmax attention, GQA, causal or a boolean mask, and an optional prefix held once
 //               for the batch (cascade attention, kv_cache.SharedPrefix); keys and values either
 //               per row or in a page pool read through a slot table (kv_pages); one task per (row, KV
-//               head, block of up to 16 query positions): decode (one position) and prefill alike.
+//               head, block of up to 16 query positions): decode (one position) and prefill alike. A
+//               position that sees none of its own columns is padding (a ragged verify step's cells
+//               no row fills): zeros, not computed.
 //   linear      x @ w.T (+ bias) for a decode step's few rows, reading nn.Linear's weights in place
 //               (float32, or bfloat16 widened in registers: weights_dtype="bfloat16").
 //   linear_bf16_packed  bf16(x) @ w.T with AVX512_BF16 on weights packed into panels at load

@@ -69,8 +69,6 @@ class DecodeBatch:
         # The model's attention takes the layer's keys and values only into the engine's attention hook,
         # whose native kernel can read the page pool (set by the scheduler): no working set is gathered.
         self.attention_reads_pool = False
-        # The model's attention goes through the engine's hook (set by the scheduler): ragged steps can run.
-        self.attention_hooked = False
 
     def _ensure_streams(self) -> None:
         if not self._streams_made:
@@ -206,8 +204,9 @@ class DecodeBatch:
 
     def ragged_ok(self, model) -> bool:
         """Whether :meth:`forward_ragged` can run ``model``: its attention goes through the engine's hook
-        (which lays a ragged step's positions out as the rows' rectangle) and it takes no per-row extras."""
-        return self.attention_hooked and not self.mask_5d and not hasattr(model, "decode_kwargs")
+        (which lays a ragged step's positions out as the rows' rectangle; ``attention_reads_pool`` says the
+        keys and values go only there) and it takes no per-row extras."""
+        return self.attention_reads_pool and not self.mask_5d and not hasattr(model, "decode_kwargs")
 
     def forward_ragged(self, model, rows: list[list[int]]) -> mx.array:
         """Lazy float32 logits (N, V) for each row's own positions ``rows[i]`` (rows in row order, a row's

@@ -129,10 +129,9 @@ class Scheduler:
             # cached latents, with positional scores in the mask: it keeps whole rows).
             mla = bool((getattr(model_info, "config", None) or {}).get("kv_lora_rank"))
             self._share_prefix = bool(self.radix is not None and hooked and not mla)
-            # MLA also reads its cached keys outside attention (positional scores): it gets them gathered.
+            # MLA also reads its cached keys outside attention (positional scores): it gets them gathered,
+            # and it passes those scores in its mask, which a ragged step's rectangle would replace.
             self.batch.attention_reads_pool = hooked and not mla
-            # ... and MLA passes positional scores in its mask, which a ragged step's rectangle replaces.
-            self.batch.attention_hooked = hooked and not mla
         else:
             self.batch = MixedDecodeBatch()
             self.radix = None

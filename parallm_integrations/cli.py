@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(
             "parallm: the ParaLLM engine is not installed here (it runs the model locally: info, generate, "
-            "demo, serve, bench). Install it with `pip install 'parallm-integrations[engine]'`. Without it, "
+            "demo, serve, bench). Install it with `pip install 'parallm-integrations[engine]'` "
+            "(on Linux with MLX's backend: `[engine,cpu]`, or `[engine,cuda13]` / `[engine,cuda12]`). Without it, "
             "ChatParaLLM / ParaLLM / ParaLLMLlamaIndex work with base_url= (a ParaLLM or OpenAI-compatible server).",
             file=sys.stderr,
         )

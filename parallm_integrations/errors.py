@@ -85,7 +85,8 @@ class EngineNotInstalledError(ImportError):
         super().__init__(
             f"{what} runs the model in-process on the ParaLLM engine, which is not installed here"
             f"{f' (no module named {missing!r})' if missing else ''}. Install it with "
-            "`pip install 'parallm-integrations[engine]'`, or pass base_url= to use a ParaLLM / "
+            "`pip install 'parallm-integrations[engine]'` (on Linux with MLX's backend: `[engine,cpu]`, or "
+            "`[engine,cuda13]` / `[engine,cuda12]` for NVIDIA GPUs), or pass base_url= to use a ParaLLM / "
             "OpenAI-compatible server (`parallm serve`, vLLM, SGLang) instead.",
             name=missing,
         )

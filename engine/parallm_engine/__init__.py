@@ -57,6 +57,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .mlx_install import require_backend_library
+
+    require_backend_library()  # a typed error, not a linker error, where no MLX backend is installed
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value

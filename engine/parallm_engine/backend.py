@@ -241,6 +241,9 @@ def _configure_mkl() -> None:
 
 def backend_info() -> BackendInfo:
     """Describe the active backend (imports mlx)."""
+    from .mlx_install import require_backend_library
+
+    require_backend_library()
     import mlx.core as mx
 
     if platform.system() == "Darwin" and mx.metal.is_available():

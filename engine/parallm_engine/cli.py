@@ -47,9 +47,13 @@ def cmd_info(args) -> int:
     from .backend import choose_backend
     from .memory_budget import mlx_limits
 
+    from .mlx_install import inspect_install
+
+    install = inspect_install()
     info = backend_info()
     engine_backend = choose_backend()
-    out = {"backend": info.as_dict(), "engine_backend": engine_backend.as_dict(),
+    out = {"backend": info.as_dict(), "mlx_install": install.as_dict(),
+           "gpu_visible": info.device in ("gpu", "cuda"), "engine_backend": engine_backend.as_dict(),
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
     from .errors import ParaLLMError
     from .weights_dtype import resolve_weights_dtype
@@ -96,6 +100,9 @@ def cmd_info(args) -> int:
         return 0
     b = info
     print(f"backend : {b.device} ({b.platform}), mlx {b.mlx_version}")
+    print(f"mlx lib : {install.summary()}; GPU {'visible' if out['gpu_visible'] else 'not visible'} to MLX")
+    if install.problem:
+        print(f"warning : {install.problem}")
     print(f"dtype   : {b.dtype}  (weights run in this dtype on this backend)")
     if b.device == "cpu":
         print(f"weights : stored {out['weights_dtype']} (Engine(weights_dtype=\"bfloat16\") or "

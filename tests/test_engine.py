@@ -340,3 +340,14 @@ def test_pure_mlx_path_gives_the_native_paths_greedy_tokens(engine):
         assert got == want
     finally:
         mlx_only.shutdown()
+
+
+def test_step_time_breakdown_adds_up(engine):
+    """stats()["step_ms"]: each step's wall time split into planning, prefill, decode host work and the
+    wait for the device's tokens; the parts are measured, non-negative and the wait sits inside decode."""
+    engine.generate(["Count to five:", "Name three colours:"], max_tokens=8, temperature=0)
+    totals = engine.stats()["step_totals_s"]
+    assert totals["steps"] > 0 and totals["decode"] > 0 and totals["plan"] > 0
+    assert 0 <= totals["device_wait"] <= totals["decode"] + totals["prefill"]
+    parts = engine.stats()["step_ms"]
+    assert all(v >= 0 for v in parts.values()) and 0 < parts["host_share"] <= 1

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .stats import step_breakdown_ms
 from .weights_dtype import BF16_WEIGHTS
 
 
@@ -131,7 +132,8 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
 
 def run_parallm(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     engine.clear_prefix_cache()  # every workload starts cold: no hits on an earlier workload's prompts
-    before = engine.stats()["prefill_tokens"]
+    start = engine.stats()
+    before = start["prefill_tokens"]
     mx.reset_peak_memory()
 
     async def main():
@@ -157,8 +159,20 @@ def run_parallm(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     wall, outs = asyncio.run(main())
     ttfts = [o[0] for o in outs if o[0] is not None]
     itls = [b - a for o in outs for a, b in zip(o[1], o[1][1:])]
-    prefill = engine.stats()["prefill_tokens"] - before
-    return _summary(sum(o[2] for o in outs), wall, ttfts, itls, prefill, len(prompts), mx.get_peak_memory())
+    end = engine.stats()
+    prefill = end["prefill_tokens"] - before
+    out = _summary(sum(o[2] for o in outs), wall, ttfts, itls, prefill, len(prompts), mx.get_peak_memory())
+    out["step_ms"] = _step_ms(start, end)
+    return out
+
+
+def _step_ms(start: dict, end: dict) -> dict | None:
+    """Mean ms per engine step of one run, by part (stats.step_breakdown_ms), from two stats() snapshots."""
+    if "step_totals_s" not in start:  # an engine behind base_url= without these counters
+        return None
+    a, b = start["step_totals_s"], end["step_totals_s"]
+    d = {k: b[k] - a[k] for k in a}
+    return step_breakdown_ms(d["steps"], d["plan"], d["prefill"], d["decode"], d["device_wait"])
 
 
 # -- mlx-lm baselines ------------------------------------------------------------------------------
@@ -577,6 +591,12 @@ def format_table(result: dict) -> str:
     for name, entry in result["workloads"].items():
         if entry.get("ratios"):  # below the table: a row would truncate them
             console.print(f"{name} ratios: " + ", ".join(f"{k}={v}x" for k, v in entry["ratios"].items()))
+    for name, entry in result["workloads"].items():
+        steps = entry.get("parallm", {}).get("step_ms") if isinstance(entry.get("parallm"), dict) else None
+        if steps:  # host work per step beside the device wait: what a GPU's short step would expose
+            console.print(f"{name} ParaLLM step ms: plan {steps['plan']:.2f}, prefill {steps['prefill']:.1f}, "
+                          f"decode host {steps['decode_host']:.1f}, device wait {steps['device_wait']:.1f} "
+                          f"(host share {steps['host_share']:.0%})", highlight=False)
     for name, entry in result["workloads"].items():
         if "skipped" in entry:
             console.print(f"{name}: skipped ({entry['skipped']})")

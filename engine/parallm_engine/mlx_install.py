@@ -64,8 +64,12 @@ def _library_path() -> Path | None:
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libmlx.so"
-    return path if path.is_file() else None
+    # ``mlx`` is a namespace package: any directory named mlx on sys.path (even the cwd's) is one of its parts.
+    for part in spec.submodule_search_locations:
+        path = Path(part) / "lib" / "libmlx.so"
+        if path.is_file():
+            return path
+    return None
 
 
 def inspect_install(hash_library: bool = True) -> MLXInstall:

@@ -33,7 +33,9 @@ class OutputProcessor:
 
     def deliver(self, seqs: list, toks, lp_rows, chosen) -> None:
         """Accept each sequence's sampled token (``toks`` one per row of ``seqs``)."""
-        tok_list = toks.tolist()
+        t0 = time.perf_counter()
+        tok_list = toks.tolist()  # blocks until the device has the tokens: the step's device wait
+        self.stats.device_wait_s += time.perf_counter() - t0
         chosen_list = chosen.tolist() if chosen is not None else None
         lp_np = np.array(lp_rows) if lp_rows is not None else None
         now = time.monotonic()

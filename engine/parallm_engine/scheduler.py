@@ -287,16 +287,20 @@ class Scheduler:
             self.batch.trim()  # pages the prefix cache gave back
         self._admit()
         self.runner.plain_rows = 0
+        plan_s = time.perf_counter() - t0
         with cpu_kernels.enabled(self._cpu_kernels):
             joined, prefill_s, prefilled = self._timed_prefill()
             if joined and self.layout == "mixed":  # attention-layout rows joined as their prefill ended
                 self._join(joined)
+            t_decode = time.perf_counter()
             if self.running:
                 if self.layout == "attention":  # page pools grow only into budget nobody holds
                     self.batch.set_spare(self.kv.spare_bytes(), self.kv_bytes_per_token)
                 self.runner.step()
             elif self.runner.in_flight:
                 self.runner.flush()
+        decode_s = time.perf_counter() - t_decode
+        self.stats.on_step_times(plan_s, prefill_s, decode_s)
         other = time.perf_counter() - t0 - prefill_s
         self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
         if self.runner.plain_rows and not joined and not prefilled:  # a steady decode step: what it costs

@@ -15,6 +15,16 @@ def _percentile(values, q: float) -> float:
     return v[k]
 
 
+def step_breakdown_ms(steps: int, plan: float, prefill: float, decode: float, device_wait: float) -> dict:
+    """Mean ms per step: planning, prefill, decode host work (decode minus the device wait), device wait,
+    and the share of plan + decode spent on the host (what must stay small where a GPU step is short)."""
+    n = max(steps, 1)
+    host = max(decode - device_wait, 0.0)
+    return {"plan": round(1e3 * plan / n, 3), "prefill": round(1e3 * prefill / n, 3),
+            "decode_host": round(1e3 * host / n, 3), "device_wait": round(1e3 * device_wait / n, 3),
+            "host_share": round((plan + host) / (plan + decode), 3) if plan + decode > 0 else 0.0}
+
+
 class EngineStats:
     """Counters updated by the engine thread; read (as a snapshot) from any thread."""
 
@@ -48,6 +58,13 @@ class EngineStats:
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_draft_kv_bytes = 0  # the draft-model method's KV for its rows (draft_model.py)
+        # Where a step's wall time goes (seconds, summed over steps): planning (make room, admit), prefill
+        # (host and device together), the decode step, and within it the time blocked on the device for
+        # sampled tokens. Decode host work = decode - device wait: what a GPU's short step exposes.
+        self.step_plan_s = 0.0
+        self.step_prefill_s = 0.0
+        self.step_decode_s = 0.0
+        self.device_wait_s = 0.0
         self._occupancy_sum = 0
         self._ttft = deque(maxlen=window)
         self._itl = deque(maxlen=window)
@@ -103,6 +120,16 @@ class EngineStats:
             self.kv_bytes_held = kv_bytes_held
             self.peak_kv_bytes_held = max(self.peak_kv_bytes_held, kv_bytes_held)
 
+    def on_step_times(self, plan_s: float, prefill_s: float, decode_s: float) -> None:
+        self.step_plan_s += plan_s
+        self.step_prefill_s += prefill_s
+        self.step_decode_s += decode_s
+
+    def step_breakdown_ms(self) -> dict:
+        """Mean milliseconds per engine step in each part (see ``__init__``)."""
+        return step_breakdown_ms(self.steps, self.step_plan_s, self.step_prefill_s, self.step_decode_s,
+                                 self.device_wait_s)
+
     def publish(self, gauges: dict) -> None:
         """Engine thread, between steps. The dict is replaced whole and never mutated afterwards, so a
         reader on any other thread sees one consistent snapshot."""
@@ -151,6 +178,9 @@ class EngineStats:
                                      if self.spec_proposed_tokens else 0.0),
             "spec_draft_kv_bytes": self.spec_draft_kv_bytes,
             "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "step_ms": self.step_breakdown_ms(),
+            "step_totals_s": {"steps": self.steps, "plan": self.step_plan_s, "prefill": self.step_prefill_s,
+                              "decode": self.step_decode_s, "device_wait": self.device_wait_s},
             "ttft_p50_s": _percentile(ttft, 0.5),
             "ttft_p95_s": _percentile(ttft, 0.95),
             "itl_p50_s": _percentile(itl, 0.5),

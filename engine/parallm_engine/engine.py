@@ -566,9 +566,43 @@ class Engine:
     def _run(self) -> None:
         try:
             self._loop()
+        except BaseException as exc:  # the thread is dying: nobody may be left waiting on it
+            logger.critical("engine thread died", exc_info=True)
+            self._dead = self._dead or EngineDeadError(f"engine thread died: {exc!r}")
+            self._fail_waiting(self._dead)  # logged above; the thread then ends
         finally:
             # However the thread ends, later submits must fail fast instead of waiting forever.
             self._dead = self._dead or EngineDeadError("engine thread stopped")
+
+    def _fail_waiting(self, error: EngineDeadError) -> None:
+        """End every request in flight and every one still queued, and answer pending calls, with
+        ``error`` (the engine thread is dying; best effort: each part on its own)."""
+        try:
+            self._scheduler.fail_all(error)
+        except BaseException:  # noqa: BLE001  (the scheduler may be what broke)
+            logger.exception("could not fail the scheduler's requests; ending each on its own")
+            out = self._scheduler.out
+            for req in list(out.requests.values()):
+                try:
+                    out.end(req, error)
+                except BaseException:  # noqa: BLE001
+                    logger.exception("could not end request %s", req.id)
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd == "add":
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    self._scheduler.reject(arg, error)
+                except BaseException:  # noqa: BLE001
+                    logger.exception("could not fail queued request %s", arg.id)
+            elif cmd == "call":
+                _, box, done = arg
+                box.append(error)
+                done.set()
 
     def _loop(self) -> None:
         sched = self._scheduler

@@ -29,6 +29,12 @@ def main(args) -> int:
         print(shape.describe())
     workloads_arg = args.workloads or (SHAPE_WORKLOADS if shape else DEFAULT_WORKLOADS)
     workloads = [w.strip() for w in workloads_arg.split(",") if w.strip()]
+    if "soak" in workloads:  # its own server and KV budget, for minutes to hours: never beside other workloads
+        if workloads != ["soak"] or shape is not None:
+            raise ParaLLMError("the soak runs alone: --workloads soak (with --model, not --shape)")
+        from .bench_soak import main as soak_main
+
+        return soak_main(args)
     unknown = [w for w in workloads if w not in ALL_WORKLOADS]
     if unknown:
         raise ParaLLMError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(ALL_WORKLOADS)}")

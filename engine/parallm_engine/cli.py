@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workloads", default=None,
                     help="comma-separated (default throughput,fanout,single,peer,roofline,paths,arrival; with "
                          "--shape throughput,fanout,single); also llamacpp, agents, longctx, memory (long runs), spec (speculative decoding), "
-                         "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM). "
+                         "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM), soak (alone: a server under "
+                         "mixed traffic and faults for --minutes, memory and probes checked; bench_soak.py). "
                          "llamacpp (and agents' llama.cpp system) need llama-server: "
                          "python -m parallm_engine.bench_llamacpp build")
     sp.add_argument("--path", choices=("native", "mlx"), default="native",
@@ -337,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--shape: fp32 weight GB a decode step may read, which sets the layers kept (default 3)")
     sp.add_argument("--plot", default=None, metavar="DIR",
                     help="write matplotlib PNGs of the results here (pip install matplotlib)")
+    from .bench_soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(sp)  # --workloads soak: --minutes, --interval, --soak-target, --soak-kv-memory
     sp.set_defaults(fn=cmd_bench)
     return p
 

@@ -453,6 +453,13 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         body = render_metrics(stats, state.metrics, state.model_name, healthy=state.healthy())
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
+    @app.post("/reset_prefix_cache", dependencies=auth, responses={401: _ERROR_RESPONSES[401]})
+    async def reset_prefix_cache():
+        """Drop every cached prefix no request in flight uses (vLLM's route); the bytes freed."""
+        engine = state.engine_or_503()
+        freed = await asyncio.to_thread(engine.clear_prefix_cache)
+        return {"freed_bytes": freed}
+
     def _card() -> ModelCard:
         ctx = getattr(state.engine, "context_window", None)
         return ModelCard(id=state.model_name, created=state.created, max_model_len=ctx)

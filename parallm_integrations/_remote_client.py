@@ -294,6 +294,22 @@ def _translate(exc: BaseException) -> BaseException:
     return exc
 
 
+def _raise_mid_stream(exc: BaseException):
+    """An error while a stream's chunks arrive. The connection dropping there (the server stopped or restarted)
+    cannot be retried without repeating what was already delivered: a typed EngineDeadError, at once."""
+    import httpx
+    import openai
+
+    lost = (isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)) or (
+        type(exc) is openai.APIConnectionError)
+    if lost:
+        from .errors import EngineDeadError
+
+        raise EngineDeadError(f"the server closed the stream mid-answer (stopped or restarted?): "
+                              f"{exc.__cause__ or exc!r}") from exc
+    _raise(exc)
+
+
 def _raise(exc: BaseException):
     new = _translate(exc)
     if new is exc:
@@ -646,7 +662,7 @@ class RemoteClient:
         except GeneratorExit:
             raise
         except Exception as exc:
-            _raise(exc)
+            _raise_mid_stream(exc)
         finally:
             stream.close()  # an early exit closes the connection: the server aborts the request
 
@@ -663,7 +679,7 @@ class RemoteClient:
             for d in state.flush():
                 yield d
         except Exception as exc:
-            _raise(exc)
+            _raise_mid_stream(exc)
         finally:
             await stream.close()
 

@@ -394,3 +394,15 @@ def test_memory_workload_runs_each_system_in_its_own_process(tiny_engine):
     assert "divisible by 32" in entry["kv_quant"]["kv8"]["error"] and "parallm_kv8" not in entry
     assert "KV 8-bit: not run" in lines
     json.dumps(result)
+
+
+def test_context_and_concurrency_knobs_and_the_path_heading(tiny_engine):
+    """--context / --concurrency set the throughput prompts and requests in flight; the table opens with the
+    engine path it measured (pure-MLX is what Metal and CUDA run)."""
+    result = bench.run_bench(tiny_engine, ["throughput"], quick=True, context=40, concurrency=3)
+    entry = result["workloads"]["throughput"]
+    assert entry["parallm"]["requests"] == 3 == entry["mlx_lm_batch"]["requests"]
+    assert entry["parallm"]["tokens"] == 3 * bench.QUICK.new_tokens
+    assert result["env"]["sizes"]["prompt_len"] == 40 and result["env"]["sizes"]["n"] == 3
+    table = bench.format_table(result)
+    assert f"engine path: {bench.PATH_TITLES[tiny_engine.backend.name]}; 3 concurrent, 40-token prompts" in table

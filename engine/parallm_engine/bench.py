@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -360,13 +361,31 @@ def _ratios(entry: dict) -> dict:
 PEER_BATCH_PROMPT, PEER_BATCH_NEW = 32, 48
 
 
-def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, agent_sizes=None,
-              longctx_sizes=None, memory_sizes=None, peer_batch: int | None = None) -> dict:
+#: How each engine path is named in the table (the pure-MLX path is what every Mac and GPU user runs).
+PATH_TITLES = {"cpu-mlx": "pure-MLX (what Metal and CUDA run), on this CPU",
+               "cpu-native": "native CPU kernels (Linux CPUs only)",
+               "metal": "pure-MLX on Metal", "cuda": "pure-MLX on CUDA"}
+
+
+def sizes_for(quick: bool, context: int | None = None, concurrency: int | None = None) -> Sizes:
+    """The run's sizes; ``context`` (``--context``) sets the throughput prompts' and the fan-out's shared prefix
+    length, ``concurrency`` (``--concurrency``) the requests in flight of both."""
     sz = QUICK if quick else FULL
+    if context:
+        sz = dataclasses.replace(sz, prompt_len=context, prefix_len=context)
+    if concurrency:
+        sz = dataclasses.replace(sz, n=concurrency)
+    return sz
+
+
+def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, agent_sizes=None,
+              longctx_sizes=None, memory_sizes=None, peer_batch: int | None = None, context: int | None = None,
+              concurrency: int | None = None) -> dict:
+    sz = sizes_for(quick, context, concurrency)
     vocab = engine.model_info.vocab_size
     rng = random.Random(1234)
     model, tok = engine.model, engine.tokenizer
-    result = {"workloads": {}, "env": _env(engine, quick)}
+    result = {"workloads": {}, "env": {**_env(engine, quick), "sizes": dataclasses.asdict(sz)}}
     tick = progress or (lambda msg: None)
 
     if "throughput" in workloads:
@@ -532,6 +551,7 @@ def _env(engine, quick: bool) -> dict:
         "platform": platform.platform(),
         "processor": platform.processor(),
         "quick": quick,
+        "engine_path": engine.backend.name,
         "decode_lanes": engine.config.decode_lanes,
         "cpu_kernels": bool(engine._scheduler._cpu_kernels),
         "native_kernels": engine._scheduler.native_kernels,
@@ -567,6 +587,13 @@ def format_table(result: dict) -> str:
     if shape:
         console.print(f"model: the {shape['name']} shape, random weights, {shape['layers_kept']} of "
                       f"{shape['layers_full']} layers kept", highlight=False)
+    env = result.get("env", {})
+    path = env.get("engine_path")
+    if path:
+        sizes = env.get("sizes") or {}
+        console.print(f"engine path: {PATH_TITLES.get(path, path)}"
+                      + (f"; {sizes['n']} concurrent, {sizes['prompt_len']}-token prompts" if sizes else ""),
+                      highlight=False)
     table = Table(title="parallm bench (aggregate tok/s; ratios = ParaLLM / baseline, same run)")
     for col in ("workload", "system", "reqs", "tok/s", "wall s", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95",
                 "prefill tok", "peak MB"):

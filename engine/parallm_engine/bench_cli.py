@@ -61,7 +61,8 @@ def main(args) -> int:
 
         result = run_bench(engine, workloads, quick=args.quick, progress=tick, agent_sizes=agent_sizes,
                            longctx_sizes=longctx_sizes, memory_sizes=_memory_sizes(args),
-                           peer_batch=getattr(args, "peer_batch", None))
+                           peer_batch=getattr(args, "peer_batch", None), context=getattr(args, "context", None),
+                           concurrency=getattr(args, "concurrency", None))
     if shape is not None:
         result["env"]["shape"] = shape.as_dict()
     print(format_table(result))

@@ -230,8 +230,11 @@ async def _drive(target: _Target, cfg: SoakConfig, progress) -> SoakResult:
             result.intervals.append(row)
             if progress:
                 progress(row)
+        # Stop: every worker's request in flight is cancelled (its connection closed: the server must abort it
+        # and free its KV), so the end state below also checks cancellation at scale.
         traffic.stopping = True
-        await load
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
         result.errors = traffic.errors[-20:]
         result.end_state = await _end_state(client, target, result)
     return result

@@ -321,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU weight storage for ParaLLM's engine (default float32; bfloat16 halves the bytes "
                          "a decode step streams; bfloat16-matmul also rounds matmul inputs to bf16, AVX512_BF16's "
                          "kernel where the CPU has it; the peer table's row becomes parallm_bf16)")
+    sp.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                    help="throughput prompts' length and the fan-out's shared prefix (default 100 / 512; "
+                         "e.g. 1000 or 4000)")
+    sp.add_argument("--concurrency", type=int, default=None, metavar="N",
+                    help="requests in flight in throughput and fanout (default 32; e.g. 8 or 64)")
     sp.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     sp.add_argument("--agents", type=int, default=None, help="agents: how many simulated agents (default 16)")
     sp.add_argument("--agent-rate", type=float, default=None, help="agents: Poisson arrivals per second (default 1)")

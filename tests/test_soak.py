@@ -14,7 +14,7 @@ from parallm_engine.bench_soak import SoakConfig, format_lines, run_soak
 
 @pytest.mark.timeout(900)
 def test_two_minute_soak_ends_clean_with_probes_unchanged():
-    result = run_soak(SoakConfig(minutes=2, interval_s=30, workers=8, target="inproc", seed=7))
+    result = run_soak(SoakConfig(minutes=2, interval_s=30, workers=6, target="inproc", seed=7))
     report = "\n".join(format_lines(result))
     assert len(result.intervals) == 4, report
     assert result.server_errors == 0, report

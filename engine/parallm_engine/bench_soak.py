@@ -222,6 +222,7 @@ async def _drive(target: _Target, cfg: SoakConfig, progress) -> SoakResult:
                    "requests": len(outcomes), "burst_429": rejected,
                    "status": dict(Counter(str(o.status) for o in outcomes)),
                    "unexpected": sum(1 for o in outcomes if not o.expected),
+                   "unexpected_kinds": dict(Counter(f"{o.kind}:{o.status}" for o in outcomes if not o.expected)),
                    "ttft_p50_s": _pct([o.ttft_s for o in outcomes if o.ttft_s is not None], 0.5),
                    "ttft_p99_s": _pct([o.ttft_s for o in outcomes if o.ttft_s is not None], 0.99),
                    "itl_p50_s": _pct([g for o in outcomes for g in o.itl_s], 0.5),
@@ -302,8 +303,11 @@ def format_lines(result: SoakResult) -> list[str]:
     statuses = Counter()
     for row in result.intervals:
         statuses.update(row["status"])
+    unexpected = Counter()
+    for row in result.intervals:
+        unexpected.update(row.get("unexpected_kinds", {}))
     lines.append(f"answers by status: {dict(sorted(statuses.items()))}; 5xx: {result.server_errors}; "
-                 f"probe mismatches: {len(result.probe_mismatches)}")
+                 f"probe mismatches: {len(result.probe_mismatches)}; unexpected (kind:status): {dict(unexpected)}")
     lines.append(f"RSS after warm-up {result.warm_rss_mb:.0f} MB, at the end {result.end_rss_mb:.0f} MB, "
                  f"slope {result.rss_slope_mb_per_min:+.2f} MB/min after warm-up")
     problems = result.end_state.get("problems")

@@ -48,6 +48,8 @@ class EngineStats:
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_draft_kv_bytes = 0  # the draft-model method's KV for its rows (draft_model.py)
+        self.embeddings_finished = 0  # embedding requests delivered (embedding.py)
+        self.embedding_tokens = 0  # ... and the tokens they embedded
         self._occupancy_sum = 0
         self._ttft = deque(maxlen=window)
         self._itl = deque(maxlen=window)
@@ -150,6 +152,8 @@ class EngineStats:
             "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
                                      if self.spec_proposed_tokens else 0.0),
             "spec_draft_kv_bytes": self.spec_draft_kv_bytes,
+            "embeddings_finished": self.embeddings_finished,
+            "embedding_tokens": self.embedding_tokens,
             "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "ttft_p50_s": _percentile(ttft, 0.5),
             "ttft_p95_s": _percentile(ttft, 0.95),

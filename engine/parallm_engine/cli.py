@@ -200,7 +200,8 @@ def cmd_serve(args) -> int:
         cfg["max_queue"] = args.max_queue
     serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, log_level=args.log_level, expose_docs=args.expose_docs,
-          max_request_share=args.max_request_share, max_key_share=args.max_key_share, **cfg)
+          max_request_share=args.max_request_share, max_key_share=args.max_key_share,
+          embedding_model=args.embedding_model, **cfg)
     return 0
 
 
@@ -294,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most of the queue, in sequences, one API key may hold when there are several "
                          "(default 0.5)")
     sp.add_argument("--served-model-name", default=None)
+    sp.add_argument("--embedding-model", default=None, metavar="MODEL",
+                    help="answer /v1/embeddings with this model (a decoder or a BERT-family encoder) instead of "
+                         "the served one (docs/embeddings.md)")
     sp.add_argument("--log-level", default="info")
     sp.set_defaults(fn=cmd_serve)
 

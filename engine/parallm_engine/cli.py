@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workloads", default=None,
                     help="comma-separated (default throughput,fanout,single,peer,roofline,paths,arrival; with "
                          "--shape throughput,fanout,single); also llamacpp, agents, longctx, memory (long runs), spec (speculative decoding), "
-                         "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM). "
+                         "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM), "
+                         "embed (texts/s at 1/16/64 concurrent vs one at a time, and beside generation). "
                          "llamacpp (and agents' llama.cpp system) need llama-server: "
                          "python -m parallm_engine.bench_llamacpp build")
     sp.add_argument("--path", choices=("native", "mlx"), default="native",

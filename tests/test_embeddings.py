@@ -238,3 +238,43 @@ def test_bert_bad_input_cancel_and_async(bert_engine):
     got = asyncio.run(bert_engine.aembed(BERT_TEXTS))
     assert all(cos(a, b) >= 0.9999 for a, b in zip(got, bert_engine.embed(BERT_TEXTS)))
     assert bert_engine.stats()["in_flight"] == 0
+
+
+def test_mixed_layout_decoder_embeds_chunk_by_chunk(tmp_path):
+    """A sliding-window family (gemma3_text: cache layout "mixed") prefills every text through its own
+    mlx-lm caches, chunk by chunk: the pooled vector still equals the model's own forward."""
+    from parallm_engine import Engine
+    from tests.model_zoo import build, default_tokenizer
+
+    tok_dir, vocab = default_tokenizer()
+    path = build("gemma3_text", tmp_path / "g3", tok_dir, vocab, verify=False)
+    eng = Engine(str(path), max_batch_size=8, prefill_chunk=16, decode_lanes=1)
+    try:
+        assert eng._scheduler.layout == "mixed"
+        texts = TEXTS[:5]
+        ids = [eng.encode(t) for t in texts]
+        for pooling in ("last", "mean"):
+            got = eng.embed(texts, pooling=pooling)
+            ref = reference_decoder(path, ids, pooling)
+            assert all(cos(a, b) >= 0.9999 for a, b in zip(got, ref))
+    finally:
+        eng.shutdown()
+
+
+def test_bidirectional_embedder_is_refused(tmp_path, embedder_dir):
+    import json
+    import shutil
+
+    from parallm_engine import Engine
+    from parallm_engine.errors import NotAnEmbeddingModelError
+
+    path = tmp_path / "bidirectional"
+    shutil.copytree(embedder_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "use_bidirectional_attention": True}))
+    eng = Engine(str(path), decode_lanes=1)
+    try:
+        with pytest.raises(NotAnEmbeddingModelError, match="bidirectional"):
+            eng.embed("hello")
+    finally:
+        eng.shutdown()

@@ -20,7 +20,7 @@ import asyncio
 from typing import Any, Sequence
 
 from .embedding import EmbeddingHandle, EmbeddingResult, EmbeddingSpec, backbone, make_spec
-from .embedding_config import EmbeddingConfig, resolve_embedding_config
+from .embedding_config import EmbeddingConfig, not_an_embedding_model, resolve_embedding_config
 from .errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, NotAnEmbeddingModelError
 from .request import Channel, Request
 from .sampling import SamplingParams
@@ -55,8 +55,14 @@ class EmbeddingAPI:
         return resolve_embedding_config(info.path, info.name, dims, pooling=pooling, normalize=normalize)
 
     def _check_embedding_model(self) -> None:
-        """``Engine``: the decoder must have a hidden-state forward (``embedding.backbone``)."""
+        """``Engine``: the decoder must have a hidden-state forward (``embedding.backbone``), and be causal:
+        a bidirectional embedder (EmbeddingGemma) run with the engine's causal attention would give wrong
+        vectors, so it is refused."""
         backbone(self.model)
+        cfg = self.model_info.config.get("text_config", self.model_info.config)
+        if cfg.get("use_bidirectional_attention") or cfg.get("is_causal") is False:
+            raise not_an_embedding_model(self.model_info.name, "its attention is bidirectional, and the engine runs "
+                                         "decoders with causal attention only")
 
     # -- one request ----------------------------------------------------------------------------
     def submit_embedding(

@@ -402,7 +402,7 @@ class Scheduler:
         recomputing it (in-flight dedup, and the next wave's hit)."""
         best = 0
         for other in list(self.waiting) + list(self.prefilling):
-            if other is seq:
+            if other is seq or other.embedding:  # embedding rows read no snapshot
                 continue
             best = max(best, common_prefix_len(ids, other.prefill_ids))
         return best if seq.cached_tokens + 8 < best < len(ids) else 0

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from llama_index.core.base.embeddings.base import DEFAULT_EMBED_BATCH_SIZE, BaseEmbedding
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 
 from parallm_integrations._embedding_client import EmbeddingClient
 
 #: Texts LlamaIndex hands over per batch call (its own default is 10: one call per 10 nodes).
 EMBED_BATCH_SIZE = 256
-assert EMBED_BATCH_SIZE >= DEFAULT_EMBED_BATCH_SIZE
 
 
 class ParaLLMEmbedding(BaseEmbedding):

@@ -278,3 +278,17 @@ def test_bidirectional_embedder_is_refused(tmp_path, embedder_dir):
             eng.embed("hello")
     finally:
         eng.shutdown()
+
+
+def test_bench_embed_workload_quick():
+    """`parallm bench --workloads embed --quick` end to end (its numbers are not checked: no timing asserts)."""
+    from parallm_engine import bench, bench_embed
+
+    sizes = {**bench_embed.QUICK_EMBED, "texts": 16, "new_tokens": 4}
+    entry = bench_embed.run_embed(sizes)
+    assert entry["sequential"]["texts"] == 16
+    assert all(entry[f"parallm_c{c}"]["texts"] == 16 for c in bench_embed.CONCURRENCY)
+    beside = entry["beside_generation"]
+    assert beside["chat_tokens"] == sizes["streams"] * sizes["new_tokens"] * 4  # every chat stream finished
+    lines = bench_embed.format_lines(entry)
+    assert "embed" in bench.ALL_WORKLOADS and any("beside 8 decoding chat streams" in ln for ln in lines)

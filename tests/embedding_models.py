@@ -17,18 +17,9 @@ QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages t
 
 
 def write_sentence_transformers(out: Path, pooling: str, query_prompt: str = "") -> None:
-    flag = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]))
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, **{f: f == flag[pooling] for f in flag.values()}}))
-    (out / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": {"query": query_prompt, "document": ""}, "default_prompt_name": None,
-         "similarity_fn_name": "cosine"}))
+    from parallm_engine.bench_embed import write_sentence_transformers as write
+
+    write(out, pooling, query_prompt, dims=64)
 
 
 def build_decoder_embedder(out: Path, pooling: str = "last") -> Path:

@@ -6,6 +6,7 @@ imports neither the engine nor MLX.
 """
 
 from parallm_integrations.chat_models import ChatParaLLM
+from parallm_integrations.embeddings import ParaLLMEmbeddings
 from parallm_integrations.llms import ParaLLM
 
-__all__ = ["ChatParaLLM", "ParaLLM"]
+__all__ = ["ChatParaLLM", "ParaLLM", "ParaLLMEmbeddings"]

@@ -23,6 +23,7 @@ try:
         ImageInputError,
         InvalidRequestError,
         ModelLoadError,
+        NotAnEmbeddingModelError,
         OutOfMemoryError,
         ParaLLMError,
         QueueFullError,
@@ -70,6 +71,9 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
         """An image in the request cannot be used (undecodable, unsupported, too large, remote without
         opt-in, or a model without vision) (HTTP 400)."""
 
+    class NotAnEmbeddingModelError(InvalidRequestError):  # type: ignore[no-redef]
+        """Embeddings were asked of a model that has no embedding configuration (HTTP 400)."""
+
     class OutOfMemoryError(ParaLLMError):  # type: ignore[no-redef]
         """The device ran out of memory for this request even with nothing else running beside it (HTTP 507)."""
 
@@ -94,6 +98,6 @@ class EngineNotInstalledError(ImportError):
 
 __all__ = [
     "ContextLengthExceededError", "EngineDeadError", "EngineNotInstalledError", "GrammarError",
-    "InvalidRequestError", "ModelLoadError", "ParaLLMError", "QueueFullError", "RequestCancelledError",
-    "UnsupportedModelError",
+    "InvalidRequestError", "ModelLoadError", "NotAnEmbeddingModelError", "ParaLLMError", "QueueFullError",
+    "RequestCancelledError", "UnsupportedModelError",
 ]

@@ -23,6 +23,7 @@ from .errors import (  # noqa: E402  (plain Python: no MLX)
     ImageInputError,
     InvalidRequestError,
     ModelLoadError,
+    NotAnEmbeddingModelError,
     OutOfMemoryError,
     ParaLLMError,
     QueueFullError,
@@ -36,7 +37,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": "engine",
     "get_engine": "registry",
+    "get_embedding_engine": "registry",
     "shutdown_all": "registry",
+    "EncoderEngine": "encoder_engine",
+    "EmbeddingResult": "embedding",
+    "EmbeddingHandle": "embedding",
     "SamplingParams": "sampling_params",
     "Choice": "request",
     "GenerationResult": "request",
@@ -48,7 +53,9 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .registry import get_engine, shutdown_all
+    from .embedding import EmbeddingHandle, EmbeddingResult
+    from .encoder_engine import EncoderEngine
+    from .registry import get_embedding_engine, get_engine, shutdown_all
     from .request import Choice, GenerationResult, RequestHandle, StreamDelta, TokenLogprob, Usage
     from .sampling_params import SamplingParams
 
@@ -74,4 +81,5 @@ __all__ = [
     "TokenLogprob", "Usage", "RequestHandle", "ParaLLMError", "InvalidRequestError",
     "ContextLengthExceededError", "ModelLoadError", "QueueFullError", "RequestCancelledError",
     "GrammarError", "EngineDeadError", "UnsupportedModelError", "ImageInputError", "OutOfMemoryError",
+    "get_embedding_engine", "EncoderEngine", "EmbeddingResult", "EmbeddingHandle", "NotAnEmbeddingModelError",
 ]

@@ -27,6 +27,8 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
               (``bench_memory``).
 - vision:     8 requests on one image with a random VLM at SmolVLM-256M's shapes: cold TTFT (vision encoder
               + prefill) vs the later requests' TTFT, and the encoder-run counter (``bench_vision``).
+- embed:      64 texts on a random Qwen3-Embedding-shaped model: texts/s at 1 / 16 / 64 concurrent vs one at a
+              time with mlx-lm, and beside 8 decoding chat streams (``bench_embed``).
 
 ``--shape qwen3-4b|llama3-8b|gemma3-4b`` runs the workloads on a random-weight model of that architecture
 (layers cut to a budget; ``bench_shapes``); ``--plot DIR`` writes matplotlib PNGs (``bench_plot``).
@@ -93,7 +95,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 #: another copy of a multi-GB model.
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
-                 "arrival", "memory", "spec", "vision")
+                 "arrival", "memory", "spec", "vision", "embed")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -517,6 +519,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
         from . import bench_vision as bv
 
         result["workloads"]["vision"] = bv.run_vision(bv.QUICK_VISION if quick else bv.FULL_VISION, tick)
+    if "embed" in workloads:  # its own random embedding model on an engine of its own (bench_embed)
+        from . import bench_embed as be
+
+        result["workloads"]["embed"] = be.run_embed(be.QUICK_EMBED if quick else be.FULL_EMBED, tick,
+                                                    backend=engine.backend.name)
     return result
 
 
@@ -572,7 +579,7 @@ def _cpu_model() -> str:
 
 _OWN_FORMAT = {"llamacpp": "bench_llamacpp", "agents": "bench_agents", "longctx": "bench_longctx",
                "paths": "bench_paths", "arrival": "bench_paths", "memory": "bench_memory",
-               "spec": "bench_spec", "vision": "bench_vision"}
+               "spec": "bench_spec", "vision": "bench_vision", "embed": "bench_embed"}
 
 
 def format_table(result: dict) -> str:

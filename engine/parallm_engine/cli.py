@@ -207,7 +207,8 @@ def cmd_serve(args) -> int:
         cfg["max_queue"] = args.max_queue
     serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, log_level=args.log_level, expose_docs=args.expose_docs,
-          max_request_share=args.max_request_share, max_key_share=args.max_key_share, **cfg)
+          max_request_share=args.max_request_share, max_key_share=args.max_key_share,
+          embedding_model=args.embedding_model, **cfg)
     return 0
 
 
@@ -301,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most of the queue, in sequences, one API key may hold when there are several "
                          "(default 0.5)")
     sp.add_argument("--served-model-name", default=None)
+    sp.add_argument("--embedding-model", default=None, metavar="MODEL",
+                    help="answer /v1/embeddings with this model (a decoder or a BERT-family encoder) instead of "
+                         "the served one (docs/embeddings.md)")
     sp.add_argument("--log-level", default="info")
     sp.set_defaults(fn=cmd_serve)
 
@@ -309,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workloads", default=None,
                     help="comma-separated (default throughput,fanout,single,peer,roofline,paths,arrival; with "
                          "--shape throughput,fanout,single); also llamacpp, agents, longctx, memory (long runs), spec (speculative decoding), "
-                         "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM), soak (alone: a server under "
-                         "mixed traffic and faults for --minutes, memory and probes checked; bench_soak.py). "
+                         "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM), "
+                         "embed (texts/s at 1/16/64 concurrent vs one at a time, and beside generation), "
+                         "soak (alone: a server under mixed traffic and faults for --minutes; bench_soak.py). "
                          "llamacpp (and agents' llama.cpp system) need llama-server: "
                          "python -m parallm_engine.bench_llamacpp build")
     sp.add_argument("--path", choices=("native", "mlx"), default="native",

@@ -40,6 +40,7 @@ from .kv_quant import resolve_kv_bits
 from . import memory_recovery
 from .memory_recovery import is_allocation_failure
 from .memory_budget import apply_mlx_limits, mlx_limits
+from .embedding_api import EmbeddingAPI
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import EngineStats
 from .validation import check_text
@@ -96,7 +97,7 @@ def _weight_bytes(model) -> int:
     return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
-class Engine:
+class Engine(EmbeddingAPI):
     def __init__(
         self,
         model: str | os.PathLike | None = None,
@@ -363,15 +364,7 @@ class Engine:
         if params.max_tokens is None or params.max_tokens > room:
             # Never more than the context leaves (a copy: a caller's ``params`` may serve other prompts).
             params = dataclasses.replace(params, max_tokens=room)
-        with self._lock:
-            # Requests a caller has aborted no longer count, though the engine thread frees them only
-            # between steps: their slots are free again at once.
-            if self._stats.in_flight + self._pending - len(self._aborting) >= self.max_queue:
-                self._stats.requests_rejected += 1
-                raise QueueFullError(
-                    f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
-                )
-            self._pending += 1
+        self._take_queue_slot()
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
                       tools=list(tools) if tools else None, priority=priority, group=group)
         if isinstance(prompt, VisionPrompt):
@@ -381,6 +374,18 @@ class Engine:
         self._commands.put(("add", req))
         self._wake.set()
         return RequestHandle(self, req)
+
+    def _take_queue_slot(self) -> None:
+        """Count one more request as pending, or refuse it (QueueFullError) when the queue is full."""
+        with self._lock:
+            # Requests a caller has aborted no longer count, though the engine thread frees them only
+            # between steps: their slots are free again at once.
+            if self._stats.in_flight + self._pending - len(self._aborting) >= self.max_queue:
+                self._stats.requests_rejected += 1
+                raise QueueFullError(
+                    f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
+                )
+            self._pending += 1
 
     def _check_speculative(self, params: SamplingParams) -> None:
         """A request that asks for speculation where it cannot run is refused (typed), never run wrong."""

@@ -56,3 +56,9 @@ class ImageInputError(InvalidRequestError):
 class OutOfMemoryError(ParaLLMError):
     """The device ran out of memory for this request even with nothing else running beside it (HTTP 507).
     Other requests in flight are not failed by an allocation failure: they are preempted and resume."""
+
+
+class NotAnEmbeddingModelError(InvalidRequestError):
+    """Embeddings were asked of a model that has no embedding configuration (a chat model without
+    sentence-transformers files and no ``pooling=``), or whose family cannot give hidden states (HTTP 400).
+    The message says which models work (``embedding_config.WHICH_MODELS_WORK``)."""

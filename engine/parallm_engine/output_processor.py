@@ -111,13 +111,15 @@ class OutputProcessor:
                 return
         req.channel.put(delta)
 
-    def complete(self, req: Request) -> None:
+    def complete(self, req: Request, result=None) -> None:
+        """Finish ``req``: its GenerationResult from the choices, or ``result`` (an embedding's)."""
         req.finished = True
         req.finish_time = time.monotonic()
         self.stats.on_finish(req)
-        req.result = GenerationResult(
+        choices = self._choices.pop(req.id, None)
+        req.result = result or GenerationResult(
             request_id=req.id,
-            choices=self._choices.pop(req.id),
+            choices=choices,
             usage=req.usage,
             prompt_token_ids=req.prompt_ids,
             metrics={"ttft": req.ttft() or 0.0, "latency": req.finish_time - req.arrival},

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from . import kv_quant as kvq
 from .kv_cache import PrefillBatchKV, prefill_layout
-from .vision import prefill_forward
+from .embedding import pooled_arrays, prefill_forward
 
 
 def run_prefill_group(model, batch, group: list, n_layers: int, stats, *, share_prefix: bool,
@@ -88,7 +88,7 @@ def _forward_share(model, group: list, n_layers: int, stats, share_prefix: bool,
             s.prefix_kv = None
         return out
 
-    return [a for c in caches for x in (c.keys, c.values) for a in kvq.arrays(x)], cut
+    return [a for c in caches for x in (c.keys, c.values) for a in kvq.arrays(x)] + pooled_arrays(group), cut
 
 
 def split_balanced(items: list, weights: list[int], n: int) -> list[list]:

@@ -38,6 +38,21 @@ def get_engine(model: str | os.PathLike | None = None, **config) -> Engine:
         return eng
 
 
+def get_embedding_engine(model: str | os.PathLike | None = None, **config):
+    """The process-wide engine that embeds with ``model``: an ``EncoderEngine`` (mlx-embeddings) for a BERT-
+    family encoder, else the decoder :class:`Engine` :func:`get_engine` gives (shared with chat requests)."""
+    from .encoder_engine import EncoderEngine, encoder_model_type
+
+    if encoder_model_type(model) is None:
+        return get_engine(model, **config)
+    key = _key(model, {"encoder": True, **config})
+    with _lock:
+        eng = _engines.get(key)
+        if eng is None or not eng.is_alive:
+            eng = _engines[key] = EncoderEngine(model, **config)
+        return eng
+
+
 def peek(model: str | os.PathLike | None = None, **config) -> Engine | None:
     """The running engine :func:`get_engine` would return for this model and settings, or None when there
     is none (never created, or shut down). Creates and loads nothing."""

@@ -156,6 +156,7 @@ class Request:
     """What a caller submitted: a prompt, its sampling settings, and where results go."""
 
     vision = None  # a vision.VisionPrompt for a prompt with images (its key ids and image inputs)
+    embedding = None  # an embedding.EmbeddingSpec for an embedding request (prefill only, no decode)
 
     def __init__(
         self,

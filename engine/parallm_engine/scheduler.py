@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cpu_kernels, kv_quant, memory_recovery
+from . import cpu_kernels, embedding, kv_quant, memory_recovery
 from .decode_batch import DecodeBatch
 from .decode_runner import DecodeRunner
 from .errors import RequestCancelledError
@@ -48,7 +48,6 @@ from .sequence import Sequence, common_prefix_len
 from .snapshot_cache import SnapshotCache
 from .speculative import TOKEN_BUDGET, Speculator
 from .stats import EngineStats
-from .vision import prefill_forward
 
 logger = logging.getLogger("parallm_engine")
 
@@ -185,7 +184,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         # Build every sequence first: if one fails (a grammar, a sampler), nothing is registered.
-        seqs = [Sequence(request, i, self.tokenizer, self.eos_ids) for i in range(request.params.n)]
+        seqs = [embedding.EmbeddingSequence(request)] if request.embedding is not None else \
+            [Sequence(request, i, self.tokenizer, self.eos_ids) for i in range(request.params.n)]
         request.sequences = seqs
         self.out.register(request)
         self._enqueue(seqs)
@@ -383,7 +383,9 @@ class Scheduler:
         """Look the context up in the prefix cache and pin what matched until the prefill is done."""
         ids = seq.prefill_ids
         seq.prefix_kv = None
-        if self.radix is not None:
+        if seq.embedding:  # embedding rows neither read nor fill the prefix cache (embedding.py says why)
+            pass
+        elif self.radix is not None:
             seq.match = _without_short_tail(self.radix.match(ids))
             self.radix.pin(seq.match.node)
             seq.cached_tokens = seq.match.length
@@ -404,24 +406,24 @@ class Scheduler:
         recomputing it (in-flight dedup, and the next wave's hit)."""
         best = 0
         for other in list(self.waiting) + list(self.prefilling):
-            if other is seq:
+            if other is seq or other.embedding:  # embedding rows read no snapshot
                 continue
             best = max(best, common_prefix_len(ids, other.prefill_ids))
         return best if seq.cached_tokens + 8 < best < len(ids) else 0
 
     def _cached_len(self, seq: Sequence) -> int:
         """Context tokens the radix tree holds for ``seq`` now (a peek: nothing is pinned or counted)."""
-        if self.radix is None:
+        if self.radix is None or seq.embedding:
             return 0
         return self.radix.match(seq.prefill_ids, record=False).length
 
     def _uncached_overlap(self, seq: Sequence, group: list[Sequence], cached: int) -> bool:
         """Would ``seq`` recompute new tokens another group member is about to compute? Then it waits
         one step and finds them in the radix tree (in-flight dedup of a shared uncached prefix)."""
-        if self.radix is None:
+        if self.radix is None or seq.embedding:
             return False
         ids = seq.prefill_ids
-        return any(common_prefix_len(ids, g.prefill_ids) > cached + 8 for g in group)
+        return any(common_prefix_len(ids, g.prefill_ids) > cached + 8 for g in group if not g.embedding)
 
     def _release_prefill(self, seq: Sequence) -> None:
         self._unpin_match(seq)
@@ -507,11 +509,11 @@ class Scheduler:
             end = seq.split
         n = end - seq.pos
         tokens = mx.array(ids[seq.pos : end])[None]
-        prefill_forward(self.model, tokens, self._mask_adapter(seq.cache), [(seq, seq.pos, n)])
+        embedding.prefill_forward(self.model, tokens, self._mask_adapter(seq.cache), [(seq, seq.pos, n)])
         seq.pos = end
         self.stats.prefill_tokens += n
         self.stats.prefill_forwards += 1
-        mx.eval(self._cache_state(seq.cache))
+        mx.eval(self._cache_state(seq.cache) + embedding.pooled_arrays([seq]))
         if self.snapshots is not None and seq.pos == seq.split:
             self.snapshots.insert(ids[: seq.pos], seq.cache)
         if seq.pos < len(ids):
@@ -546,7 +548,8 @@ class Scheduler:
         for all of them), each reading the prefix the tree holds in its lane's pool from there (borrowed
         pages) and writing the rest into its own pages, which the tree then holds by reference: a
         prompt's KV is held once, and a prefill later in this step finds it in the tree (in-flight
-        dedup)."""
+        dedup). Embedding rows are delivered here and go no further (``embedding.finish_embeddings``)."""
+        finished = embedding.finish_embeddings(finished, self.out, self.stats)
         seqs = [seq for seq, _ in finished]
         for seq, cache in finished:
             seq.cache = cache

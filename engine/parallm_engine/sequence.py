@@ -14,6 +14,8 @@ from .snapshot_cache import Snapshot
 class Sequence:
     """One generated choice of a request."""
 
+    embedding = False  # an embedding row (embedding.EmbeddingSequence) is prefilled, never decoded
+
     def __init__(self, request: Request, index: int, tokenizer, eos_ids: set[int]):
         p = request.params
         self.request = request

@@ -66,6 +66,7 @@ from .openai_format import (
     merged,
     sum_usage,
 )
+from .server_embeddings import add_embedding_routes
 from .queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, Lease, QueueShares
 from .validation import check_text, safe_text
 from .vision_chat import chat_prompt
@@ -348,14 +349,17 @@ def _http_error_response(exc: StarletteHTTPException) -> JSONResponse:
 def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = None, *,
                served_model_name: str | list[str] | None = None, engine_config: dict[str, Any] | None = None,
                max_body_bytes: int = 32 << 20, expose_docs: bool = False,
-               max_request_share: float = DEFAULT_REQUEST_SHARE, max_key_share: float = DEFAULT_KEY_SHARE) -> FastAPI:
+               max_request_share: float = DEFAULT_REQUEST_SHARE, max_key_share: float = DEFAULT_KEY_SHARE,
+               embedding_model=None) -> FastAPI:
     """The FastAPI app serving ``engine`` (or, when None, the shared engine for ``model`` and
     ``engine_config``, loaded at startup). ``api_key``: a key, or several, one of which ``/v1/*``, the
     tokenizer endpoints and (unless ``expose_docs``) ``/docs``, ``/redoc`` and ``/openapi.json`` require.
     ``served_model_name``: the name(s) clients use (default: the engine's model name).
     ``max_body_bytes``: larger request bodies are refused with 413. ``max_request_share`` /
     ``max_key_share``: the most of the engine's ``max_queue``, in sequences (prompts x n), that one
-    request / one key (with several keys) may hold (see :mod:`parallm_engine.queue_shares`)."""
+    request / one key (with several keys) may hold (see :mod:`parallm_engine.queue_shares`).
+    ``embedding_model``: ``/v1/embeddings`` embeds with this model instead of the served one
+    (:mod:`parallm_engine.server_embeddings`)."""
     state = ServerState(engine, model, api_key, served_model_name, dict(engine_config or {}),
                         max_request_share=max_request_share, max_key_share=max_key_share)
     docs_behind_key = bool(state.api_keys) and not expose_docs
@@ -644,6 +648,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
                 lease.release()
         return JSONResponse(completion_response(results, model_name, n, echoes, req.logprobs is not None))
 
+    add_embedding_routes(app, state, checked, embedding_model, engine_config)
     return app
 
 
@@ -683,7 +688,7 @@ def api_keys_from_env() -> list[str]:
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | Sequence[str] | None = None, *,
           served_model_name: str | list[str] | None = None, log_level: str = "info", expose_docs: bool = False,
           max_request_share: float = DEFAULT_REQUEST_SHARE, max_key_share: float = DEFAULT_KEY_SHARE,
-          **engine_config) -> None:
+          embedding_model=None, **engine_config) -> None:
     """Load the model (the process-wide shared engine) and serve it until interrupted.
 
     ``api_key`` (one key or several) defaults to ``$PARALLM_API_KEYS`` (comma-separated) and
@@ -698,7 +703,8 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     keys = ([api_key] if isinstance(api_key, str) else list(api_key or [])) or api_keys_from_env()
     engine = get_engine(model, **engine_config)
     app = create_app(engine=engine, model=model, api_key=keys, served_model_name=served_model_name,
-                     expose_docs=expose_docs, max_request_share=max_request_share, max_key_share=max_key_share)
+                     expose_docs=expose_docs, max_request_share=max_request_share, max_key_share=max_key_share,
+                     embedding_model=embedding_model)
     if host not in LOOPBACK_HOSTS and not keys:
         logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
                        "(pass --api-key to require one)", host)

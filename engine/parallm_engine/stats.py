@@ -65,6 +65,8 @@ class EngineStats:
         self.step_prefill_s = 0.0
         self.step_decode_s = 0.0
         self.device_wait_s = 0.0
+        self.embeddings_finished = 0  # embedding requests delivered (embedding.py)
+        self.embedding_tokens = 0  # ... and the tokens they embedded
         self._occupancy_sum = 0
         self._ttft = deque(maxlen=window)
         self._itl = deque(maxlen=window)
@@ -177,6 +179,8 @@ class EngineStats:
             "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
                                      if self.spec_proposed_tokens else 0.0),
             "spec_draft_kv_bytes": self.spec_draft_kv_bytes,
+            "embeddings_finished": self.embeddings_finished,
+            "embedding_tokens": self.embedding_tokens,
             "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "step_ms": self.step_breakdown_ms(),
             "step_totals_s": {"steps": self.steps, "plan": self.step_plan_s, "prefill": self.step_prefill_s,

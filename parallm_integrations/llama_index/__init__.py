@@ -16,5 +16,6 @@ vLLM, SGLang, mlx-lm's server), with the same responses.
 """
 
 from parallm_integrations.llama_index.base import ParaLLMLlamaIndex
+from parallm_integrations.llama_index.embedding import ParaLLMEmbedding
 
-__all__ = ["ParaLLMLlamaIndex"]
+__all__ = ["ParaLLMLlamaIndex", "ParaLLMEmbedding"]

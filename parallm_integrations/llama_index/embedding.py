@@ -1,0 +1,73 @@
+"""``ParaLLMEmbedding``: a LlamaIndex ``BaseEmbedding`` on the shared ParaLLM engine (or ``base_url=``).
+
+::
+
+    from llama_index.core import Settings, VectorStoreIndex
+    from parallm_integrations.llama_index import ParaLLMEmbedding, ParaLLMLlamaIndex
+
+    Settings.embed_model = ParaLLMEmbedding(model_name="Qwen/Qwen3-Embedding-0.6B")
+    Settings.llm = ParaLLMLlamaIndex()
+    index = VectorStoreIndex.from_documents(docs)   # the nodes' texts: embedded in one batch
+
+Every method is native: the batch methods put all their texts in flight at once (``embed_batch_size``
+defaults to 256 so LlamaIndex hands over large batches), the async ones wait on the caller's own loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+
+from parallm_integrations._embedding_client import EmbeddingClient
+
+#: Texts LlamaIndex hands over per batch call (its own default is 10: one call per 10 nodes).
+EMBED_BATCH_SIZE = 256
+
+
+class ParaLLMEmbedding(BaseEmbedding):
+    """Embeddings from a local model on the shared in-process engine (or an OpenAI-compatible server)."""
+
+    model_name: str | None = Field(default=None, description="An embedding model (as ParaLLMEmbeddings.model).")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Shared engine settings.")
+    query_instruction: str | None = Field(default=None, description="Task description for queries.")
+    pooling: str | None = Field(default=None, description="Override the pooling: last / mean / cls.")
+    normalize: bool | None = Field(default=None, description="Override the normalisation.")
+    dimensions: int | None = Field(default=None, description="Matryoshka truncation (renormalised).")
+    truncate: bool = Field(default=False, description="Cut texts over the context window (default: refuse).")
+    timeout: float | None = Field(default=None, description="Seconds an async or HTTP call may take.")
+    base_url: str | None = Field(default=None, description="An OpenAI-compatible server instead of the engine.")
+    api_key: str | None = Field(default=None, description="API key for base_url.")
+    max_retries: int | None = Field(default=2, description="HTTP retries with base_url.")
+
+    _client: EmbeddingClient = PrivateAttr()
+
+    def __init__(self, embed_batch_size: int = EMBED_BATCH_SIZE, **kwargs: Any):
+        super().__init__(embed_batch_size=embed_batch_size, **kwargs)
+        self._client = EmbeddingClient(
+            self.model_name, self.engine_kwargs, base_url=self.base_url, api_key=self.api_key,
+            max_retries=self.max_retries, instruction=self.query_instruction, pooling=self.pooling,
+            normalize=self.normalize, dimensions=self.dimensions, truncate=self.truncate, timeout=self.timeout)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ParaLLMEmbedding"
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._client.embed([query], "query")[0]
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return (await self._client.aembed([query], "query"))[0]
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._client.embed([text], "document")[0]
+
+    async def _aget_text_embedding(self, text: str) -> list[float]:
+        return (await self._client.aembed([text], "document"))[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._client.embed(list(texts), "document")
+
+    async def _aget_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return await self._client.aembed(list(texts), "document")

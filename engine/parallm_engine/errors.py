@@ -56,3 +56,15 @@ class ImageInputError(InvalidRequestError):
 class OutOfMemoryError(ParaLLMError):
     """The device ran out of memory for this request even with nothing else running beside it (HTTP 507).
     Other requests in flight are not failed by an allocation failure: they are preempted and resume."""
+
+
+class AdapterLoadError(InvalidRequestError):
+    """A LoRA adapter cannot be used with this engine's model: no ``adapter_config.json``, a format or option
+    the engine does not map, or weights shaped for another base model (refused at load; HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = "adapter"):
+        super().__init__(message, param=param)
+
+
+class AdapterNotFoundError(AdapterLoadError):
+    """The adapter name is not registered and is not an adapter directory or a cached HF repo id (HTTP 404)."""

@@ -156,6 +156,7 @@ class Request:
     """What a caller submitted: a prompt, its sampling settings, and where results go."""
 
     vision = None  # a vision.VisionPrompt for a prompt with images (its key ids and image inputs)
+    adapter = None  # the LoRA adapter its rows run under (lora_adapters.LoRAAdapter); None: the base model
 
     def __init__(
         self,

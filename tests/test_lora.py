@@ -1,0 +1,197 @@
+"""Many LoRA adapters in one batch: each adapter's rows equal mlx-lm running that adapter alone.
+
+A tiny random-weight llama (``tests/model_zoo.py``) and three adapters written with mlx-lm's own LoRA
+layers (``bench_lora.write_random_adapter``: two LoRA of different ranks and layers, one DoRA; non-zero
+B). The reference for each adapter is ``mlx_lm.load(base, adapter_path=...)``'s greedy generation and
+its own logits; the engine runs batches holding 1, 2 or 3 adapters plus base rows, on the native CPU
+path and on the pure-MLX path (``cpu-mlx``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.model_zoo import build, default_tokenizer, prompt_ids, reference_greedy
+
+NEW = 8
+ADAPTERS = {  # name -> write_random_adapter settings
+    "sql": dict(rank=4, seed=1),
+    "router": dict(rank=8, num_layers=1, keys=["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"], seed=2),
+    "summary": dict(rank=2, dora=True, seed=3),
+}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    tok_dir, vocab = default_tokenizer()
+    return build("llama", tmp_path_factory.mktemp("lora-base"), tok_dir, vocab)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base_dir, tmp_path_factory):
+    from parallm_engine.bench_lora import write_random_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: write_random_adapter(base_dir, root / name, **kw) for name, kw in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def vocab(base_dir):
+    return json.loads((base_dir / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def references(base_dir, adapter_dirs, vocab):
+    """Per adapter (None: the base): mlx-lm's model with that adapter loaded, greedy tokens and logprobs."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    prompts = [prompt_ids(30 + 3 * i, vocab, seed=i) for i in range(4)]
+    out = {}
+    for name in [None, *adapter_dirs]:
+        model, _ = load(str(base_dir), adapter_path=str(adapter_dirs[name]) if name else None)
+        greedy = [reference_greedy(model, p, NEW) for p in prompts]
+        lps = []
+        for p, toks in zip(prompts, greedy):
+            logits = model(mx.array(p + toks)[None])[0].astype(mx.float32)
+            own = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            lps.append([own[len(p) - 1 + i, t].item() for i, t in enumerate(toks)])
+        out[name] = (greedy, lps)
+    out["prompts"] = prompts
+    return out
+
+
+def _engine(base_dir, adapter_dirs, backend, **kw):
+    from parallm_engine import Engine
+
+    return Engine(str(base_dir), adapters={k: str(v) for k, v in adapter_dirs.items()}, backend=backend,
+                  max_batch_size=16, prefill_chunk=64, decode_lanes=1, **kw)
+
+
+def _check(results, names, rows, references):
+    for r, name, i in zip(results, names, rows):
+        want_toks, want_lps = references[name][0][i], references[name][1][i]
+        assert r.token_ids == want_toks, (name, i)
+        for lp, want in zip(r.logprobs, want_lps):
+            assert math.isclose(lp.logprob, want, abs_tol=1e-4), (name, i, lp.logprob, want)
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_mixed_adapters_match_mlx_lm_alone(base_dir, adapter_dirs, references, backend):
+    for name in adapter_dirs:  # every adapter changes the output (else the comparison proves nothing)
+        assert references[name][0] != references[None][0], name
+    eng = _engine(base_dir, adapter_dirs, backend)
+    try:
+        prompts = references["prompts"]
+        greedy = dict(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=True)
+        names = list(adapter_dirs)
+        for k in (1, 2, 3):  # k adapters plus base rows in one batch; every row its own prompt
+            batch = [(name, i) for j, name in enumerate(names[:k]) for i in (j, (j + 1) % 4)] + [(None, 3), (None, 0)]
+            handles = [eng.submit(prompts[i], adapter=name, **greedy) for name, i in batch]
+            results = [eng._collect(h) for h in handles]
+            _check(results, [n for n, _ in batch], [i for _, i in batch], references)
+        # One prompt under three adapters and the base at once: nothing shared across adapters in flight.
+        same = [eng.submit(prompts[1], adapter=name, **greedy) for name in [*names, None]]
+        _check([eng._collect(h) for h in same], [*names, None], [1] * 4, references)
+        stats = eng.stats()["adapters"]
+        assert set(stats["loaded"]) == set(names) and stats["loaded_bytes"] > 0 and stats["stack_bytes"] > 0
+    finally:
+        eng.shutdown()
+
+
+def test_prefix_cache_is_per_adapter(base_dir, adapter_dirs, references, vocab):
+    eng = _engine(base_dir, adapter_dirs, None)
+    try:
+        shared = prompt_ids(48, vocab, seed=11)
+        greedy = dict(max_tokens=NEW, temperature=0, ignore_eos=True)
+        first = eng.generate([shared + [300]], adapter="sql", **greedy)[0]
+        assert first.usage.cached_tokens == 0
+        other = eng.generate([shared + [301]], adapter="router", **greedy)[0]
+        assert other.usage.cached_tokens == 0  # computed under "sql": never served to "router"
+        base = eng.generate([shared + [302]], **greedy)[0]
+        assert base.usage.cached_tokens == 0
+        again = eng.generate([shared + [303]], adapter="sql", **greedy)[0]
+        assert again.usage.cached_tokens >= 40  # the same adapter hits it
+        from mlx_lm import load
+
+        ref, _ = load(str(base_dir), adapter_path=str(adapter_dirs["sql"]))
+        assert again.token_ids == reference_greedy(ref, shared + [303], NEW)
+        ref_r, _ = load(str(base_dir), adapter_path=str(adapter_dirs["router"]))
+        assert other.token_ids == reference_greedy(ref_r, shared + [301], NEW)
+    finally:
+        eng.shutdown()
+
+
+def test_streaming_speculation_seed_and_peft(base_dir, adapter_dirs, references, tmp_path):
+    """n-gram speculation and streaming under an adapter give the greedy tokens; a seeded adapter row is
+    the same alone and in a mixed batch; the same adapter in PEFT's format gives the same tokens."""
+    import mlx.core as mx
+
+    eng = _engine(base_dir, adapter_dirs, None)
+    try:
+        p = references["prompts"][2]
+        want = references["sql"][0][2]
+        spec = eng.generate([p], adapter="sql", max_tokens=NEW, temperature=0, ignore_eos=True,
+                            speculative={"method": "ngram", "num_tokens": 3, "adaptive": False})[0]
+        assert spec.token_ids == want
+        streamed = [t for d in eng.stream(p, adapter="sql", max_tokens=NEW, temperature=0, ignore_eos=True)
+                    for t in d.token_ids]
+        assert streamed == want
+        seeded = dict(max_tokens=NEW, temperature=0.9, seed=7, ignore_eos=True, adapter="summary")
+        alone = eng.generate([p], **seeded)[0].token_ids
+        others = [eng.submit(q, adapter=a, max_tokens=NEW, temperature=0.8, ignore_eos=True)
+                  for q, a in zip(references["prompts"], ["router", None, "sql", "summary"])]
+        mixed = eng.generate([p], **seeded)[0].token_ids
+        for h in others:
+            eng._collect(h)
+        assert alone == mixed
+
+        # PEFT's layout of the "sql" adapter (scale = lora_alpha / r).
+        src = adapter_dirs["sql"]
+        cfg = json.loads((src / "adapter_config.json").read_text())["lora_parameters"]
+        peft = tmp_path / "peft-sql"
+        peft.mkdir()
+        weights = {}
+        for name, w in mx.load(str(src / "adapters.safetensors")).items():
+            path, _, leaf = name.rpartition(".")
+            weights[f"base_model.model.{path}.lora_{'A' if leaf == 'lora_a' else 'B'}.weight"] = w.T
+        mx.save_safetensors(str(peft / "adapter_model.safetensors"), weights)
+        (peft / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": cfg["rank"], "lora_alpha": cfg["scale"] * cfg["rank"],
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}))
+        got = eng.generate([p], adapter=str(peft), max_tokens=NEW, temperature=0, ignore_eos=True)[0]
+        assert got.token_ids == want
+    finally:
+        eng.shutdown()
+
+
+def test_bad_adapters_are_refused(base_dir, adapter_dirs, tmp_path, vocab):
+    from parallm_engine import Engine
+    from parallm_engine.bench_lora import write_random_adapter
+    from parallm_engine.errors import AdapterLoadError, AdapterNotFoundError, InvalidRequestError
+
+    tok_dir, _ = default_tokenizer()
+    other_base = build("llama", tmp_path / "other", tok_dir, vocab, overrides={"hidden_size": 32, "head_dim": 8})
+    foreign = write_random_adapter(other_base, tmp_path / "foreign", rank=4)
+    (tmp_path / "no-config").mkdir()
+    with pytest.raises(AdapterLoadError, match="does not fit"):
+        Engine(str(base_dir), adapters={"foreign": str(foreign)})
+    eng = _engine(base_dir, adapter_dirs, None)
+    try:
+        p = prompt_ids(20, vocab, seed=5)
+        with pytest.raises(AdapterNotFoundError):
+            eng.submit(p, adapter="nope")
+        with pytest.raises(AdapterLoadError, match="does not fit"):
+            eng.submit(p, adapter=str(foreign))
+        with pytest.raises(AdapterLoadError, match="adapter_config.json"):
+            eng.submit(p, adapter=str(tmp_path / "no-config"))
+        with pytest.raises(InvalidRequestError, match="draft"):
+            eng.submit(p, adapter="sql", speculative={"method": "draft", "model": str(base_dir)})
+        # Nothing else was hurt: the engine still serves adapter and base rows.
+        r = eng.generate([p, p], adapter="sql", max_tokens=2, temperature=0)
+        assert all(len(x.token_ids) == 2 for x in r)
+    finally:
+        eng.shutdown()

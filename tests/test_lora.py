@@ -195,3 +195,49 @@ def test_bad_adapters_are_refused(base_dir, adapter_dirs, tmp_path, vocab):
         assert all(len(x.token_ids) == 2 for x in r)
     finally:
         eng.shutdown()
+
+
+def test_server_and_integrations_pick_adapters(base_dir, adapter_dirs, vocab):
+    """The server serves each adapter as a model (vLLM's convention); ChatParaLLM, ParaLLM and
+    ParaLLMLlamaIndex take ``adapter=`` as a field and per call, in-process and through ``base_url``."""
+    import httpx
+    from langchain_core.runnables import RunnableParallel
+
+    from parallm_engine import get_engine
+    from parallm_engine.server import ServerThread
+    from parallm_integrations import ChatParaLLM, ParaLLM
+    from parallm_integrations.llama_index import ParaLLMLlamaIndex
+
+    kwargs = {"adapters": {k: str(v) for k, v in adapter_dirs.items()}, "max_batch_size": 16}
+    eng = get_engine(str(base_dir), **kwargs)
+    msgs = [{"role": "user", "content": "Write a query."}]
+    greedy = dict(max_tokens=NEW, temperature=0, ignore_eos=True)
+    want = {name: eng.chat(msgs, adapter=name, **greedy).text for name in [None, *adapter_dirs]}
+    assert len(set(want.values())) == 4  # each adapter answers differently
+
+    chat = ChatParaLLM(model=str(base_dir), engine_kwargs=kwargs, adapter="sql", **greedy)
+    assert chat.invoke(msgs).content == want["sql"]
+    assert chat.invoke(msgs, adapter="router").content == want["router"]  # per call
+    fan = RunnableParallel(**{name: chat.bind(adapter=name) for name in adapter_dirs}).invoke(msgs)
+    assert {k: v.content for k, v in fan.items()} == {k: want[k] for k in adapter_dirs}
+    llm = ParaLLM(model=str(base_dir), engine_kwargs=kwargs, adapter="summary", max_tokens=NEW, temperature=0)
+    prompt_text = "SELECT name FROM"
+    assert llm.invoke(prompt_text) == eng.generate([prompt_text], adapter="summary", max_tokens=NEW,
+                                                   temperature=0)[0].text
+    li = ParaLLMLlamaIndex(model=str(base_dir), engine_kwargs=kwargs, adapter="sql", **greedy)
+    from llama_index.core.llms import ChatMessage
+
+    assert li.chat([ChatMessage(role="user", content=msgs[0]["content"])]).message.content == want["sql"]
+
+    with ServerThread(engine=eng) as srv:
+        models = httpx.get(f"{srv.base_url}/models").json()["data"]
+        assert {m["id"] for m in models} >= {"sql", "router", "summary"}
+        assert all(m["parent"] == models[0]["id"] for m in models[1:])
+        body = {"model": "router", "messages": msgs, **greedy}
+        resp = httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=60).json()
+        assert resp["choices"][0]["message"]["content"] == want["router"] and resp["model"] == "router"
+        missing = httpx.post(f"{srv.base_url}/chat/completions", json={**body, "model": "nope"}, timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        remote = ChatParaLLM(base_url=srv.base_url, api_key="EMPTY", adapter="summary", **greedy)
+        assert remote.invoke(msgs).content == want["summary"]
+        assert remote.invoke(msgs, adapter="sql").content == want["sql"]

@@ -241,3 +241,27 @@ def test_server_and_integrations_pick_adapters(base_dir, adapter_dirs, vocab):
         remote = ChatParaLLM(base_url=srv.base_url, api_key="EMPTY", adapter="summary", **greedy)
         assert remote.invoke(msgs).content == want["summary"]
         assert remote.invoke(msgs, adapter="sql").content == want["sql"]
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_preemption_and_more_adapters_than_resident(base_dir, adapter_dirs, references, backend):
+    """A KV budget far too small for the batch (rows are preempted and resume from the per-adapter prefix
+    cache) and only two adapters kept loaded for three in use: every row still equals mlx-lm's."""
+    from parallm_engine import Engine
+
+    cfg = json.loads((base_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4  # float32 K and V
+    eng = Engine(str(base_dir), adapters={k: str(v) for k, v in adapter_dirs.items()}, max_adapters=2,
+                 backend=backend, decode_lanes=1, kv_budget_bytes=per_token * 160)
+    try:
+        prompts = references["prompts"]
+        batch = [(name, i) for name in [*adapter_dirs, None] for i in range(4)]
+        handles = [eng.submit(prompts[i], adapter=name, max_tokens=NEW, temperature=0, ignore_eos=True,
+                              logprobs=True) for name, i in batch]
+        _check([eng._collect(h) for h in handles], [n for n, _ in batch], [i for _, i in batch], references)
+        stats = eng.stats()
+        assert stats["preemptions"] > 0
+        assert stats["adapters"]["evictions"] > 0 and len(stats["adapters"]["loaded"]) == 2
+    finally:
+        eng.shutdown()

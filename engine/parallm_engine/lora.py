@@ -82,9 +82,9 @@ class LoRARuntime:
         if not any(a is not None for a in adapters):
             yield
             return
-        self._ensure_resident({id(a): a for a in adapters if a is not None}.values())
-        slot = {id(a): i + 1 for i, a in enumerate(self.slots)}
-        rows = [slot[id(a)] if a is not None else 0 for a in adapters]
+        self._ensure_resident({a.key: a for a in adapters if a is not None})
+        slot = {a.key: i + 1 for i, a in enumerate(self.slots)}
+        rows = [slot[a.key] if a is not None else 0 for a in adapters]
         self.idx = mx.array(rows, dtype=mx.uint32)
         self.dora_rows = mx.array([a is not None and a.kind == "dora" for a in adapters])
         try:
@@ -93,14 +93,16 @@ class LoRARuntime:
             self.idx = self.dora_rows = None
 
     # -- residency -----------------------------------------------------------------------------
-    def _ensure_resident(self, needed) -> None:
-        needed = list(needed)
-        have = {id(a) for a in self.slots}
-        if all(id(a) in have for a in needed):
+    def _ensure_resident(self, needed: dict) -> None:
+        """Every adapter in ``needed`` (by key: a reloaded adapter is the same slot) gets a slot; the
+        slots keep up to ``max_slots`` adapters, those a forward needs first, then the ones held longest."""
+        have = [a.key for a in self.slots]
+        if all(k in have for k in needed):
             return
-        keep = [a for a in self.slots if a not in needed]
-        slots = needed + keep[: max(0, self.max_slots - len(needed))]
-        self.slots = sorted(slots, key=lambda a: self.slots.index(a) if a in self.slots else len(self.slots))
+        keep = [a for a in self.slots if a.key not in needed]
+        fresh = [a for k, a in needed.items() if k not in have]
+        kept_needed = [a for a in self.slots if a.key in needed]
+        self.slots = kept_needed + keep[: max(0, self.max_slots - len(needed))] + fresh
         self._wrap({p for a in self.slots for p in a.layers})
         self._build_stacks()
 

@@ -50,7 +50,7 @@ class MultiLoRALinear(nn.Module):
         a, b, scale, gain = stack
         idx = rt.idx
         z = mx.gather_mm(mx.gather_mm(x, a, rhs_indices=idx), b, rhs_indices=idx)
-        out = y + (scale[idx].astype(z.dtype)[:, None, None] * z).astype(x.dtype)
+        out = y + (rt.row_scale(scale, z.dtype) * z).astype(x.dtype)
         if gain is None:
             return out
         row_gain = gain[idx].astype(x.dtype)[:, None, :]  # 1.0 for LoRA rows: exact
@@ -73,6 +73,7 @@ class LoRARuntime:
         self.stack_bytes = 0
         self.idx: mx.array | None = None  # slot per model row while a forward is built
         self.dora_rows: mx.array | None = None
+        self._row_scales: dict = {}
         self.rebuilds = 0
 
     # -- rows of one forward -------------------------------------------------------------------
@@ -87,10 +88,21 @@ class LoRARuntime:
         rows = [slot[a.key] if a is not None else 0 for a in adapters]
         self.idx = mx.array(rows, dtype=mx.uint32)
         self.dora_rows = mx.array([a is not None and a.kind == "dora" for a in adapters])
+        self._row_scales = {}
         try:
             yield
         finally:
             self.idx = self.dora_rows = None
+            self._row_scales = {}
+
+    def row_scale(self, scale: mx.array, dtype) -> mx.array:
+        """Each model row's scale for a layer's slot scales, (rows, 1, 1): gathered once per forward for
+        every layer sharing the same scales (``_build_stacks`` interns them)."""
+        key = (id(scale), dtype)
+        got = self._row_scales.get(key)
+        if got is None:
+            got = self._row_scales[key] = scale[self.idx].astype(dtype)[:, None, None]
+        return got
 
     # -- residency -----------------------------------------------------------------------------
     def _ensure_resident(self, needed: dict) -> None:
@@ -119,6 +131,7 @@ class LoRARuntime:
     def _build_stacks(self) -> None:
         self.rebuilds += 1
         self.stacks = {}
+        scales_of: dict[tuple, mx.array] = {}  # layers with the same slot scales share one array
         for path, wrapper in self.wrappers.items():
             used = [a.layers.get(path) for a in self.slots]
             if not any(w is not None for w in used):
@@ -143,8 +156,9 @@ class LoRARuntime:
                 ones = mx.ones((n_out,), mx.float32)
                 gain = mx.stack([ones] + [_dora_gain(a, path, wrapper.base) if a.kind == "dora" and path in a.layers
                                           else ones for a in self.slots])
-            self.stacks[path] = (mx.stack(a_rows), mx.stack(b_rows), mx.array(scales, mx.float32), gain)
-        arrays = [x for s in self.stacks.values() for x in s if x is not None]
+            scale = scales_of.setdefault(tuple(scales), mx.array(scales, mx.float32))
+            self.stacks[path] = (mx.stack(a_rows), mx.stack(b_rows), scale, gain)
+        arrays = list({id(x): x for s in self.stacks.values() for x in s if x is not None}.values())
         mx.eval(arrays)
         self.stack_bytes = sum(x.nbytes for x in arrays)
 

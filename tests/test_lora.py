@@ -265,3 +265,30 @@ def test_preemption_and_more_adapters_than_resident(base_dir, adapter_dirs, refe
         assert stats["adapters"]["evictions"] > 0 and len(stats["adapters"]["loaded"]) == 2
     finally:
         eng.shutdown()
+
+
+def test_mixed_cache_layout_family(tmp_path, vocab):
+    """A model with sliding-window layers (the engine's "mixed" cache layout: mlx-lm's batched caches and
+    whole-state prefix snapshots, per adapter) runs adapter rows beside base rows as mlx-lm does."""
+    from mlx_lm import load
+
+    from parallm_engine import Engine
+    from parallm_engine.bench_lora import write_random_adapter
+
+    tok_dir, _ = default_tokenizer()
+    base = build("gemma3_text", tmp_path / "g3", tok_dir, vocab)
+    adapter = write_random_adapter(base, tmp_path / "a", rank=4, seed=9, b_std=0.004)
+    prompts = [prompt_ids(20 + 7 * i, vocab, seed=20 + i) for i in range(2)]
+    ref_a, _ = load(str(base), adapter_path=str(adapter))
+    ref_b, _ = load(str(base))
+    want = [reference_greedy(ref_a, p, NEW) for p in prompts] + [reference_greedy(ref_b, p, NEW) for p in prompts]
+    assert want[:2] != want[2:]
+    eng = Engine(str(base), adapters={"a": str(adapter)}, decode_lanes=1)
+    try:
+        assert eng._scheduler.layout == "mixed"
+        for _ in range(2):  # cold, then from the per-adapter snapshots
+            handles = [eng.submit(p, adapter=a, max_tokens=NEW, temperature=0, ignore_eos=True)
+                       for a in ("a", None) for p in prompts]
+            assert [eng._collect(h).token_ids for h in handles] == want
+    finally:
+        eng.shutdown()

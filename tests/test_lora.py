@@ -164,6 +164,36 @@ def test_streaming_speculation_seed_and_peft(base_dir, adapter_dirs, references,
             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}))
         got = eng.generate([p], adapter=str(peft), max_tokens=NEW, temperature=0, ignore_eos=True)[0]
         assert got.token_ids == want
+
+        # Tools and grammars: a forced call is a valid call under an adapter, beside a base row.
+        tool = {"type": "function", "function": {"name": "run_sql", "parameters": {
+            "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+        msgs = [{"role": "user", "content": "Count the orders."}]
+        base_row = eng.submit(p, max_tokens=NEW, temperature=0)
+        called = eng.chat(msgs, tools=[tool], tool_choice="required", adapter="router", max_tokens=48, temperature=0)
+        eng._collect(base_row)
+        assert called.tool_calls and called.tool_calls[0].name == "run_sql"
+    finally:
+        eng.shutdown()
+
+
+def test_adapter_by_hf_repo_id(base_dir, adapter_dirs, references, tmp_path, monkeypatch):
+    """An adapter named by HF repo id resolves through the local hub cache, as a model does (no download)."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--acme--sql-lora"
+    shutil.copytree(adapter_dirs["sql"], repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    eng = _engine(base_dir, {}, None)
+    try:
+        p = references["prompts"][0]
+        got = eng.generate([p], adapter="acme/sql-lora", max_tokens=NEW, temperature=0, ignore_eos=True)[0]
+        assert got.token_ids == references["sql"][0][0]
     finally:
         eng.shutdown()
 

@@ -133,14 +133,13 @@ class LoRARuntime:
         self.stacks = {}
         scales_of: dict[tuple, mx.array] = {}  # layers with the same slot scales share one array
         for path, wrapper in self.wrappers.items():
-            used = [a.layers.get(path) for a in self.slots]
-            if not any(w is not None for w in used):
+            used = [a.layers.get(path) for a in self.slots]  # per slot: this layer's update, or None
+            present = [w for w in used if w is not None]
+            if not present:
                 continue
-            ref = next(w for w in used if w is not None)
-            n_in, n_out = ref.a.shape[0], ref.b.shape[1]
-            rank = max(w.a.shape[1] for w in used if w is not None)
-            dtype = mx.float32 if any(w.a.dtype == mx.float32 or w.b.dtype == mx.float32 for w in used if w) \
-                else ref.a.dtype
+            n_in, n_out = present[0].a.shape[0], present[0].b.shape[1]
+            rank = max(w.a.shape[1] for w in present)  # smaller ranks padded with zeros: exact
+            dtype = mx.float32 if any(mx.float32 in (w.a.dtype, w.b.dtype) for w in present) else present[0].a.dtype
             a_rows = [mx.zeros((n_in, rank), dtype)]
             b_rows = [mx.zeros((rank, n_out), dtype)]
             scales = [0.0]

@@ -322,3 +322,18 @@ def test_mixed_cache_layout_family(tmp_path, vocab):
             assert [eng._collect(h).token_ids for h in handles] == want
     finally:
         eng.shutdown()
+
+
+def test_bench_lora_workload(base_dir):
+    """`parallm bench --workloads lora` on a tiny model: the mixed requests decode as one batch."""
+    from parallm_engine import Engine
+    from parallm_engine.bench_lora import LoraSizes, format_lines, run_lora
+
+    eng = Engine(str(base_dir), decode_lanes=1)
+    try:
+        res = run_lora(eng, LoraSizes(n=8, adapters=2, prompt_len=16, new_tokens=4, rank=4, runs=1))
+        assert res["peak_running_mixed"] == 8
+        assert res["mixed"]["tokens"] == res["base"]["tokens"] == 8 * 4
+        assert res["ratios"]["mixed_vs_base"] > 0 and "mixed adapters" in format_lines(res)[0]
+    finally:
+        eng.shutdown()

@@ -415,6 +415,13 @@ class ParaLLMParams(BaseModel):
     """Scheduling priority (vLLM's convention): smaller runs first and is preempted last when memory runs
     short; None = 0. A per-call ``priority=`` overrides it (e.g. an agent's planner ahead of its workers)."""
 
+    adapter: str | None = None
+    """LoRA adapter the requests run under: a name the engine knows (``engine_kwargs={"adapters": {name:
+    path}}``, or a server's ``--adapter NAME=PATH``), or an adapter directory (mlx-lm's or PEFT's format;
+    in-process only). None: the base model. Requests with different adapters share one batch on one base
+    model; a per-call ``adapter=`` overrides it (e.g. one LangGraph node per adapter). With ``base_url``
+    the adapter name is sent as the request's ``model`` (vLLM's convention)."""
+
     streaming: bool = False
     """Stream tokens from ``invoke`` too (token callbacks fire as tokens arrive)."""
 
@@ -487,7 +494,7 @@ class ParaLLMParams(BaseModel):
         for name in ("temperature", "max_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n", "priority",
-                     "speculative"):
+                     "speculative", "adapter"):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
@@ -545,6 +552,8 @@ class ParaLLMParams(BaseModel):
                 sampling[name] = value
         if self.priority is not None:
             sampling["priority"] = self.priority
+        if self.adapter is not None:
+            sampling["adapter"] = self.adapter
         merged = {**self.model_kwargs, **kw}
         check_priority(merged.get("priority"))
         stop_value = stop if stop is not None else merged.pop("stop", None)
@@ -572,7 +581,8 @@ class ParaLLMParams(BaseModel):
     def _remote_params(self, req: EngineRequest) -> dict[str, Any]:
         """The OpenAI-style request body for the remote implementation."""
         params = dict(req.sampling)
-        params["model"] = req.model or self.model or DEFAULT_MODEL_NAME
+        adapter = params.pop("adapter", None)  # a server serves its adapters as models (vLLM's convention)
+        params["model"] = adapter or req.model or self.model or DEFAULT_MODEL_NAME
         if req.tools:
             params["tools"] = req.tools
             if req.tool_choice is not None:

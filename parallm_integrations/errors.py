@@ -17,6 +17,8 @@ from __future__ import annotations
 
 try:
     from parallm_engine.errors import (
+        AdapterLoadError,
+        AdapterNotFoundError,
         ContextLengthExceededError,
         EngineDeadError,
         GrammarError,
@@ -77,6 +79,12 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
     class OutOfMemoryError(ParaLLMError):  # type: ignore[no-redef]
         """The device ran out of memory for this request even with nothing else running beside it (HTTP 507)."""
 
+    class AdapterLoadError(InvalidRequestError):  # type: ignore[no-redef]
+        """A LoRA adapter cannot be used with the model (no config, unmapped format, another base) (HTTP 400)."""
+
+    class AdapterNotFoundError(AdapterLoadError):  # type: ignore[no-redef]
+        """The adapter name is not registered and is not an adapter directory (HTTP 404)."""
+
 
 #: The modules whose absence means "the engine is not installed" (not, say, a model family mlx-lm lacks).
 ENGINE_MODULES = frozenset({"parallm_engine", "mlx", "mlx.core", "mlx.nn", "mlx_lm"})
@@ -97,7 +105,7 @@ class EngineNotInstalledError(ImportError):
 
 
 __all__ = [
-    "ContextLengthExceededError", "EngineDeadError", "EngineNotInstalledError", "GrammarError",
-    "InvalidRequestError", "ModelLoadError", "NotAnEmbeddingModelError", "ParaLLMError", "QueueFullError",
-    "RequestCancelledError", "UnsupportedModelError",
+    "AdapterLoadError", "AdapterNotFoundError", "ContextLengthExceededError", "EngineDeadError",
+    "EngineNotInstalledError", "GrammarError", "InvalidRequestError", "ModelLoadError", "NotAnEmbeddingModelError",
+    "ParaLLMError", "QueueFullError", "RequestCancelledError", "UnsupportedModelError",
 ]

@@ -17,6 +17,8 @@ from .backend import preload_blas as _preload_blas
 _preload_blas()  # must happen before anything imports mlx.core
 
 from .errors import (  # noqa: E402  (plain Python: no MLX)
+    AdapterLoadError,
+    AdapterNotFoundError,
     ContextLengthExceededError,
     EngineDeadError,
     GrammarError,
@@ -82,4 +84,5 @@ __all__ = [
     "ContextLengthExceededError", "ModelLoadError", "QueueFullError", "RequestCancelledError",
     "GrammarError", "EngineDeadError", "UnsupportedModelError", "ImageInputError", "OutOfMemoryError",
     "get_embedding_engine", "EncoderEngine", "EmbeddingResult", "EmbeddingHandle", "NotAnEmbeddingModelError",
+    "AdapterLoadError", "AdapterNotFoundError",
 ]

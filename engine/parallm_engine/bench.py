@@ -95,7 +95,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 #: another copy of a multi-GB model.
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
-                 "arrival", "memory", "spec", "vision", "embed")
+                 "arrival", "memory", "spec", "vision", "embed", "lora")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -133,7 +133,8 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
 
 # -- ParaLLM ---------------------------------------------------------------------------------------
 
-def run_parallm(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+def run_parallm(engine, prompts: list[list[int]], new_tokens: int, adapters: list | None = None) -> dict:
+    """``adapters``: a LoRA adapter (or None) per prompt (``bench_lora``)."""
     engine.clear_prefix_cache()  # every workload starts cold: no hits on an earlier workload's prompts
     start = engine.stats()
     before = start["prefill_tokens"]
@@ -142,8 +143,9 @@ def run_parallm(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     async def main():
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        handles = [engine.submit(p, loop=loop, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-                   for p in prompts]
+        handles = [engine.submit(p, loop=loop, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                 adapter=adapters[i] if adapters else None)
+                   for i, p in enumerate(prompts)]
 
         async def consume(h):
             first, times, n = None, [], 0
@@ -524,6 +526,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
         result["workloads"]["embed"] = be.run_embed(be.QUICK_EMBED if quick else be.FULL_EMBED, tick,
                                                     backend=engine.backend.name)
+
+    if "lora" in workloads:  # 4 random adapters on the loaded model, mixed in one batch vs base-only
+        from . import bench_lora
+
+        result["workloads"]["lora"] = bench_lora.run_lora(engine, bench_lora.QUICK_LORA if quick else bench_lora.FULL_LORA, tick)
     return result
 
 
@@ -579,7 +586,7 @@ def _cpu_model() -> str:
 
 _OWN_FORMAT = {"llamacpp": "bench_llamacpp", "agents": "bench_agents", "longctx": "bench_longctx",
                "paths": "bench_paths", "arrival": "bench_paths", "memory": "bench_memory",
-               "spec": "bench_spec", "vision": "bench_vision", "embed": "bench_embed"}
+               "spec": "bench_spec", "vision": "bench_vision", "embed": "bench_embed", "lora": "bench_lora"}
 
 
 def format_table(result: dict) -> str:

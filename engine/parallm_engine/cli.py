@@ -23,7 +23,17 @@ def _engine_config(args) -> dict:
         cfg["kv_memory"] = args.kv_memory
     if getattr(args, "kv_bits", None) is not None:
         cfg["kv_bits"] = args.kv_bits
+    if getattr(args, "adapter", None):
+        cfg["adapters"] = dict(args.adapter)
     return cfg
+
+
+def _adapter(text: str) -> tuple[str, str]:
+    """``--adapter NAME=PATH``: a LoRA adapter served as the model ``NAME``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
 
 
 def _kv_memory(text: str):
@@ -305,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--embedding-model", default=None, metavar="MODEL",
                     help="answer /v1/embeddings with this model (a decoder or a BERT-family encoder) instead of "
                          "the served one (docs/embeddings.md)")
+    sp.add_argument("--adapter", type=_adapter, action="append", default=None, metavar="NAME=PATH",
+                    help="serve a LoRA adapter (mlx-lm's or PEFT's directory, or a cached HF repo id) as the model "
+                         "NAME: requests naming it run under it, in one batch with every other; repeatable")
     sp.add_argument("--log-level", default="info")
     sp.set_defaults(fn=cmd_serve)
 

@@ -36,6 +36,7 @@ import numpy as np
 from . import cpu_kernels
 from .kv_cache import SharedPrefix
 from .kv_pages import PAGE, PagedLaneKV, PagedSegment
+from .lora import adapter_rows
 
 #: Rows a lane takes before the next lane gets any (see the module docstring).
 LANE_FILL_ROWS = 32
@@ -226,6 +227,7 @@ class DecodeBatch:
             n = len(lane.seqs)
             if not n:
                 continue
+            mine = None
             with lane.context():
                 if rows is not None:
                     mine = rows[start : start + n]
@@ -236,7 +238,7 @@ class DecodeBatch:
                     # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
                     extra = model.decode_kwargs(lane.seqs, x.shape[1]) if hasattr(model, "decode_kwargs") else {}
                     lane.kv.begin(x.shape[1], nat, self.attention_reads_pool)
-                with cpu_kernels.solo_lane(solo):
+                with cpu_kernels.solo_lane(solo), adapter_rows(model, lane.seqs, None if mine is None else [len(r) for r in mine]):
                     logits = model(x, cache=lane.kv.layers, **extra)
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n

@@ -62,6 +62,7 @@ class EmbeddingSequence(Sequence):
     """A prefill-only row: its whole text is prefilled (no last token kept for a decode step)."""
 
     embedding = True
+    adapter_key = None  # embeddings run on the base model (no LoRA adapter)
 
     def __init__(self, request):  # no sampler, detokeniser or stops: nothing is generated
         self.request = request

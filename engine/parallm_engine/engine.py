@@ -41,6 +41,8 @@ from . import memory_recovery
 from .memory_recovery import is_allocation_failure
 from .memory_budget import apply_mlx_limits, mlx_limits
 from .embedding_api import EmbeddingAPI
+from . import lora
+from .lora_adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, linear_dims
 from .scheduler import Scheduler, SchedulerConfig
 from .stats import EngineStats
 from .validation import check_text
@@ -116,6 +118,8 @@ class Engine(EmbeddingAPI):
         decode_lanes: int | None = None,
         backend: str | None = None,
         speculative: Any = None,
+        adapters: dict[str, str | os.PathLike] | None = None,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
@@ -128,7 +132,11 @@ class Engine(EmbeddingAPI):
         ``{"method": "ngram", "num_tokens": 4}``. ``weights_dtype``: ``"float32"`` (default) or
         ``"bfloat16"`` weight storage on the CPU, or ``"bfloat16-matmul"`` (bfloat16 weights and matmul
         inputs, float32 sums; AVX512_BF16's kernel where the CPU has it) (``PARALLM_WEIGHTS_DTYPE``; Metal
-        and CUDA keep the model's dtype; see ``weights_dtype.py``)."""
+        and CUDA keep the model's dtype; see ``weights_dtype.py``). ``adapters``: LoRA adapters by name
+        (``{"sql": "/path/to/adapter_dir"}``; mlx-lm's or PEFT's format), loaded and checked now; a request
+        picks one with ``adapter=``, which also takes an adapter directory or cached HF repo id (loaded on
+        first use). ``max_adapters`` of them stay loaded (LRU) and resident in the batch's stacks
+        (``lora.py``, ``docs/lora.md``)."""
         from .backend import choose_backend
         from .loader import load_model
 
@@ -177,6 +185,11 @@ class Engine(EmbeddingAPI):
         if speculative is not None and speculative.enabled and self._scheduler.speculator is None:
             raise InvalidRequestError(self._scheduler.no_speculation, param="speculative")
         self._check_draft(speculative)
+        self.adapters = AdapterRegistry(linear_dims(self.model), max_adapters)
+        for name, path in (adapters or {}).items():
+            self.adapters.register(name, path)
+        if adapters:
+            lora.attach(self.model, max_adapters)
         if self.backend.name == "cpu-native" and not self._scheduler.native_kernels:
             self.backend.name = "cpu-mlx"  # the native kernels could not be built: MLX-op kernels
         self.backend.decode_lanes = self.config.decode_lanes
@@ -313,6 +326,7 @@ class Engine(EmbeddingAPI):
         request_id: str | None = None,
         priority: int = 0,
         group=None,
+        adapter: str | os.PathLike | None = None,
         **sampling: Any,
     ) -> RequestHandle:
         """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
@@ -333,6 +347,11 @@ class Engine(EmbeddingAPI):
         repetition_penalty take the model's recommendation (:attr:`sampling_defaults`); explicit values
         always win. A ready-made ``params=SamplingParams(...)`` is used as it is. The effective settings
         are on the handle: ``handle.request.params``.
+
+        ``adapter``: the LoRA adapter the request runs under (a name given in ``adapters=`` or
+        :meth:`load_adapter`, an adapter directory, or a cached HF repo id); None: the base model. It
+        shares the batch with every other request (``lora.py``); an unknown one raises
+        :class:`AdapterNotFoundError`, one that does not fit the model :class:`AdapterLoadError`.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead}")
@@ -352,6 +371,7 @@ class Engine(EmbeddingAPI):
             tools=list(tools) if tools else None, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
         ) if (response_format is not None or tools) else None
         self._check_speculative(params)
+        lora_adapter = self._resolve_adapter(adapter, params)
         ids = self._prompt_ids(prompt)
         ctx = self.context_window
         if len(ids) >= ctx:
@@ -367,6 +387,7 @@ class Engine(EmbeddingAPI):
         self._take_queue_slot()
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
                       tools=list(tools) if tools else None, priority=priority, group=group)
+        req.adapter = lora_adapter
         if isinstance(prompt, VisionPrompt):
             req.vision = prompt
             if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first
@@ -386,6 +407,22 @@ class Engine(EmbeddingAPI):
                     f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
                 )
             self._pending += 1
+    def load_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Register (or re-point) the LoRA adapter ``name`` at ``path`` and load it now (checked against
+        the model: :class:`AdapterLoadError` if it does not fit)."""
+        self.adapters.register(name, path)
+        lora.attach(self.model, self.adapters.max_loaded)
+
+    def _resolve_adapter(self, adapter, params: SamplingParams):
+        if adapter is None:
+            return None
+        spec = params.speculative
+        if spec is not None and spec.enabled and spec.method == "draft":
+            raise InvalidRequestError("a draft model drafts for the base model only: use speculative "
+                                      "{'method': 'ngram'} (or none) with a LoRA adapter", param="speculative")
+        resolved = self.adapters.resolve(adapter)
+        lora.attach(self.model, self.adapters.max_loaded)
+        return resolved
 
     def _check_speculative(self, params: SamplingParams) -> None:
         """A request that asks for speculation where it cannot run is refused (typed), never run wrong."""
@@ -501,6 +538,7 @@ class Engine(EmbeddingAPI):
         vision = getattr(self.model, "vision", None)
         if vision is not None:
             snap["vision"] = vision.stats()
+        snap["adapters"] = {**self.adapters.stats(), **snap.pop("lora", {})}
         return snap
 
     def _publish_stats(self) -> None:
@@ -518,6 +556,9 @@ class Engine(EmbeddingAPI):
                     self._stats_warned = True
                     logger.warning("could not read the prefix cache's stats", exc_info=True)
         gauges["memory"] = sched.memory_stats()
+        rt = lora.runtime(self.model)
+        if rt is not None:  # the stacks resident in the batch (engine thread's view)
+            gauges["lora"] = rt.stats()
         self._stats.publish(gauges)
 
     def reset_peaks(self) -> None:

@@ -62,3 +62,15 @@ class NotAnEmbeddingModelError(InvalidRequestError):
     """Embeddings were asked of a model that has no embedding configuration (a chat model without
     sentence-transformers files and no ``pooling=``), or whose family cannot give hidden states (HTTP 400).
     The message says which models work (``embedding_config.WHICH_MODELS_WORK``)."""
+
+
+class AdapterLoadError(InvalidRequestError):
+    """A LoRA adapter cannot be used with this engine's model: no ``adapter_config.json``, a format or option
+    the engine does not map, or weights shaped for another base model (refused at load; HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = "adapter"):
+        super().__init__(message, param=param)
+
+
+class AdapterNotFoundError(AdapterLoadError):
+    """The adapter name is not registered and is not an adapter directory or a cached HF repo id (HTTP 404)."""

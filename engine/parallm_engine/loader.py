@@ -160,18 +160,26 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     if path.exists():
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
     # An HF repo id that is already in the local hub cache; no network access is attempted.
-    if "/" in str(model) and not str(model).startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            local = snapshot_download(str(model), local_files_only=True)
-            return Path(local), str(model)
-        except Exception:
-            pass
+    local = cached_hub_snapshot(str(model))
+    if local is not None:
+        return local, str(model)
     raise ModelLoadError(
         f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not in the local "
         "Hugging Face cache (ParaLLM never downloads at run time)"
     )
+
+
+def cached_hub_snapshot(spec: str) -> Path | None:
+    """The local hub cache's snapshot directory of the HF repo id ``spec`` (None: not a repo id, or not
+    cached). Never downloads (models and LoRA adapters resolve ids through here)."""
+    if "/" not in spec or spec.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception:
+        return None
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | None = None, weights_dtype: str | None = None):

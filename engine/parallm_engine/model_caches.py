@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from .errors import UnsupportedModelError
+from .lora import adapter_rows
 
 # Families whose forward cannot take a batch of rows with different histories in mlx-lm 0.32 even
 # through its own batched caches (checked with tiny random models against mlx-lm's own generation).
@@ -245,7 +246,8 @@ class MixedDecodeBatch:
     def forward(self, model, tokens: mx.array) -> mx.array:
         """Lazy float32 logits, one row per running sequence: the model's own forward."""
         extra = model.decode_kwargs(self.running, 1) if hasattr(model, "decode_kwargs") else {}  # M-RoPE positions
-        return model(tokens[:, None], cache=self.caches, **extra)[:, -1, :].astype(mx.float32)
+        with adapter_rows(model, self.running):
+            return model(tokens[:, None], cache=self.caches, **extra)[:, -1, :].astype(mx.float32)
 
     def row_caches(self, seq) -> list:
         """``seq``'s own per-layer caches, extracted from the batch (for a snapshot)."""

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse
 
 from .errors import (
+    AdapterNotFoundError,
     ContextLengthExceededError,
     EngineDeadError,
     InvalidRequestError,
@@ -62,6 +63,8 @@ def api_error_from(exc: BaseException) -> APIError:
     """Map an engine error (or anything else) onto the HTTP error a client should see."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, AdapterNotFoundError):  # a LoRA adapter is a model to clients (vLLM's convention)
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ContextLengthExceededError):
         return APIError(400, str(exc), param=exc.param or "messages", code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):  # GrammarError included

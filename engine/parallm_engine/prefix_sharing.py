@@ -30,18 +30,19 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
         cands = [s for s in seqs if s.tree_tokens >= MIN_SHARED_PREFIX]
         if not cands:
             return None
-        first = cands[0].prompt_ids
+        first, ns = cands[0].prompt_ids, cands[0].adapter_key
         head = first[:MIN_SHARED_PREFIX]
         # Running rows count too: the first of a fan-out often joins alone (the others wait for its
         # prefix to be cached) and would otherwise keep every later row as long as itself.
         running = [s for s in batch.running if s.tree_tokens >= MIN_SHARED_PREFIX]
-        group = [s for s in [*cands[1:], *running] if s.prompt_ids[:MIN_SHARED_PREFIX] == head]
+        group = [s for s in [*cands[1:], *running]
+                 if s.adapter_key == ns and s.prompt_ids[:MIN_SHARED_PREFIX] == head]  # one adapter's KV only
         if not group:
             return None
         length = min(s.tree_tokens for s in [cands[0], *group])
         for s in group:
             length = _common_prefix_len(first, s.prompt_ids, length)
-        match = radix.match(first[:length], record=False)
+        match = radix.match(first[:length], record=False, ns=ns)
         if length < MIN_SHARED_PREFIX or match.length != length:
             return None
         node = match.node
@@ -54,6 +55,7 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
             mx.eval([a for k, v in kv for x in (k, v) for a in kvq.arrays(x)])
         batch.set_shared(SharedPrefix(first[:length], kv, release=lambda: radix.unpin(node),
                                       tree_node=node if single else None))
+        batch.shared.adapter_key = ns
         adopters = {id(s) for s in running if _continues(s, batch.shared)}
         if adopters:
             batch.adopt_shared(adopters)
@@ -63,7 +65,8 @@ def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
 
 def _continues(seq, shared: SharedPrefix) -> bool:
     """``seq``'s KV for the whole shared prefix is bitwise the tree's copy the batch holds."""
-    return seq.tree_tokens >= shared.length and shared.continues(seq.prompt_ids)
+    return (seq.tree_tokens >= shared.length and seq.adapter_key == getattr(shared, "adapter_key", None)
+            and shared.continues(seq.prompt_ids))
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:

@@ -341,6 +341,7 @@ class ModelCard(_Model):
     created: int
     owned_by: str = "parallm"
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(_Model):

@@ -7,6 +7,9 @@ however many rows and nodes use it, and a split copies nothing) or as its own (1
 prefix the decode batch reads once for all its rows, ``kv_cache.SharedPrefix``; the engine's tests).
 Sequences pin the deepest node they matched; pins count up the parent chain, so splitting a node keeps
 every pin valid. Unpinned leaves are evicted least-recently-used when the tree exceeds its byte budget.
+Each namespace (``ns``: a LoRA adapter's key, ``lora_adapters.LoRAAdapter.key``; None: the base model) has
+its own root: KV computed under one adapter is never matched by another's tokens (adapters change every
+layer's keys and values), while rows of one adapter share prefixes as the base's rows do.
 The tree's bytes are its arrays plus the pages only it holds (pages a row also holds are the row's):
 ``page_nbytes`` and ``cached_pages`` are set by the owner of the pools (the scheduler).
 """
@@ -92,6 +95,7 @@ class RadixCache:
         self.max_bytes = int(max_bytes)
         self.root = RadixNode((), None, None)
         self.root.ref = 1  # never evicted
+        self.roots: dict = {None: self.root}  # one root per namespace (see the module docstring)
         self.array_bytes = 0  # the nodes' own arrays
         self._pinned_bytes = 0  # of those, pinned nodes' (kept by pin / unpin / split: asked every step)
         self._pinned_paged: set[RadixNode] = set()  # pinned nodes holding pages
@@ -113,10 +117,17 @@ class RadixCache:
         return self.array_bytes + self.cached_pages() * self.page_nbytes
 
     # -- lookup ---------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], record: bool = True) -> PrefixMatch:
-        """Longest stored prefix of ``tokens``. Splits an edge matched part-way, so the match always
-        ends on a node boundary."""
-        node, i, n = self.root, 0, len(tokens)
+    def _root(self, ns) -> RadixNode:
+        root = self.roots.get(ns)
+        if root is None:
+            root = self.roots[ns] = RadixNode((), None, None)
+            root.ref = 1
+        return root
+
+    def match(self, tokens: Sequence[int], record: bool = True, ns=None) -> PrefixMatch:
+        """Longest stored prefix of ``tokens`` in namespace ``ns``. Splits an edge matched part-way, so
+        the match always ends on a node boundary."""
+        node, i, n = self._root(ns), 0, len(tokens)
         now = time.monotonic()
         while i < n:
             child = node.children.get(tokens[i])
@@ -227,11 +238,11 @@ class RadixCache:
         return upper
 
     # -- insert ---------------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], kv_for: Callable[[int, int], Segment]) -> PrefixMatch:
+    def insert(self, tokens: Sequence[int], kv_for: Callable[[int, int], Segment], ns=None) -> PrefixMatch:
         """Store ``tokens``. ``kv_for(start, end)`` returns KV for tokens[start:end] (private copies, or a
         ``PagedSegment`` holding the pages they are in) and is called only for the part not already in
         the tree. Returns the match of the full run, with ``held``: how many tokens the tree already had."""
-        m = self.match(tokens, record=False)
+        m = self.match(tokens, record=False, ns=ns)
         m.held = m.length
         if m.length < len(tokens):
             seg = kv_for(m.length, len(tokens))
@@ -299,7 +310,7 @@ class RadixCache:
         """An unpinned ancestor frees something (nothing below an unpinned node is pinned: evicting
         leaves reaches it)."""
         node = leaf.parent
-        while node is not None and node is not self.root and node.ref == 0:
+        while node is not None and node.parent is not None and node.ref == 0:
             if self._frees(node):
                 return True
             node = node.parent
@@ -353,7 +364,7 @@ class RadixCache:
 
     # -- introspection --------------------------------------------------------------------------
     def _iter_nodes(self):
-        stack = list(self.root.children.values())
+        stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             n = stack.pop()
             yield n

@@ -21,7 +21,14 @@ def _key(model, config: dict) -> tuple:
     if model is not None:
         p = Path(os.fspath(model)).expanduser()
         model = str(p.resolve()) if p.exists() else str(model)
-    return (model, tuple(sorted(config.items())))
+    return (model, tuple(sorted((k, _hashable(v)) for k, v in config.items())))
+
+
+def _hashable(value):
+    """Settings given as dicts (``adapters={name: path}``, ``speculative={...}``) as a key."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
+    return str(value) if isinstance(value, os.PathLike) else value
 
 
 def get_engine(model: str | os.PathLike | None = None, **config) -> Engine:

@@ -157,6 +157,7 @@ class Request:
 
     vision = None  # a vision.VisionPrompt for a prompt with images (its key ids and image inputs)
     embedding = None  # an embedding.EmbeddingSpec for an embedding request (prefill only, no decode)
+    adapter = None  # the LoRA adapter its rows run under (lora_adapters.LoRAAdapter); None: the base model
 
     def __init__(
         self,

@@ -44,7 +44,7 @@ from .prefill_runner import run_prefill_group
 from .prefix_sharing import shared_prefix_flags
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
-from .sequence import Sequence, common_prefix_len
+from .sequence import Sequence, shared_context_len
 from .snapshot_cache import SnapshotCache
 from .speculative import TOKEN_BUDGET, Speculator
 from .stats import EngineStats
@@ -386,12 +386,12 @@ class Scheduler:
         if seq.embedding:  # embedding rows neither read nor fill the prefix cache (embedding.py says why)
             pass
         elif self.radix is not None:
-            seq.match = _without_short_tail(self.radix.match(ids))
+            seq.match = _without_short_tail(self.radix.match(ids, ns=seq.adapter_key))
             self.radix.pin(seq.match.node)
             seq.cached_tokens = seq.match.length
             seq.prefix_kv = self.radix.gather(seq.match) if seq.match.length else None
         elif self.snapshots is not None:
-            snap = self.snapshots.match(ids)
+            snap = self.snapshots.match(ids, ns=seq.adapter_key)
             if snap is not None:
                 self.snapshots.pin(snap)
                 seq.match = snap
@@ -408,22 +408,21 @@ class Scheduler:
         for other in list(self.waiting) + list(self.prefilling):
             if other is seq or other.embedding:  # embedding rows read no snapshot
                 continue
-            best = max(best, common_prefix_len(ids, other.prefill_ids))
+            best = max(best, shared_context_len(seq, other))
         return best if seq.cached_tokens + 8 < best < len(ids) else 0
 
     def _cached_len(self, seq: Sequence) -> int:
         """Context tokens the radix tree holds for ``seq`` now (a peek: nothing is pinned or counted)."""
         if self.radix is None or seq.embedding:
             return 0
-        return self.radix.match(seq.prefill_ids, record=False).length
+        return self.radix.match(seq.prefill_ids, record=False, ns=seq.adapter_key).length
 
     def _uncached_overlap(self, seq: Sequence, group: list[Sequence], cached: int) -> bool:
         """Would ``seq`` recompute new tokens another group member is about to compute? Then it waits
         one step and finds them in the radix tree (in-flight dedup of a shared uncached prefix)."""
         if self.radix is None or seq.embedding:
             return False
-        ids = seq.prefill_ids
-        return any(common_prefix_len(ids, g.prefill_ids) > cached + 8 for g in group if not g.embedding)
+        return any(shared_context_len(seq, g) > cached + 8 for g in group if not g.embedding)
 
     def _release_prefill(self, seq: Sequence) -> None:
         self._unpin_match(seq)
@@ -515,7 +514,7 @@ class Scheduler:
         self.stats.prefill_forwards += 1
         mx.eval(self._cache_state(seq.cache) + embedding.pooled_arrays([seq]))
         if self.snapshots is not None and seq.pos == seq.split:
-            self.snapshots.insert(ids[: seq.pos], seq.cache)
+            self.snapshots.insert(ids[: seq.pos], seq.cache, ns=seq.adapter_key)
         if seq.pos < len(ids):
             return n
         self.prefilling.popleft()
@@ -561,18 +560,18 @@ class Scheduler:
                 # before it here (each inserts its whole context).
                 for i, seq in enumerate(seqs):
                     ids = seq.prefill_ids
-                    held = self.radix.match(ids, record=False).length if ids else 0
-                    held = max([held] + [common_prefix_len(ids, s.prefill_ids) for s in seqs[:i]])
+                    held = self.radix.match(ids, record=False, ns=seq.adapter_key).length if ids else 0
+                    held = max([held] + [shared_context_len(seq, s) for s in seqs[:i]])
                     seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
             self._join(seqs)
             if self.radix is not None:
                 for seq in seqs:
                     if seq.prefill_ids:
-                        self.radix.insert(seq.prefill_ids, self.batch.row_segments(seq))
+                        self.radix.insert(seq.prefill_ids, self.batch.row_segments(seq), ns=seq.adapter_key)
         elif self.snapshots is not None:
             for seq, cache in finished:
                 if seq.prefill_ids and seq.cached_tokens < len(seq.prefill_ids):
-                    self.snapshots.insert(seq.prefill_ids, cache)
+                    self.snapshots.insert(seq.prefill_ids, cache, ns=seq.adapter_key)
         for seq in seqs:
             seq.consumed = len(seq.prefill_ids)
             if not seq.preemptions:
@@ -601,9 +600,10 @@ class Scheduler:
         if self.radix is not None:
             ids = seq.prefill_ids[: seq.consumed]  # the tokens its KV holds
             if ids:
-                self.radix.insert(ids, self.batch.row_segments(seq))
+                self.radix.insert(ids, self.batch.row_segments(seq), ns=seq.adapter_key)
         elif self.snapshots is not None and seq.consumed:
-            self.snapshots.insert((seq.prompt_ids + seq.output_ids)[: seq.consumed], self.batch.row_caches(seq))
+            self.snapshots.insert((seq.prompt_ids + seq.output_ids)[: seq.consumed], self.batch.row_caches(seq),
+                                  ns=seq.adapter_key)
 
     def _retire_rows(self, rows: set[int]) -> None:
         """Drop the sequences whose ``id()`` is in ``rows``, caching their KV for the next turn."""

@@ -23,6 +23,8 @@ class Sequence:
         # The scheduler's token key (radix tree, snapshots): an image request's image positions are keyed
         # by the image's pixel hash (vision.VisionPrompt); the sampler reads the real ids.
         self.prompt_ids = request.vision.key_ids if request.vision is not None else request.prompt_ids
+        # The prefix cache's namespace: KV computed under a LoRA adapter is that adapter's alone (lora.py).
+        self.adapter_key = request.adapter.key if request.adapter is not None else None
         self.sampler = SeqSampler(p, request.prompt_ids, seed_offset=index)
         self.detok = IncrementalDetokenizer(tokenizer, p.stop, p.include_stop_str_in_output)
         self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
@@ -71,6 +73,11 @@ def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> i
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def shared_context_len(a: Sequence, b: Sequence) -> int:
+    """Leading context tokens whose KV ``a`` and ``b`` compute alike: their common prefix under one adapter."""
+    return common_prefix_len(a.prefill_ids, b.prefill_ids) if a.adapter_key == b.adapter_key else 0
 
 
 def next_inputs(running: list[Sequence], prev_seqs: list[Sequence], prev_toks: mx.array) -> mx.array:

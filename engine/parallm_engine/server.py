@@ -177,9 +177,20 @@ class ServerState:
             names.add(os.path.basename(os.path.normpath(str(self.model_arg))))
         return names
 
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters served as models of their own (``--adapter NAME=PATH``)."""
+        registry = getattr(self.engine, "adapters", None)
+        return registry.names() if registry is not None else []
+
+    def adapter_for(self, name: str | None) -> str | None:
+        """The adapter a request's ``model`` names (vLLM's convention), or None for the base model."""
+        return name if name and name not in self.accepted_names() and name in self.adapter_names() else None
+
     def check_model(self, name: str | None) -> str:
         if name in (None, "") or name in self.accepted_names():
             return self.model_name
+        if self.adapter_for(name):
+            return name
         shown = safe_text(name, 200)  # a name can be anything: escaped and cut short
         raise APIError(404, f"The model `{shown}` does not exist. This server serves `{self.model_name}`.",
                        param="model", code="model_not_found")
@@ -471,13 +482,18 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
     @app.get("/v1/models", response_model=ModelList, dependencies=auth,
              responses={401: _ERROR_RESPONSES[401]})
     async def list_models():
-        return ModelList(data=[_card()])
+        adapters = [ModelCard(id=name, created=state.created, max_model_len=getattr(state.engine, "context_window", None),
+                              parent=state.model_name) for name in state.adapter_names()]
+        return ModelList(data=[_card(), *adapters])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth,
              responses={401: _ERROR_RESPONSES[401], 404: _ERROR_RESPONSES[404]})
     async def get_model(model_id: str):
         state.check_model(model_id)
-        return _card()
+        card = _card()
+        if state.adapter_for(model_id):
+            card = ModelCard(id=model_id, created=state.created, max_model_len=card.max_model_len, parent=card.id)
+        return card
 
     # -- tokenizer ------------------------------------------------------------------------------------
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=checked,
@@ -581,6 +597,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         if tool_choice == "none":  # nothing may be called: do not even show the tools
             tools, tool_choice = None, None
         kwargs = req.sampling_kwargs()
+        kwargs["adapter"] = state.adapter_for(req.model)
         if tools:
             kwargs["tools"] = tools
             if tool_choice is not None:
@@ -621,6 +638,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         if req.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         kwargs = req.sampling_kwargs()
+        kwargs["adapter"] = state.adapter_for(req.model)
         response_format = req.response_format.to_engine() if req.response_format else None
         if response_format is not None:
             kwargs["response_format"] = response_format

@@ -28,12 +28,13 @@ class Snapshot:
     nbytes: int
     last_used: float = field(default_factory=time.monotonic)
     ref: int = 0
+    ns: object = None  # namespace: a LoRA adapter's key (None: the base model); never matched across
 
 
 class SnapshotCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
-        self._by_len: dict[int, dict[tuple[int, ...], Snapshot]] = {}
+        self._by_len: dict[int, dict[tuple, Snapshot]] = {}  # by length: (namespace, tokens) -> snapshot
         self.total_bytes = 0
         self.evictions = 0
         self.evicted_tokens = 0
@@ -44,13 +45,13 @@ class SnapshotCache:
     def __len__(self) -> int:
         return sum(len(d) for d in self._by_len.values())
 
-    def match(self, tokens, record: bool = True) -> Snapshot | None:
-        """The longest stored snapshot whose tokens are a prefix of ``tokens`` (None: no hit)."""
+    def match(self, tokens, record: bool = True, ns=None) -> Snapshot | None:
+        """The longest stored snapshot in namespace ``ns`` whose tokens are a prefix of ``tokens`` (None: no hit)."""
         hit = None
         for n in sorted(self._by_len, reverse=True):
             if n > len(tokens):
                 continue
-            snap = self._by_len[n].get(tuple(tokens[:n]))
+            snap = self._by_len[n].get((ns, tuple(tokens[:n])))
             if snap is not None:
                 hit = snap
                 break
@@ -67,13 +68,14 @@ class SnapshotCache:
         snap.last_used = time.monotonic()
         return copy_caches(snap.caches)
 
-    def insert(self, tokens, caches: list) -> bool:
+    def insert(self, tokens, caches: list, ns=None) -> bool:
         """Store a copy of ``caches`` as the state after ``tokens`` (a no-op when already stored or
         when one snapshot alone exceeds the budget). Returns whether it is stored now."""
-        key = tuple(tokens)
-        if not key:
+        toks = tuple(tokens)
+        if not toks:
             return False
-        bucket = self._by_len.setdefault(len(key), {})
+        key = (ns, toks)
+        bucket = self._by_len.setdefault(len(toks), {})
         if key in bucket:
             bucket[key].last_used = time.monotonic()
             return True
@@ -81,9 +83,9 @@ class SnapshotCache:
         nbytes = caches_nbytes(copy)
         if nbytes > self.max_bytes:
             if not bucket:
-                del self._by_len[len(key)]
+                del self._by_len[len(toks)]
             return False
-        bucket[key] = Snapshot(key, copy, nbytes)
+        bucket[key] = Snapshot(toks, copy, nbytes, ns=ns)
         self.total_bytes += nbytes
         self.evict(max(0, self.total_bytes - self.max_bytes))
         return key in bucket
@@ -106,7 +108,7 @@ class SnapshotCache:
             if freed >= nbytes:
                 break
             bucket = self._by_len[len(snap.tokens)]
-            del bucket[snap.tokens]
+            del bucket[(snap.ns, snap.tokens)]
             if not bucket:
                 del self._by_len[len(snap.tokens)]
             self.total_bytes -= snap.nbytes

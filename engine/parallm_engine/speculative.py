@@ -159,6 +159,8 @@ class Speculator:
         cfg = self.default if cfg is None else cfg
         if cfg is None or not cfg.enabled or seq.sampler.params.needs_penalties:
             return None
+        if cfg.method == "draft" and seq.request.adapter is not None:  # the draft model drafts for the base only
+            return None
         return cfg
 
     def _state(self, seq, cfg: SpeculativeConfig) -> RowState:

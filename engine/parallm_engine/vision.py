@@ -53,6 +53,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import ImageInputError, ModelLoadError
+from .lora import adapter_rows
 from .vision_inputs import DecodedImage, extract_images
 from .vision_mrope import (MROPE_FAMILIES, decode_positions, deepstack_inputs, image_grid, prefill_positions,
                            prompt_positions)
@@ -503,7 +504,12 @@ def prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
     """The scheduler's prefill forward. ``rows``: one ``(sequence, start, n)`` per row of ``tokens``
     (left-padded to ``tokens.shape[1]``): the row covers context positions ``[start, start + n)``. Rows
     of image requests read embeddings (their images' feature rows at image positions); other calls are
-    the model's plain forward on token ids."""
+    the model's plain forward on token ids. Each row runs under its sequence's LoRA adapter (``lora``)."""
+    with adapter_rows(model, [seq for seq, _, _ in rows]):
+        return _prefill_forward(model, tokens, cache, rows)
+
+
+def _prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
     B, L = tokens.shape
     # M-RoPE: every row's own positions, text rows included (the model must never derive them itself)
     kwargs = {"position_ids": prefill_positions(rows, L)} if getattr(model, "mrope", False) else {}

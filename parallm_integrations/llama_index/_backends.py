@@ -130,7 +130,8 @@ class RemoteBackend:
 
     def _kwargs(self, req: EngineRequest, chat: bool) -> dict[str, Any]:
         kw = dict(req.sampling)
-        kw["model"] = kw.pop("model", None) or self.model  # None / the default's name: the server's model
+        adapter = kw.pop("adapter", None)  # a server serves its LoRA adapters as models (vLLM's convention)
+        kw["model"] = adapter or kw.pop("model", None) or self.model  # None / the default's name: the server's model
         if req.timeout is not None:
             kw["timeout"] = req.timeout
         if req.response_format is not None:

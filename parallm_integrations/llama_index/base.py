@@ -199,6 +199,12 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         description="Scheduling priority (vLLM's convention): smaller runs first and is preempted last when "
         "memory runs short; None = 0. A per-call priority= overrides it.",
     )
+    adapter: str | None = Field(
+        default=None,
+        description="LoRA adapter the requests run under: a name the engine knows (engine_kwargs={'adapters': "
+        "{name: path}}, or a server's --adapter NAME=PATH) or an adapter directory (in-process). None: the base "
+        "model. Requests with different adapters share one batch; a per-call adapter= overrides it.",
+    )
     stop: str | list[str] | None = Field(
         default=None, description="Stop string(s): generation ends before the first one (not included)."
     )
@@ -387,6 +393,8 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         response_format = kw.pop("response_format", None)
         if self.priority is not None:
             sampling["priority"] = self.priority
+        if self.adapter is not None:
+            sampling["adapter"] = self.adapter
         check_priority(kw.get("priority"))
         sampling.update(kw)
         req = EngineRequest(sampling, timeout=timeout, response_format=response_format)

@@ -51,6 +51,13 @@ class ImageSource(_Model):
     url: str | None = None
 
 
+class TextBlock(_Model):
+    """A block inside a ``tool_result`` (text)."""
+
+    type: str
+    text: str | None = None
+
+
 class ContentBlock(_Model):
     """One content block: ``text``, ``image``, ``tool_use``, ``tool_result``, ``thinking``."""
 
@@ -61,7 +68,7 @@ class ContentBlock(_Model):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None  # tool_result
-    content: str | list["ContentBlock"] | None = None
+    content: str | list[TextBlock] | None = None
     is_error: bool | None = None
 
 
@@ -144,7 +151,7 @@ class AnthropicErrorResponse(_Model):
 # ----------------------------------------------------------------------------------------------
 
 
-def _text_of(content: str | list[ContentBlock] | None, param: str) -> str:
+def _text_of(content: str | list[ContentBlock] | list[TextBlock] | None, param: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []

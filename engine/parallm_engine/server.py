@@ -9,7 +9,9 @@ any OpenAI client talks to it::
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream as server-sent
 events), ``GET /v1/models[/{id}]``, ``POST /tokenize`` and ``/detokenize`` (vLLM-compatible),
-``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``.
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``; Anthropic's ``POST /v1/messages[/count_tokens]``
+(:mod:`parallm_engine.anthropic_routes`) and OpenAI's ``/v1/responses`` (:mod:`parallm_engine.responses_routes`),
+translated onto the chat endpoint's request path (``docs/server-apis.md``).
 
 Behaviour:
 - Binds to 127.0.0.1 unless told otherwise. With API keys (one or several), every ``/v1/*`` and tokenizer

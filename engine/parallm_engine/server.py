@@ -572,8 +572,8 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         return on_close
 
     def prepare_chat(req: ChatCompletionRequest, template_kwargs: dict | None = None) -> PreparedChat:
-        """A chat request as the engine takes it: the rendered prompt and the submit kwargs (tools,
-        tool_choice, grammar). The Anthropic and Responses routes translate onto this too."""
+        """A chat request as the engine takes it: its messages and the submit kwargs (tools, tool_choice,
+        grammar). The Anthropic and Responses routes translate their requests onto this too."""
         model_name = state.check_model(req.model)
         state.engine_or_503()
         messages = [_message_dict(m) for m in req.messages]

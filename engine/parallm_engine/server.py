@@ -9,7 +9,9 @@ any OpenAI client talks to it::
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream as server-sent
 events), ``GET /v1/models[/{id}]``, ``POST /tokenize`` and ``/detokenize`` (vLLM-compatible),
-``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``.
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``; Anthropic's ``POST /v1/messages[/count_tokens]``
+(:mod:`parallm_engine.anthropic_routes`) and OpenAI's ``/v1/responses`` (:mod:`parallm_engine.responses_routes`),
+translated onto the chat endpoint's request path (``docs/server-apis.md``).
 
 Behaviour:
 - Binds to 127.0.0.1 unless told otherwise. With API keys (one or several), every ``/v1/*`` and tokenizer
@@ -67,6 +69,8 @@ from .openai_format import (
     sum_usage,
 )
 from .server_embeddings import add_embedding_routes
+from .anthropic_format import anthropic_error, anthropic_model_card, anthropic_model_list, is_anthropic_path
+from .server_kit import ChatRun, PreparedChat, ServerKit, include_api_routers
 from .queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, Lease, QueueShares
 from .validation import check_text, safe_text
 from .vision_chat import chat_prompt
@@ -298,7 +302,7 @@ class _HTTPCounter:
     up the metric's cardinality."""
 
     KNOWN = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-             "/detokenize", "/version")
+             "/detokenize", "/version", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
@@ -307,7 +311,8 @@ class _HTTPCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in self.KNOWN else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        endpoint = path if path in self.KNOWN else ("/v1/models/{id}" if path.startswith("/v1/models/") else
+                                                    "/v1/responses/{id}" if path.startswith("/v1/responses/") else "other")
         method = scope.get("method", "")
 
         async def counting_send(message):
@@ -333,7 +338,7 @@ class _BodyLimit:
             if name == b"content-length":
                 try:
                     if int(value) > self.limit:
-                        return await _http_error_response(too_large)(scope, receive, send)
+                        return await _http_error_response(too_large, scope.get("path", ""))(scope, receive, send)
                 except ValueError:
                     pass
         seen = 0
@@ -350,11 +355,16 @@ class _BodyLimit:
         return await self.app(scope, limited_receive, send)
 
 
-def _http_error_response(exc: StarletteHTTPException) -> JSONResponse:
+def _http_error_response(exc: StarletteHTTPException, path: str) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-    return APIError(exc.status_code, str(exc.detail), type=kind, code=code,
-                    headers=getattr(exc, "headers", None)).response()
+    return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code,
+                                    headers=getattr(exc, "headers", None)), path)
+
+
+def _error_response(err: APIError, path: str) -> JSONResponse:
+    """The error in the shape the route's clients parse: Anthropic's on ``/v1/messages``, else OpenAI's."""
+    return anthropic_error(err) if is_anthropic_path(path) else err.response()
 
 
 def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = None, *,
@@ -391,24 +401,24 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
     # -- error handlers ---------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+        return _error_response(_validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _http_error_response(exc)
+        return _http_error_response(exc, request.url.path)
 
     @app.exception_handler(ParaLLMError)
     async def _engine_error(request: Request, exc: ParaLLMError):
-        return api_error_from(exc).response()
+        return _error_response(api_error_from(exc), request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return api_error_from(exc).response()
+        return _error_response(api_error_from(exc), request.url.path)
 
     # -- auth ---------------------------------------------------------------------------------------
     async def require_key(request: Request) -> None:
@@ -481,18 +491,22 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
 
     @app.get("/v1/models", response_model=ModelList, dependencies=auth,
              responses={401: _ERROR_RESPONSES[401]})
-    async def list_models():
+    async def list_models(request: Request):
         adapters = [ModelCard(id=name, created=state.created, max_model_len=getattr(state.engine, "context_window", None),
                               parent=state.model_name) for name in state.adapter_names()]
+        if "anthropic-version" in request.headers:  # the anthropic SDK's models.list shape
+            return JSONResponse(anthropic_model_list([_card(), *adapters]))
         return ModelList(data=[_card(), *adapters])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth,
              responses={401: _ERROR_RESPONSES[401], 404: _ERROR_RESPONSES[404]})
-    async def get_model(model_id: str):
+    async def get_model(model_id: str, request: Request):
         state.check_model(model_id)
         card = _card()
         if state.adapter_for(model_id):
             card = ModelCard(id=model_id, created=state.created, max_model_len=card.max_model_len, parent=card.id)
+        if "anthropic-version" in request.headers:
+            return JSONResponse(anthropic_model_card(card))
         return card
 
     # -- tokenizer ------------------------------------------------------------------------------------
@@ -584,11 +598,11 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
                     state.metrics.count_outcome(endpoint, "error")
         return on_close
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=checked,
-              responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    def prepare_chat(req: ChatCompletionRequest, template_kwargs: dict | None = None) -> PreparedChat:
+        """A chat request as the engine takes it: its messages and the submit kwargs (tools, tool_choice,
+        grammar). The Anthropic and Responses routes translate their requests onto this too."""
         model_name = state.check_model(req.model)
-        eng = state.engine_or_503()
+        state.engine_or_503()
         messages = [_message_dict(m) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
@@ -607,25 +621,49 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         response_format = req.response_format.to_engine() if req.response_format else None
         if response_format is not None:
             kwargs["response_format"] = response_format
-        constrained = response_format is not None or (tools and tool_choice not in (None, "auto"))
-        if has_images(messages):  # decoding, hashing and the image processor: off the event loop
-            prompt = await asyncio.to_thread(chat_prompt, eng, messages, tools, {})  # remote URLs never fetched
-        else:
-            prompt = eng.apply_chat_template(messages, tools=tools, allow_special_tokens=req.allow_special_tokens)
+        constrained = response_format is not None or bool(tools and tool_choice not in (None, "auto"))
+        return PreparedChat(model_name, messages, tools, kwargs, constrained, req.parallel_tool_calls is False,
+                            dict(template_kwargs or {}), req.allow_special_tokens)
+
+    async def chat_prompt_of(p: PreparedChat):
+        eng = state.engine_or_503()
+        if has_images(p.messages):  # decoding, hashing and the image processor: off the event loop
+            return await asyncio.to_thread(chat_prompt, eng, p.messages, p.tools, {})  # remote URLs never fetched
+        return eng.apply_chat_template(p.messages, tools=p.tools, allow_special_tokens=p.allow_special_tokens,
+                                       **p.template_kwargs)
+
+    async def start_chat(p: PreparedChat, request: Request, endpoint: str, prompt=None) -> ChatRun:
+        """Submit a prepared chat under this request's queue share; the caller ends the lease (or hands
+        it to the stream)."""
+        prompt = await chat_prompt_of(p) if prompt is None else prompt
         timing = Timing(state.metrics)
-        lease = reserve(request, req.n or 1, "chat", "n")
+        lease = reserve(request, p.kwargs.get("n", 1), endpoint, "n")
         try:
-            handles = await submit([prompt], kwargs, "chat", offload=bool(constrained))
-            single_call = req.parallel_tool_calls is False
+            handles = await submit([prompt], p.kwargs, endpoint, offload=p.constrained)
+        except BaseException:
+            lease.release()
+            raise
+        return ChatRun(handles, timing, lease)
+
+    def engine_stream(gen, run: ChatRun, endpoint: str) -> StreamingResponse:
+        """The SSE response for ``gen``; it aborts the run's requests and gives its lease back when it ends."""
+        lease, run.lease = run.lease, None
+        return _EngineStream(gen, run.handles, stream_closed(endpoint, run.timing, run.handles), lease)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=checked,
+              responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        p = prepare_chat(req)
+        run = await start_chat(p, request, "chat")
+        try:
             if req.stream:
-                gen = chat_stream(handles, timing, model_name, tools is not None, single_call, req.include_usage)
-                stream, lease = _EngineStream(gen, handles, stream_closed("chat", timing, handles), lease), None
-                return stream  # the stream gives the lease back when it ends
-            result = (await run_to_completion(request, handles, timing, "chat"))[0]
+                gen = chat_stream(run.handles, run.timing, p.model_name, p.tools is not None, p.single_call,
+                                  req.include_usage)
+                return engine_stream(gen, run, "chat")  # the stream gives the lease back when it ends
+            result = (await run_to_completion(request, run.handles, run.timing, "chat"))[0]
         finally:
-            if lease is not None:
-                lease.release()
-        return JSONResponse(chat_response(result, model_name, single_call))
+            run.end()
+        return JSONResponse(chat_response(result, p.model_name, p.single_call))
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=checked,
               responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
@@ -667,6 +705,8 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         return JSONResponse(completion_response(results, model_name, n, echoes, req.logprobs is not None))
 
     add_embedding_routes(app, state, checked, embedding_model, engine_config)
+    kit = ServerKit(state, checked, auth, prepare_chat, chat_prompt_of, start_chat, run_to_completion, engine_stream)
+    include_api_routers(app, kit)
     return app
 
 

@@ -1,4 +1,4 @@
-"""Resolve a model spec (None, a .gguf file, an HF/MLX directory, a cached HF repo id) and load it
+"""Resolve a model spec (None, a .gguf file, an HF/MLX directory, a hub id: downloaded once) and load it
 with mlx-lm in the dtype that is fast on the active backend."""
 
 from __future__ import annotations
@@ -137,13 +137,18 @@ def peek_sampling_defaults(model: str | os.PathLike | None) -> tuple[dict, str]:
             return sampling_defaults(converted_dir_for(path), [path.stem], path)
         if path.is_dir():
             return sampling_defaults(path, [path.name])
+        from .hub import cached_model_dir, parse_repo_spec
+
+        if parse_repo_spec(str(model)) is not None:  # a hub id: only an already-cached copy is read
+            cached = cached_model_dir(str(model))
+            return sampling_defaults(cached, [str(model).partition("@")[0]]) if cached else ({}, "unknown")
     except Exception as exc:  # noqa: BLE001  (a peek must never fail its caller)
         logger.debug("could not peek at the sampling defaults of %s: %s", model, exc)
     return {}, "unknown"
 
 
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
-    """Return (mlx-lm loadable directory, display name). Never downloads."""
+    """Return (mlx-lm loadable directory, display name). A hub id downloads on first use (``hub.py``)."""
     from .gguf import ensure_converted
 
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
@@ -159,18 +164,14 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
         return path, path.name
     if path.exists():
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
-    # An HF repo id that is already in the local hub cache; no network access is attempted.
-    if "/" in str(model) and not str(model).startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
+    # A hub model id (org/name[@revision]): from the local hub cache, downloaded there on first use.
+    from .hub import fetch_model, parse_repo_spec
 
-            local = snapshot_download(str(model), local_files_only=True)
-            return Path(local), str(model)
-        except Exception:
-            pass
+    if parse_repo_spec(str(model)) is not None:
+        return fetch_model(str(model)), str(model)
     raise ModelLoadError(
-        f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not in the local "
-        "Hugging Face cache (ParaLLM never downloads at run time)"
+        f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not a Hugging Face "
+        "model id (org/name or org/name@revision)"
     )
 
 

@@ -84,6 +84,10 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
             path = Path(os.fspath(model)).expanduser()
             if path.is_file() and path.suffix.lower() == ".gguf":
                 path = converted_dir_for(path)
+            elif not path.exists():  # a hub id: its copy in the local hub cache, if any (no download)
+                from parallm_engine.hub import cached_model_dir
+
+                path = cached_model_dir(os.fspath(model)) or path
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             return None

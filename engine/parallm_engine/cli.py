@@ -1,4 +1,4 @@
-"""`parallm` command line: info, generate, demo, serve, bench."""
+"""`parallm` command line: info, generate, demo, serve, pull, models, bench."""
 
 from __future__ import annotations
 
@@ -204,6 +204,24 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_pull(args) -> int:
+    from .hub import fetch_model
+    from .model_store import describe_model_dir, pull_report
+
+    path = fetch_model(args.model_id)  # huggingface_hub's progress bars on stderr
+    entry = describe_model_dir(path, args.model_id, "hf-cache")
+    print(json.dumps(entry.as_dict(), indent=2) if args.json else pull_report(entry))
+    return 0 if entry.runs else 1
+
+
+def cmd_models(args) -> int:
+    from .model_store import all_models, table
+
+    entries = all_models()
+    print(json.dumps([e.as_dict() for e in entries], indent=2) if args.json else table(entries))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import main as bench_main
 
@@ -227,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def add_model(sp):
-        sp.add_argument("--model", default=None, help="GGUF file or HF/MLX model directory (default: SmolLM2-135M)")
+        sp.add_argument("--model", default=None, help="a Hugging Face model id (org/name[@revision], downloaded once), a GGUF file or an "
+                             "HF/MLX model directory (default: SmolLM2-135M)")
         sp.add_argument("--max-batch-size", type=int, default=None)
         sp.add_argument("--no-prefix-cache", action="store_true")
         sp.add_argument("--kv-memory", type=_kv_memory, default=None, metavar="F|SIZE",
@@ -296,6 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--served-model-name", default=None)
     sp.add_argument("--log-level", default="info")
     sp.set_defaults(fn=cmd_serve)
+
+    sp = sub.add_parser("pull", help="download a Hugging Face model (org/name[@revision]) and say what it is")
+    sp.add_argument("model_id")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_pull)
+
+    sp = sub.add_parser("models", help="the models on this machine (HF cache, LM Studio, Ollama) and which run")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_models)
 
     sp = sub.add_parser("bench", help="benchmark against mlx-lm (and transformers) in one run")
     add_model(sp)

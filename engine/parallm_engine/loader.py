@@ -133,7 +133,7 @@ def peek_sampling_defaults(model: str | os.PathLike | None) -> tuple[dict, str]:
             gguf = default_model_path()
             return sampling_defaults(converted_dir_for(gguf), [DEFAULT_MODEL_NAME, gguf.stem], gguf)
         path = Path(model).expanduser()
-        if path.is_file() and path.suffix.lower() == ".gguf":
+        if path.is_file() and _is_gguf_file(path):
             return sampling_defaults(converted_dir_for(path), [path.stem], path)
         if path.is_dir():
             return sampling_defaults(path, [path.name])
@@ -147,6 +147,13 @@ def peek_sampling_defaults(model: str | os.PathLike | None) -> tuple[dict, str]:
     return {}, "unknown"
 
 
+def _is_gguf_file(path: Path) -> bool:
+    """A ``.gguf`` file, or a GGUF without the suffix (Ollama's blobs are named ``sha256-<hex>``)."""
+    from .model_store import is_gguf
+
+    return path.suffix.lower() == ".gguf" or is_gguf(path)
+
+
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     """Return (mlx-lm loadable directory, display name). A hub id downloads on first use (``hub.py``)."""
     from .gguf import ensure_converted
@@ -156,7 +163,7 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     if not isinstance(model, (str, os.PathLike)):
         raise ModelLoadError(f"model must be a path or name, not {type(model).__name__}")
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.is_file() and _is_gguf_file(path):
         return ensure_converted(path), path.stem
     if path.is_dir():
         if not (path / "config.json").exists():

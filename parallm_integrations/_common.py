@@ -32,7 +32,7 @@ SAMPLING_FIELDS = (
     "n", "include_stop_str_in_output", "speculative",
 )
 #: Sampling settings the model may recommend (the engine uses its recommendation for those left unset).
-_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 #: Call kwargs LangChain adds for its own bookkeeping; never sent to the engine.
 _LANGCHAIN_ONLY_KWARGS = ("stream", "ls_structured_output_format", "structured_output_format", "stream_usage")
 

@@ -81,6 +81,7 @@ def cmd_info(args) -> int:
     # What a request that sets no temperature / top_p / top_k / min_p / repetition_penalty samples with.
     values, source = peek_sampling_defaults(args.model)
     out["sampling_defaults"] = {"values": values, "source": source}
+    out["cycle_guard"] = _CYCLE_GUARD
     if args.model is not None or args.load:
         from .loader import load_model
 
@@ -130,7 +131,12 @@ def cmd_info(args) -> int:
         m = out["model"]
         print(f"model   : {m['name']} [{m['dtype']}, ctx {m['context_window']}, {m['layers']} layers] at {m['path']}")
     print(f"sampling: {_describe_sampling(out['sampling_defaults'])}")
+    print(f"guard   : {_CYCLE_GUARD}")
     return 0
+
+
+_CYCLE_GUARD = ("a request that sets no max_tokens stops when it repeats one block of tokens over and over "
+                "(finish_reason length; see parallm_engine/repetition_guard.py)")
 
 
 def _describe_sampling(defaults: dict) -> str:

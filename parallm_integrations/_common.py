@@ -496,9 +496,11 @@ class ParaLLMParams(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
+        greedy = params.get("temperature", self.model_kwargs.get("temperature")) == 0
         for name, value in self._sampling_defaults().items():  # what the engine uses for unset fields
             if name in _MODEL_DEFAULT_FIELDS and params.get(name) is None and self.model_kwargs.get(name) is None:
-                params[name] = value
+                if not (greedy and name == "repetition_penalty"):  # as sampling_params.apply_model_defaults
+                    params[name] = value
         if self.engine_kwargs:
             params["engine_kwargs"] = self.engine_kwargs
         if self.model_kwargs:

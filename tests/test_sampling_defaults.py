@@ -92,6 +92,8 @@ def test_default_model_samples_as_its_model_card_recommends(engine):
     assert (used.temperature, used.top_p, used.repetition_penalty, used.max_tokens) == (0.2, 0.9, 1.1, 3)
     handle = engine.submit(chat_ids(engine, "Hi"), max_tokens=None, temperature=0)
     assert handle.request.params.max_tokens == 512 and handle.request.cycle_guard
+    # greedy stays plain greedy (what mlx-lm decodes): the penalty is for sampled requests
+    assert handle.request.params.repetition_penalty == 1.0
     handle.abort()
 
 
@@ -99,6 +101,10 @@ def test_apply_model_defaults_only_fills_unset_recommendable_fields():
     out = apply_model_defaults({"temperature": None, "top_p": 0.5, "max_tokens": 4},
                                {"temperature": 0.3, "top_p": 0.9, "max_tokens": 99})
     assert out == {"temperature": 0.3, "top_p": 0.5, "max_tokens": 4}
+    penalty = {"temperature": 0.2, "repetition_penalty": 1.1}
+    assert apply_model_defaults({"temperature": 0}, penalty) == {"temperature": 0}
+    assert apply_model_defaults({"temperature": 0.5}, penalty) == {"temperature": 0.5, "repetition_penalty": 1.1}
+    assert apply_model_defaults({}, penalty) == penalty
     assert set(MODEL_DEFAULT_FIELDS) == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"}
 
 
@@ -213,7 +219,7 @@ def test_parallm_info_shows_the_sampling_in_use(capsys, model_dir_03):
     assert main(["info"]) == 0
     shown = capsys.readouterr().out
     assert "sampling: temperature 0.2, top_p 0.9, repetition_penalty 1.1, max_tokens 512 for requests that set none" \
-        in shown
+        in shown and "temperature 0 stays plain greedy" in shown
     assert "guard   : a request that sets no max_tokens stops when it repeats" in shown
 
 
@@ -226,6 +232,7 @@ def test_identifying_and_langsmith_params_show_the_sampling_in_use(model_dir_03)
     llm = ChatParaLLM()
     assert {k: llm._identifying_params[k] for k in SMOL_DEFAULTS} == SMOL_DEFAULTS
     assert ChatParaLLM(max_tokens=64, repetition_penalty=1.0)._identifying_params["max_tokens"] == 64
+    assert "repetition_penalty" not in ChatParaLLM(temperature=0)._identifying_params
     assert llm._get_ls_params()["ls_temperature"] == 0.2
     assert llm._engine is None  # read from the model's files: nothing loaded
     explicit = ChatParaLLM(temperature=1.0)

@@ -149,7 +149,10 @@ def _describe_sampling(defaults: dict) -> str:
         return (f"temperature {base.temperature:g}, top_p {base.top_p:g} for requests that set none "
                 "(engine defaults: the model recommends nothing)")
     shown = ", ".join(f"{k} {v:g}" for k, v in values.items())
-    return f"{shown} for requests that set none (explicit settings win)\n          from {defaults['source']}"
+    note = ("; repetition_penalty for sampled requests only: temperature 0 stays plain greedy"
+            if "repetition_penalty" in values else "")
+    return (f"{shown} for requests that set none (explicit settings win{note})\n"
+            f"          from {defaults['source']}")
 
 
 def _read_prompts(args) -> list[str]:

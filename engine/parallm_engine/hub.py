@@ -47,8 +47,8 @@ def parse_repo_spec(spec: str | os.PathLike | None) -> tuple[str, str | None] | 
     ``org/name@revision``), else None. A path that exists on disk is never a repo id."""
     if not isinstance(spec, str) or Path(spec).expanduser().exists():
         return None
-    repo_id, _, revision = spec.partition("@")
-    if not _REPO_ID.match(repo_id) or ".." in repo_id or (_ and not revision):
+    repo_id, at, revision = spec.partition("@")
+    if not _REPO_ID.match(repo_id) or ".." in repo_id or (at and not revision):
         return None
     return repo_id, revision or None
 

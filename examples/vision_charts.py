@@ -1,10 +1,10 @@
 """Cookbook: ask 8 questions about each of 4 charts in parallel (LangChain), with image prefix caching.
 
-    python examples/vision_charts.py [VLM_DIR]
+    python examples/vision_charts.py [VLM_DIR or a Hugging Face model id, org/name]
 
 VLM_DIR: a local LLaVA / SmolVLM (Idefics3) / Pixtral / Mistral 3 / Gemma 3 / Qwen2.5-VL / Qwen3-VL checkpoint in MLX
 format.
-Without one (ParaLLM never downloads), a tiny random-weight LLaVA is built (parallm_engine.vision_tiny):
+Without one (the example downloads nothing unasked), a tiny random-weight LLaVA is built (parallm_engine.vision_tiny):
 its answers are noise, and it says so; the cache hit rate, the encoder-run counts and the timings are real.
 
 Prints: the chain's answers, the prefix-cache hit rate, the speedup of the cached run over a cold one

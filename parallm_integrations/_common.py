@@ -32,7 +32,7 @@ SAMPLING_FIELDS = (
     "n", "include_stop_str_in_output", "speculative",
 )
 #: Sampling settings the model may recommend (the engine uses its recommendation for those left unset).
-_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 #: Call kwargs LangChain adds for its own bookkeeping; never sent to the engine.
 _LANGCHAIN_ONLY_KWARGS = ("stream", "ls_structured_output_format", "structured_output_format", "stream_usage")
 
@@ -84,6 +84,10 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
             path = Path(os.fspath(model)).expanduser()
             if path.is_file() and path.suffix.lower() == ".gguf":
                 path = converted_dir_for(path)
+            elif not path.exists():  # a hub id: its copy in the local hub cache, if any (no download)
+                from parallm_engine.hub import cached_model_dir
+
+                path = cached_model_dir(os.fspath(model)) or path
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             return None
@@ -345,7 +349,8 @@ class ParaLLMParams(BaseModel):
 
     model: str | None = Field(default=None, alias="model_name")
     """Model to run: ``None`` (the default, SmolLM2-135M-Instruct), a path to a ``.gguf`` file, an
-    HF/MLX model directory, or a repo id already in the local Hugging Face cache. Every object
+    HF/MLX model directory, or a Hugging Face model id (``org/name[@revision]``, downloaded once into
+    the HF cache; docs/models.md). Every object
     naming the same model shares one engine (one copy of the weights, one batch)."""
 
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -498,9 +503,11 @@ class ParaLLMParams(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
+        greedy = params.get("temperature", self.model_kwargs.get("temperature")) == 0
         for name, value in self._sampling_defaults().items():  # what the engine uses for unset fields
             if name in _MODEL_DEFAULT_FIELDS and params.get(name) is None and self.model_kwargs.get(name) is None:
-                params[name] = value
+                if not (greedy and name == "repetition_penalty"):  # as sampling_params.apply_model_defaults
+                    params[name] = value
         if self.engine_kwargs:
             params["engine_kwargs"] = self.engine_kwargs
         if self.model_kwargs:

@@ -1,5 +1,5 @@
 """The ``parallm`` command: the engine's command line (``parallm_engine.cli``: info, generate, demo, serve,
-bench), with a clear message instead of a traceback where the engine extra is not installed."""
+pull, models, bench), with a clear message instead of a traceback where the engine extra is not installed."""
 
 from __future__ import annotations
 

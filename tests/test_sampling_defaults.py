@@ -22,6 +22,9 @@ from parallm_integrations.llama_index import ParaLLMLlamaIndex
 
 from .conftest import chat_ids
 
+#: What the embedded model samples with when a request sets nothing: its model card's temperature / top_p,
+#: Ollama's repeat penalty and a 512-token cap (loader.RECOMMENDED_SAMPLING).
+SMOL_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 512}
 GEN_03 = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.3, "top_k": 40}
 
 
@@ -83,17 +86,26 @@ def test_model_without_recommendation_keeps_engine_defaults(tiny_engine):
 
 
 def test_default_model_samples_as_its_model_card_recommends(engine):
-    assert engine.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+    assert engine.sampling_defaults == SMOL_DEFAULTS
     assert "SmolLM2-135M-Instruct model card" in engine.model_info.sampling_defaults_source
-    used = _run(engine, chat_ids(engine, "What is the capital of France?"))
-    assert (used.temperature, used.top_p) == (0.2, 0.9)
+    used = _run(engine, chat_ids(engine, "What is the capital of France?"))  # max_tokens=3 given: it wins
+    assert (used.temperature, used.top_p, used.repetition_penalty, used.max_tokens) == (0.2, 0.9, 1.1, 3)
+    handle = engine.submit(chat_ids(engine, "Hi"), max_tokens=None, temperature=0)
+    assert handle.request.params.max_tokens == 512 and handle.request.cycle_guard
+    # greedy stays plain greedy (what mlx-lm decodes): the penalty is for sampled requests
+    assert handle.request.params.repetition_penalty == 1.0
+    handle.abort()
 
 
 def test_apply_model_defaults_only_fills_unset_recommendable_fields():
     out = apply_model_defaults({"temperature": None, "top_p": 0.5, "max_tokens": 4},
                                {"temperature": 0.3, "top_p": 0.9, "max_tokens": 99})
     assert out == {"temperature": 0.3, "top_p": 0.5, "max_tokens": 4}
-    assert set(MODEL_DEFAULT_FIELDS) == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    penalty = {"temperature": 0.2, "repetition_penalty": 1.1}
+    assert apply_model_defaults({"temperature": 0}, penalty) == {"temperature": 0}
+    assert apply_model_defaults({"temperature": 0.5}, penalty) == {"temperature": 0.5, "repetition_penalty": 1.1}
+    assert apply_model_defaults({}, penalty) == penalty
+    assert set(MODEL_DEFAULT_FIELDS) == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,7 +165,7 @@ def test_generation_config_wins_over_gguf_and_table(tmp_path):
 
 
 def test_known_model_table_matches_names_and_paths(tmp_path):
-    card = {"temperature": 0.2, "top_p": 0.9}
+    card = SMOL_DEFAULTS
     for name in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct-8bit",
                  "SmolLM2-135M-Instruct.Q4_1"):
         assert sampling_defaults(tmp_path, [name])[0] == card, name
@@ -200,12 +212,15 @@ def test_parallm_info_shows_the_sampling_in_use(capsys, model_dir_03):
 
     assert main(["info", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["sampling_defaults"]["values"] == {"temperature": 0.2, "top_p": 0.9}
+    assert out["sampling_defaults"]["values"] == SMOL_DEFAULTS
     assert main(["info", "--model", str(model_dir_03), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["sampling_defaults"]["values"] == {"temperature": 0.3, "top_k": 40}
     assert main(["info"]) == 0
-    assert "sampling: temperature 0.2, top_p 0.9 for requests that set none" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "sampling: temperature 0.2, top_p 0.9, repetition_penalty 1.1, max_tokens 512 for requests that set none" \
+        in shown and "temperature 0 stays plain greedy" in shown
+    assert "guard   : a request that sets no max_tokens stops when it repeats" in shown
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +230,9 @@ def test_parallm_info_shows_the_sampling_in_use(capsys, model_dir_03):
 
 def test_identifying_and_langsmith_params_show_the_sampling_in_use(model_dir_03):
     llm = ChatParaLLM()
-    assert llm._identifying_params["temperature"] == 0.2 and llm._identifying_params["top_p"] == 0.9
+    assert {k: llm._identifying_params[k] for k in SMOL_DEFAULTS} == SMOL_DEFAULTS
+    assert ChatParaLLM(max_tokens=64, repetition_penalty=1.0)._identifying_params["max_tokens"] == 64
+    assert "repetition_penalty" not in ChatParaLLM(temperature=0)._identifying_params
     assert llm._get_ls_params()["ls_temperature"] == 0.2
     assert llm._engine is None  # read from the model's files: nothing loaded
     explicit = ChatParaLLM(temperature=1.0)
@@ -300,7 +317,7 @@ def test_validation_and_peeking_load_no_mlx():
         "print('mlx.core' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.splitlines() == ["top_p must be <= 1.0, got 2", "{'temperature': 0.2, 'top_p': 0.9}", "False"]
+    assert out.stdout.splitlines() == ["top_p must be <= 1.0, got 2", str(SMOL_DEFAULTS), "False"]
 
 
 def test_parallm_generate_uses_the_model_defaults_unless_given(engine_03, model_dir_03, monkeypatch, capsys):

@@ -16,6 +16,10 @@ from .backend import preload_blas as _preload_blas
 
 _preload_blas()  # must happen before anything imports mlx.core
 
+from .import_notices import drop_unactionable_notices as _drop_unactionable_notices  # noqa: E402
+
+_drop_unactionable_notices()  # before anything imports transformers (its no-PyTorch notice)
+
 from .errors import (  # noqa: E402  (plain Python: no MLX)
     AdapterLoadError,
     AdapterNotFoundError,

@@ -1,4 +1,4 @@
-"""`parallm` command line: info, generate, demo, serve, bench."""
+"""`parallm` command line: info, generate, demo, serve, pull, models, bench."""
 
 from __future__ import annotations
 
@@ -95,6 +95,7 @@ def cmd_info(args) -> int:
     # What a request that sets no temperature / top_p / top_k / min_p / repetition_penalty samples with.
     values, source = peek_sampling_defaults(args.model)
     out["sampling_defaults"] = {"values": values, "source": source}
+    out["cycle_guard"] = _CYCLE_GUARD
     if args.model is not None or args.load:
         from .loader import load_model
 
@@ -147,7 +148,12 @@ def cmd_info(args) -> int:
         m = out["model"]
         print(f"model   : {m['name']} [{m['dtype']}, ctx {m['context_window']}, {m['layers']} layers] at {m['path']}")
     print(f"sampling: {_describe_sampling(out['sampling_defaults'])}")
+    print(f"guard   : {_CYCLE_GUARD}")
     return 0
+
+
+_CYCLE_GUARD = ("a request that sets no max_tokens stops when it repeats one block of tokens over and over "
+                "(finish_reason length; see parallm_engine/repetition_guard.py)")
 
 
 def _describe_sampling(defaults: dict) -> str:
@@ -160,7 +166,10 @@ def _describe_sampling(defaults: dict) -> str:
         return (f"temperature {base.temperature:g}, top_p {base.top_p:g} for requests that set none "
                 "(engine defaults: the model recommends nothing)")
     shown = ", ".join(f"{k} {v:g}" for k, v in values.items())
-    return f"{shown} for requests that set none (explicit settings win)\n          from {defaults['source']}"
+    note = ("; repetition_penalty for sampled requests only: temperature 0 stays plain greedy"
+            if "repetition_penalty" in values else "")
+    return (f"{shown} for requests that set none (explicit settings win{note})\n"
+            f"          from {defaults['source']}")
 
 
 def _read_prompts(args) -> list[str]:
@@ -222,6 +231,24 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_pull(args) -> int:
+    from .hub import fetch_model
+    from .model_store import describe_model_dir, pull_report
+
+    path = fetch_model(args.model_id)  # huggingface_hub's progress bars on stderr
+    entry = describe_model_dir(path, args.model_id, "hf-cache")
+    print(json.dumps(entry.as_dict(), indent=2) if args.json else pull_report(entry))
+    return 0 if entry.runs else 1
+
+
+def cmd_models(args) -> int:
+    from .model_store import all_models, table
+
+    entries = all_models()
+    print(json.dumps([e.as_dict() for e in entries], indent=2) if args.json else table(entries))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import main as bench_main
 
@@ -245,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def add_model(sp):
-        sp.add_argument("--model", default=None, help="GGUF file or HF/MLX model directory (default: SmolLM2-135M)")
+        sp.add_argument("--model", default=None, help="a Hugging Face model id (org/name[@revision], downloaded once), a GGUF file or an "
+                             "HF/MLX model directory (default: SmolLM2-135M)")
         sp.add_argument("--max-batch-size", type=int, default=None)
         sp.add_argument("--no-prefix-cache", action="store_true")
         sp.add_argument("--kv-memory", type=_kv_memory, default=None, metavar="F|SIZE",
@@ -320,6 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "NAME: requests naming it run under it, in one batch with every other; repeatable")
     sp.add_argument("--log-level", default="info")
     sp.set_defaults(fn=cmd_serve)
+
+    sp = sub.add_parser("pull", help="download a Hugging Face model (org/name[@revision]) and say what it is")
+    sp.add_argument("model_id")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_pull)
+
+    sp = sub.add_parser("models", help="the models on this machine (HF cache, LM Studio, Ollama) and which run")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_models)
 
     sp = sub.add_parser("bench", help="benchmark against mlx-lm (and transformers) in one run")
     add_model(sp)

@@ -63,6 +63,7 @@ class EmbeddingSequence(Sequence):
 
     embedding = True
     adapter_key = None  # embeddings run on the base model (no LoRA adapter)
+    cycle_guard = None  # nothing is generated, so nothing can cycle
 
     def __init__(self, request):  # no sampler, detokeniser or stops: nothing is generated
         self.request = request

@@ -344,8 +344,9 @@ class Engine(EmbeddingAPI):
         :meth:`apply_chat_template`.
 
         Sampling settings left unset (absent or None) among temperature / top_p / top_k / min_p /
-        repetition_penalty take the model's recommendation (:attr:`sampling_defaults`); explicit values
-        always win. A ready-made ``params=SamplingParams(...)`` is used as it is. The effective settings
+        repetition_penalty / max_tokens take the model's recommendation (:attr:`sampling_defaults`); explicit
+        values always win. A request that sets no ``max_tokens`` is also ended (``finish_reason="length"``)
+        when its output starts cycling through one block of tokens (``repetition_guard.py``). A ready-made ``params=SamplingParams(...)`` is used as it is. The effective settings
         are on the handle: ``handle.request.params``.
 
         ``adapter``: the LoRA adapter the request runs under (a name given in ``adapters=`` or
@@ -357,7 +358,10 @@ class Engine(EmbeddingAPI):
             raise EngineDeadError(f"engine is not running: {self._dead}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
-        params = sampling.pop("params", None) or SamplingParams.from_kwargs(
+        given = sampling.pop("params", None)
+        # A request that sets no max_tokens is stopped if it starts cycling (repetition_guard.py).
+        guard_cycles = given is None and sampling.get("max_tokens") is None
+        params = given or SamplingParams.from_kwargs(
             **apply_model_defaults(sampling, self.model_info.sampling_defaults)
         )
         if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
@@ -388,6 +392,7 @@ class Engine(EmbeddingAPI):
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
                       tools=list(tools) if tools else None, priority=priority, group=group)
         req.adapter = lora_adapter
+        req.cycle_guard = guard_cycles
         if isinstance(prompt, VisionPrompt):
             req.vision = prompt
             if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first
@@ -407,6 +412,7 @@ class Engine(EmbeddingAPI):
                     f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
                 )
             self._pending += 1
+
     def load_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Register (or re-point) the LoRA adapter ``name`` at ``path`` and load it now (checked against
         the model: :class:`AdapterLoadError` if it does not fit)."""

@@ -74,3 +74,31 @@ class AdapterLoadError(InvalidRequestError):
 
 class AdapterNotFoundError(AdapterLoadError):
     """The adapter name is not registered and is not an adapter directory or a cached HF repo id (HTTP 404)."""
+
+
+# -- models by name (hub.py): each a ModelLoadError, so ``except ModelLoadError`` still catches them all --
+
+
+class ModelNotFoundError(ModelLoadError):
+    """The hub has no such repository (or revision), or it is private and no token with access was given."""
+
+
+class GatedModelError(ModelLoadError):
+    """The repository is gated: accept its terms on its hub page and give a token (``HF_TOKEN``)."""
+
+
+class ModelNotCachedError(ModelLoadError):
+    """Offline (``HF_HUB_OFFLINE=1``, or the hub cannot be reached) and the model is not in the local cache."""
+
+
+class ModelDownloadError(ModelLoadError):
+    """A download stopped part-way (connection lost, disk full). Nothing partial is loaded; running the same
+    call again finishes it (the files that arrived whole are kept)."""
+
+
+class UnsupportedArchitectureError(UnsupportedModelError):
+    """The repository is not a model mlx-lm or mlx-vlm can run (``architecture`` says what it is)."""
+
+    def __init__(self, message: str, architecture: str | None = None):
+        super().__init__(message)
+        self.architecture = architecture

@@ -221,7 +221,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import mlx.core as mx
 
     try:
-        weights, meta = mx.load(str(gguf_path), return_metadata=True)
+        weights, meta = mx.load(str(gguf_path), format="gguf", return_metadata=True)  # Ollama blobs have no suffix
     except Exception as exc:  # mx.load raises plain ValueError/RuntimeError for bad files
         raise ModelLoadError(f"cannot read GGUF {gguf_path}: {exc}") from exc
     arch = _scalar(meta, "general.architecture")

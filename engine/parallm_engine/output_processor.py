@@ -80,6 +80,8 @@ class OutputProcessor:
             s.finish_reason = "length"
         elif s.total_len >= self.context_window:
             s.finish_reason = "length"
+        elif s.cycle_guard is not None and s.cycle_guard.cycling(s.output_ids):
+            s.finish_reason = "length"  # cut short: one block repeated (a request that set no max_tokens)
         elif s.constraint is not None and s.constraint.is_done():
             s.finish_reason = "stop"
         if s.finish_reason is not None and not s.detok.stopped:

@@ -185,6 +185,7 @@ class Request:
         self.finished = False
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.remaining_choices = params.n
+        self.cycle_guard = False  # stop a looping sequence (repetition_guard.py): set no max_tokens
         self.result: GenerationResult | None = None
         self.sequences: list = []  # its choices' scheduler Sequences (set when the scheduler takes it)
 

@@ -18,15 +18,23 @@ MAX_TOP_LOGPROBS = 20
 
 #: Settings a model may recommend (``generation_config.json``, a GGUF's ``general.sampling.*`` keys, or
 #: ParaLLM's table of known models, see ``loader.sampling_defaults``). A request that leaves one of them
-#: unset (absent or None) gets the model's value; anything the caller sets wins.
-MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+#: unset (absent or None) gets the model's value; anything the caller sets wins. (A ``max_tokens`` default
+#: is a cap: the engine still stops at what the context leaves.)
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+#: Model defaults that shape sampled decoding only: a request that asks for greedy decoding (temperature 0)
+#: gets the model's plain argmax, token for token what mlx-lm decodes, not a penalised one.
+SAMPLED_ONLY_DEFAULTS = ("repetition_penalty",)
 
 
 def apply_model_defaults(sampling: Mapping[str, Any], defaults: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``sampling`` with each of :data:`MODEL_DEFAULT_FIELDS` the caller left unset taken from ``defaults``."""
+    """``sampling`` with each of :data:`MODEL_DEFAULT_FIELDS` the caller left unset taken from ``defaults``
+    (:data:`SAMPLED_ONLY_DEFAULTS` not when the caller asked for temperature 0)."""
     out = dict(sampling)
+    greedy = out.get("temperature") == 0
     for name, value in (defaults or {}).items():
-        if name in MODEL_DEFAULT_FIELDS and out.get(name) is None:
+        if name in MODEL_DEFAULT_FIELDS and out.get(name) is None and not (greedy and name in SAMPLED_ONLY_DEFAULTS):
             out[name] = value
     return out
 

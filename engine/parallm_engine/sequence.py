@@ -6,6 +6,7 @@ import mlx.core as mx
 
 from .detokenizer import IncrementalDetokenizer
 from .radix_cache import PrefixMatch
+from .repetition_guard import CycleGuard
 from .request import Request
 from .sampling import SeqSampler
 from .snapshot_cache import Snapshot
@@ -31,6 +32,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.logprobs = [] if p.logprobs else None
         self.max_new = p.max_tokens
+        self.cycle_guard = CycleGuard() if request.cycle_guard else None
         self.constraint = request.grammar() if request.grammar is not None else None
         self.finish_reason: str | None = None
         self.stop_reason = None

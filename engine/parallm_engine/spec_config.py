@@ -129,7 +129,7 @@ def _parse_draft(value: Mapping) -> SpeculativeConfig:
 
 def draft_key(model: Any) -> str:
     """What identifies a draft model (the per-process cache's key): a path resolved, a Hugging Face id
-    (looked up in the local cache when loaded), or a loaded model's identity. A path that does not exist
+    (downloaded once when loaded), or a loaded model's identity. A path that does not exist
     is refused here, before anything is loaded."""
     if isinstance(model, (str, os.PathLike)):
         text = str(model)
@@ -139,7 +139,7 @@ def draft_key(model: Any) -> str:
         if text == "default":
             return text
         if "/" in text and not text.startswith((".", "/", "~")):
-            return text  # an HF repo id: only the local hub cache is looked at (loader.resolve_model)
+            return text  # a hub id: downloaded once into the HF cache when loaded (loader.resolve_model)
         raise InvalidRequestError(f"speculative.model: no such file or directory: {text!r}", param="speculative")
     if callable(model) and hasattr(model, "layers"):  # a loaded mlx-lm model (an mlx.nn.Module)
         return f"<{type(model).__module__}.{type(model).__name__} object at {id(model):#x}>"

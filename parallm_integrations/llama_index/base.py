@@ -152,7 +152,8 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     model: str | None = Field(
         default=None,
         description="Model to run: None for the default (SmolLM2-135M-Instruct), a path to a .gguf file, an "
-        "HF/MLX model directory, or a repo id already in the local Hugging Face cache. With base_url: the "
+        "HF/MLX model directory, or a Hugging Face model id (org/name[@revision], downloaded once into the HF "
+        "cache, see docs/models.md). With base_url: the "
         "model name the server serves (None, or the default's name: the server's own model).",
     )
     engine_kwargs: dict[str, Any] = Field(

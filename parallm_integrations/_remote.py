@@ -146,6 +146,8 @@ class _ChatChunks:
         self.usage = None
         self.saw_call = False
         self.model: str | None = None
+        self.request_id: str | None = None
+        self.fingerprint: str | None = None
 
     def feed(self, delta: RemoteDelta):
         from langchain_core.messages import AIMessageChunk
@@ -159,6 +161,8 @@ class _ChatChunks:
         if delta.usage is not None:
             self.usage = delta.usage
         self.model = delta.model or self.model
+        self.request_id = self.request_id or delta.request_id or None
+        self.fingerprint = delta.system_fingerprint or self.fingerprint
         if delta.reasoning:  # never part of the answer (as the in-process _ChunkBuilder does)
             yield ChatGenerationChunk(message=AIMessageChunk(content="",
                                                              additional_kwargs={"reasoning_content": delta.reasoning}))
@@ -178,13 +182,14 @@ class _ChatChunks:
         from langchain_core.messages import AIMessageChunk
         from langchain_core.outputs import ChatGenerationChunk
 
+        from ._common import response_metadata
         from ._messages import usage_metadata
 
         finish_reason = self.finish_reason
         if self.saw_call and finish_reason == "stop":
             finish_reason = "tool_calls"
-        meta = {"finish_reason": finish_reason, "model_name": self.model or self.model_name,
-                "model_provider": _PROVIDER}
+        meta = response_metadata(finish_reason, self.model or self.model_name, self.request_id, self.usage,
+                                 self.fingerprint)
         return ChatGenerationChunk(
             message=AIMessageChunk(content="", usage_metadata=usage_metadata(self.usage), response_metadata=meta,
                                    chunk_position="last"),

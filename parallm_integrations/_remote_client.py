@@ -100,6 +100,7 @@ class RemoteResult:
     model: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    system_fingerprint: str | None = None  # as the server sent it (None when it did not)
 
     @property
     def text(self) -> str:
@@ -142,6 +143,7 @@ class RemoteDelta:
     token_ids: list[int] = field(default_factory=list)
     stop_reason: str | int | None = None
     error: BaseException | None = None
+    system_fingerprint: str | None = None  # as the server sent it on the stream's chunks
 
 
 def _usage(u) -> Usage | None:
@@ -213,7 +215,8 @@ def _chat_result(resp) -> RemoteResult:
                                     logprobs=_chat_logprobs(ch.logprobs), content=content,
                                     tool_calls=[_tool_call(tc) for tc in (msg.tool_calls or [])],
                                     reasoning=_reasoning(msg)))
-    return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(), model=resp.model)
+    return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(), model=resp.model,
+                        system_fingerprint=getattr(resp, "system_fingerprint", None) or None)
 
 
 def _completion_results(resp, n_prompts: int, n: int) -> list[RemoteResult]:
@@ -388,6 +391,7 @@ class _StreamState:
     def feed(self, chunk, completion: bool) -> list[RemoteDelta]:
         self.model = getattr(chunk, "model", None) or self.model
         self.request_id = getattr(chunk, "id", None) or self.request_id
+        self.fingerprint = getattr(chunk, "system_fingerprint", None) or getattr(self, "fingerprint", None)
         usage = _usage(getattr(chunk, "usage", None))
         if usage is not None:
             self.usage = usage
@@ -409,6 +413,7 @@ class _StreamState:
             if not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason or delta.reasoning):
                 continue  # e.g. the role-only first chunk
             delta.model = self.model
+            delta.system_fingerprint = self.fingerprint
             if self.pending is not None:
                 out.append(self.pending)
                 self.pending = None

@@ -30,7 +30,9 @@ from ._common import (
     EngineRequest,
     ParaLLMParams,
     chat_result,
+    combine_llm_outputs,
     peek_context_window,
+    response_metadata,
     remote_function,
 )
 from ._messages import (
@@ -68,51 +70,36 @@ def _fan_out_config(
     return configs  # type: ignore[return-value]
 
 
-# ----------------------------------------------------------------------------------------------
-# Tool-call parsing (parallm_engine.chat_format)
-# ----------------------------------------------------------------------------------------------
-
-
-def _chat_format():
-    from parallm_engine import chat_format
-
-    return chat_format
-
-
 class _ChunkBuilder:
-    """Turns one request's stream of engine deltas into ``ChatGenerationChunk``s: text as content,
-    tool calls (when tools are bound) as ``tool_call_chunks``, and usage / finish reason / model
-    name exactly once, on the last chunk (``chunk_position="last"``)."""
+    """Turns one request's engine deltas into ``ChatGenerationChunk``s by mapping the engine's typed pieces
+    (``StreamDelta.pieces``, ``parallm_engine.typed_output``): content, reasoning, ``tool_call_chunks``;
+    usage / finish reason / model name / id exactly once, on the last chunk (``chunk_position="last"``).
+    Nothing is parsed here, so the chunks add up to what ``invoke`` returns."""
 
-    def __init__(self, model_name: str, tools: list[dict] | None, parallel_tool_calls: bool | None,
-                 output_parser=None, prompt_ids=None):
+    def __init__(self, model_name: str, parallel_tool_calls: bool | None):
         self.model_name = model_name
-        # The model family's format (``chat_format.parser_for(engine.tokenizer)``); one stream per request.
-        output_parser = output_parser or _chat_format().default_parser()
-        wanted = tools or output_parser.splits_reasoning
-        self.parser = output_parser.stream(tools, prompt_ids) if wanted else None
         self.single_call = parallel_tool_calls is False
-        self.tool_calls_seen: set[int] = set()
         self.finish_reason: str | None = None
         self.usage = None
+        self.request_id: str | None = None
 
     def _content(self, text: str, logprobs=None) -> ChatGenerationChunk:
         info = {"logprobs": logprobs} if logprobs else None
         msg = AIMessageChunk(content=text, response_metadata=dict(info) if info else {})
         return ChatGenerationChunk(message=msg, generation_info=info)
 
-    def _events(self, events) -> Iterator[ChatGenerationChunk]:
-        for ev in events:
-            if hasattr(ev, "arguments_delta"):  # ToolCallDelta
+    def _pieces(self, pieces) -> Iterator[ChatGenerationChunk]:
+        for ev in pieces:
+            if hasattr(ev, "arguments_delta"):  # ToolCallDelta: a call starts (id, name) or its arguments grow
                 if self.single_call and ev.index > 0:
                     continue
-                self.tool_calls_seen.add(ev.index)
                 yield ChatGenerationChunk(
                     message=AIMessageChunk(
                         content="",
                         tool_call_chunks=[
                             tool_call_chunk(
-                                name=ev.name or None, args=ev.arguments_delta or "", id=ev.id or None, index=ev.index
+                                name=ev.name if ev.id is not None else None, args=ev.arguments_delta or "",
+                                id=ev.id or None, index=ev.index,
                             )
                         ],
                     )
@@ -121,31 +108,26 @@ class _ChunkBuilder:
                 yield ChatGenerationChunk(
                     message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": ev.reasoning})
                 )
+            elif hasattr(ev, "calls"):  # Finish: the finish reason as the engine decided it
+                self.finish_reason = ev.reason
             elif getattr(ev, "text", ""):
                 yield self._content(ev.text)
 
     def feed(self, delta) -> Iterator[ChatGenerationChunk]:
-        if delta.finish_reason is not None:
+        self.request_id = self.request_id or getattr(delta, "request_id", None)
+        if delta.finish_reason is not None and self.finish_reason is None:
             self.finish_reason = delta.finish_reason
         if delta.usage is not None:
             self.usage = delta.usage
+        yield from self._pieces(delta.pieces)
         logprobs = logprobs_to_openai(delta.logprobs)
-        if self.parser is not None:
-            if delta.text:
-                yield from self._events(self.parser.feed(delta.text))
-            if logprobs:
-                yield self._content("", logprobs)
-        elif delta.text or logprobs:
-            yield self._content(delta.text, logprobs)
+        if logprobs:
+            yield self._content("", logprobs)
 
     def finish(self, result=None) -> Iterator[ChatGenerationChunk]:
-        if self.parser is not None:
-            yield from self._events(self.parser.finish())
         usage = self.usage if self.usage is not None else getattr(result, "usage", None)
         finish_reason = self.finish_reason or getattr(result, "finish_reason", None)
-        if self.tool_calls_seen and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        meta = {"finish_reason": finish_reason, "model_name": self.model_name, "model_provider": _PROVIDER}
+        meta = response_metadata(finish_reason, self.model_name, self.request_id, usage)
         yield ChatGenerationChunk(
             message=AIMessageChunk(
                 content="", usage_metadata=usage_metadata(usage), response_metadata=meta, chunk_position="last"
@@ -395,8 +377,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             return
         engine = self._get_engine(req.model)
         prompt = self._prompt(engine, messages, req)
-        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls,
-                                _chat_format().parser_for(getattr(engine, "tokenizer", None)), prompt)
+        builder = _ChunkBuilder(engine.model_name, req.parallel_tool_calls)
         call = EngineCall(engine, prompt, req)
         iterator = iter(call)
         try:
@@ -423,8 +404,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             return
         engine = await self._aget_engine(req.model)
         prompt = await self._aprompt(engine, messages, req)
-        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls,
-                                _chat_format().parser_for(getattr(engine, "tokenizer", None)), prompt)
+        builder = _ChunkBuilder(engine.model_name, req.parallel_tool_calls)
         call = EngineCall(engine, prompt, req, loop=asyncio.get_running_loop())
         iterator = call.__aiter__()
         try:
@@ -500,6 +480,9 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             llm_output=self._combine_llm_outputs([r.llm_output for r in results]),
             run=[info for r in results for info in (r.run or [])] or None,
         )
+
+    def _combine_llm_outputs(self, llm_outputs: list[dict | None]) -> dict:
+        return combine_llm_outputs(llm_outputs)
 
     # -- tokens ----------------------------------------------------------------------------------
     def get_num_tokens_from_messages(

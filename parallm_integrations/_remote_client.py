@@ -249,6 +249,24 @@ def _error_fields(exc) -> tuple[str, str | None, str | None]:
     return str(getattr(exc, "message", None) or exc), None, getattr(exc, "code", None)
 
 
+#: How servers word a prompt that does not fit: OpenAI / parallm serve's code, llama.cpp's error type
+#: (400 ``exceed_context_size_error``: "the request exceeds the available context size"), vLLM's and
+#: SGLang's messages ("This model's maximum context length is N tokens...", "... is longer than the model's
+#: context length").
+_CONTEXT_CODES = frozenset({"context_length_exceeded", "exceed_context_size_error"})
+_CONTEXT_WORDS = ("context length", "context size", "context window", "maximum context")
+
+
+def _is_context_overflow(exc: BaseException, message: str, code: Any) -> bool:
+    body = getattr(exc, "body", None)
+    err = body.get("error", body) if isinstance(body, dict) else {}
+    kind = err.get("type") if isinstance(err, dict) else None
+    kind = kind or getattr(exc, "type", None)
+    if code in _CONTEXT_CODES or kind in _CONTEXT_CODES:
+        return True
+    return any(w in message.lower() for w in _CONTEXT_WORDS)
+
+
 def _translate(exc: BaseException) -> BaseException:
     """An ``openai`` exception -> the error the in-process engine raises for the same problem."""
     import openai
@@ -278,7 +296,7 @@ def _translate(exc: BaseException) -> BaseException:
         return QueueFullError(_error_fields(exc)[0], retry_after=retry)
     if isinstance(exc, (openai.BadRequestError, openai.UnprocessableEntityError)):
         message, param, code = _error_fields(exc)
-        if code == "context_length_exceeded" or "context length" in message.lower():
+        if _is_context_overflow(exc, message, code):
             return ContextLengthExceededError(message, param=param)
         return InvalidRequestError(message, param=param)
     if isinstance(exc, openai.NotFoundError):
@@ -290,7 +308,7 @@ def _translate(exc: BaseException) -> BaseException:
     if isinstance(exc, openai.APIError) and not isinstance(exc, openai.APIStatusError):
         # An error event inside a stream (``data: {"error": ...}``).
         message, param, code = _error_fields(exc)
-        if code == "context_length_exceeded":
+        if _is_context_overflow(exc, message, code):
             return ContextLengthExceededError(message, param=param)
         if getattr(exc, "type", None) == "invalid_request_error":
             return InvalidRequestError(message, param=param)
@@ -673,36 +691,84 @@ class RemoteClient:
             await stream.close()
 
     # -- tokenizer -------------------------------------------------------------------------------------
+    # Two body shapes: ours and vLLM's (``{"prompt" | "messages", ...}`` -> ``{"tokens": [...]}``) and
+    # llama.cpp's server (``{"content": text}`` -> ``{"tokens": [...]}``, chat rendered by its
+    # ``/apply-template`` first). llama.cpp answers the other shape with 200 and no tokens: an empty answer
+    # for non-empty input moves to its shape, and if that is empty too it is a TokenizeError, never 0.
     def tokenize(self, text: str, *, model: str | None = None, add_special_tokens: bool = False,
                  timeout: float | None = 30.0) -> list[int]:
-        """Token ids from the server's tokenizer (vLLM's ``POST /tokenize``, which ``parallm serve``
-        implements too). Raises ``NotImplementedError`` for a server without it."""
-        body = {"model": self.resolve_model(model), "prompt": text, "add_special_tokens": add_special_tokens}
-        return self._tokenize(body, timeout)
+        """Token ids from the server's tokenizer (``POST /tokenize``: ``parallm serve``, vLLM, SGLang and
+        llama.cpp's server). Raises ``NotImplementedError`` for a server without one, ``TokenizeError`` when
+        it gives no tokens for non-empty text."""
+        if self._tokenize_shape != "llama.cpp":
+            body = {"model": self.resolve_model(model), "prompt": text, "add_special_tokens": add_special_tokens}
+            tokens = self._tokenize(body, timeout)
+            if tokens or not text:
+                return tokens
+        tokens = self._tokenize({"content": text, "add_special": add_special_tokens}, timeout)
+        return self._checked(tokens, text)
 
     def tokenize_messages(self, messages: list[dict], *, model: str | None = None, tools: list[dict] | None = None,
                           add_generation_prompt: bool = False, timeout: float | None = 30.0) -> list[int]:
         """Token ids of ``messages`` (and ``tools``) rendered with the server's chat template."""
-        body: dict[str, Any] = {"model": self.resolve_model(model), "messages": messages,
-                                "add_generation_prompt": add_generation_prompt}
-        if tools:
-            body["tools"] = list(tools)
-        return self._tokenize(body, timeout)
+        if self._tokenize_shape != "llama.cpp":
+            body: dict[str, Any] = {"model": self.resolve_model(model), "messages": messages,
+                                    "add_generation_prompt": add_generation_prompt}
+            if tools:
+                body["tools"] = list(tools)
+            tokens = self._tokenize(body, timeout)
+            if tokens or not messages:
+                return tokens
+        template: dict[str, Any] = {"messages": messages, **({"tools": list(tools)} if tools else {})}
+        try:
+            prompt = self._post("/apply-template", template, timeout).get("prompt")
+        except NotImplementedError:  # a /tokenize that answered nothing, and no llama.cpp route either
+            raise self._empty_error() from None
+        if not isinstance(prompt, str):
+            raise self._empty_error()
+        tokens = self._tokenize({"content": prompt, "add_special": False, "parse_special": True}, timeout)
+        return self._checked(tokens, prompt)
+
+    _tokenize_shape: str | None = None  # "llama.cpp" once a server answered only that shape
+
+    def _checked(self, tokens: list[int], text: str) -> list[int]:
+        if text and not tokens:
+            raise self._empty_error()
+        if text:
+            self._tokenize_shape = "llama.cpp"
+        return tokens
+
+    def _empty_error(self):
+        from .errors import TokenizeError
+
+        return TokenizeError(
+            f"the server at {self.base_url} answered /tokenize with no tokens for non-empty text in every body "
+            "shape known (parallm serve / vLLM's and llama.cpp's); it cannot count tokens"
+        )
 
     def _tokenize(self, body: dict, timeout: float | None) -> list[int]:
+        answer = self._post("/tokenize", body, timeout)
+        tokens = answer.get("tokens")
+        if not isinstance(tokens, list):
+            return []
+        # llama.cpp's with_pieces shape is [{"id": ..., "piece": ...}]; ours / vLLM's / llama.cpp's plain ids.
+        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens]
+
+    def _post(self, path: str, body: dict, timeout: float | None) -> dict:
         root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}",
                    **self.default_headers}
-        req = urllib.request.Request(f"{root}/tokenize", data=json.dumps(body).encode(), headers=headers,
+        req = urllib.request.Request(f"{root}{path}", data=json.dumps(body).encode(), headers=headers,
                                      method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the user's base_url)
-                return [int(t) for t in json.loads(resp.read())["tokens"]]
+                answer = json.loads(resp.read() or b"{}")
+                return answer if isinstance(answer, dict) else {}
         except urllib.error.HTTPError as exc:
-            if exc.code in (404, 405):
+            if exc.code in (404, 405, 501):
                 raise NotImplementedError(
-                    f"the server at {self.base_url} has no /tokenize endpoint; token counts need the model's "
-                    "tokenizer (parallm serve and vLLM have one)"
+                    f"the server at {self.base_url} has no {path} endpoint; token counts need the model's "
+                    "tokenizer (parallm serve, vLLM and llama.cpp's server have one)"
                 ) from exc
             detail = exc.read().decode("utf-8", "replace")[:500]
             if exc.code == 400:

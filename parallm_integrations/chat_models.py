@@ -14,10 +14,11 @@ from langchain_core.language_models.chat_models import BaseChatModel, LangSmithP
 from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, convert_to_messages
 from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult, LLMResult
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ContextThreadPoolExecutor
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -48,15 +49,17 @@ from ._messages import (
 )
 
 _PROVIDER = "parallm"
-#: Default cap on threads for a sync ``batch`` without ``max_concurrency`` (the engine queues the rest).
-_MAX_DEFAULT_BATCH_THREADS = 256
+#: Default ``max_concurrency`` of a sync ``batch`` through a server (``base_url``): requests in flight at once.
+DEFAULT_REMOTE_BATCH_CONCURRENCY = 64
 
 
 def _fan_out_config(
-    config: RunnableConfig | Sequence[RunnableConfig] | None, n_inputs: int
+    config: RunnableConfig | Sequence[RunnableConfig] | None, n_inputs: int, default_limit: int
 ) -> RunnableConfig | list[RunnableConfig]:
-    """Give a sync batch one thread per input (capped) unless the caller set ``max_concurrency``."""
-    default = min(n_inputs, _MAX_DEFAULT_BATCH_THREADS)
+    """Give a sync batch ``min(n_inputs, default_limit)`` waiting threads unless the caller set
+    ``max_concurrency``: enough to keep the engine's batch full; the engine's queue, not more threads,
+    holds the rest."""
+    default = max(1, min(n_inputs, default_limit))
     if config is None:
         return {"max_concurrency": default}
     if isinstance(config, Mapping):
@@ -134,6 +137,20 @@ class _ChunkBuilder:
             ),
             generation_info={"finish_reason": finish_reason},
         )
+
+
+def _require_tool_call(message: AIMessage) -> AIMessage:
+    """``with_structured_output(method="function_calling")`` needs the call it forced: a message without one
+    (a server that ignores tool_choice; a call cut off by max_tokens) is an error, not ``None``."""
+    if message.tool_calls:
+        return message
+    if message.invalid_tool_calls:
+        bad = message.invalid_tool_calls[0]
+        raise OutputParserException(f"the structured-output tool call is not usable: {bad.get('error')} "
+                                    f"(arguments so far: {bad.get('args')!r})", llm_output=str(bad.get("args")))
+    raise OutputParserException(
+        "the model answered without the tool call that structured output forced (tool_choice): the server "
+        f"ignored tool_choice. Answer was: {str(message.content)[:200]!r}", llm_output=str(message.content))
 
 
 class ChatParaLLM(ParaLLMParams, BaseChatModel):
@@ -417,6 +434,19 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             yield chunk
 
     # -- batching --------------------------------------------------------------------------------
+    def _default_batch_concurrency(self) -> int:
+        """How many inputs of a sync ``batch`` are in flight at once when ``max_concurrency`` is not given:
+        twice the engine's decode batch (``max_batch_size``, 64 by default: 128), so the batch stays full and
+        the next requests already wait in the engine's queue; through a server,
+        :data:`DEFAULT_REMOTE_BATCH_CONCURRENCY`."""
+        if self.base_url:
+            return DEFAULT_REMOTE_BATCH_CONCURRENCY
+        try:
+            size = self._get_engine().config.max_batch_size
+        except Exception:  # the model does not load: each input reports that itself
+            size = 64
+        return 2 * int(size or 64)
+
     def batch(
         self,
         inputs: list[LanguageModelInput],
@@ -425,13 +455,15 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[AIMessage]:
-        """Like ``Runnable.batch``, but every input is in flight at once by default (one waiting
-        thread per input instead of the default pool of ``min(32, cpus + 4)``), so the engine decodes
-        them as one batch. An explicit ``max_concurrency`` in ``config`` is respected."""
+        """Like ``Runnable.batch``, but with enough inputs in flight to keep the engine's batch full
+        (:meth:`_default_batch_concurrency`: twice its ``max_batch_size``, 128 by default, instead of
+        LangChain's pool of ``min(32, cpus + 4)``); the engine's queue holds the rest. An explicit
+        ``max_concurrency`` in ``config`` is respected. ``abatch`` is LangChain's (no limit unless given)."""
         if not inputs:
             return []
         return super().batch(
-            inputs, _fan_out_config(config, len(inputs)), return_exceptions=return_exceptions, **kwargs
+            inputs, _fan_out_config(config, len(inputs), self._default_batch_concurrency()),
+            return_exceptions=return_exceptions, **kwargs,
         )
 
     def batch_as_completed(  # type: ignore[override]
@@ -442,11 +474,12 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> Iterator[tuple[int, AIMessage | Exception]]:
-        """Like ``Runnable.batch_as_completed`` with every input in flight at once by default."""
+        """Like ``Runnable.batch_as_completed`` with the same default concurrency as :meth:`batch`."""
         if not inputs:
             return iter(())
         return super().batch_as_completed(
-            inputs, _fan_out_config(config, len(inputs)), return_exceptions=return_exceptions, **kwargs
+            inputs, _fan_out_config(config, len(inputs), self._default_batch_concurrency()),
+            return_exceptions=return_exceptions, **kwargs,
         )
 
     def generate(
@@ -472,7 +505,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         def one(m: list[BaseMessage]) -> LLMResult:
             return parent.generate([m], stop, callbacks, tags=tags, metadata=metadata, run_name=run_name, **kwargs)
 
-        workers = min(len(messages), _MAX_DEFAULT_BATCH_THREADS)
+        workers = min(len(messages), self._default_batch_concurrency())
         with ContextThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(one, messages))
         return LLMResult(
@@ -576,7 +609,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
                 [schema], tool_choice=tool_name, parallel_tool_calls=False, strict=strict,
                 ls_structured_output_format=ls_format,
             )
-            parser: Runnable = (
+            parser: Runnable = RunnableLambda(_require_tool_call) | (
                 PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
                 if is_pydantic
                 else JsonOutputKeyToolsParser(key_name=tool_name, first_tool_only=True)

@@ -27,6 +27,7 @@ try:
         ParaLLMError,
         QueueFullError,
         RequestCancelledError,
+        TokenizeError,
         UnsupportedModelError,
     )
 except ImportError:  # the engine is not installed: the same classes, for the base_url= path
@@ -73,6 +74,9 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
     class OutOfMemoryError(ParaLLMError):  # type: ignore[no-redef]
         """The device ran out of memory for this request even with nothing else running beside it (HTTP 507)."""
 
+    class TokenizeError(ParaLLMError):  # type: ignore[no-redef]
+        """A server's tokenizer endpoint gave no usable answer (no tokens for non-empty text)."""
+
 
 #: The modules whose absence means "the engine is not installed" (not, say, a model family mlx-lm lacks).
 ENGINE_MODULES = frozenset({"parallm_engine", "mlx", "mlx.core", "mlx.nn", "mlx_lm"})
@@ -94,5 +98,5 @@ class EngineNotInstalledError(ImportError):
 __all__ = [
     "ContextLengthExceededError", "EngineDeadError", "EngineNotInstalledError", "GrammarError",
     "InvalidRequestError", "ModelLoadError", "ParaLLMError", "QueueFullError", "RequestCancelledError",
-    "UnsupportedModelError",
+    "TokenizeError", "UnsupportedModelError",
 ]

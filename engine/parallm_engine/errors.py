@@ -56,3 +56,8 @@ class ImageInputError(InvalidRequestError):
 class OutOfMemoryError(ParaLLMError):
     """The device ran out of memory for this request even with nothing else running beside it (HTTP 507).
     Other requests in flight are not failed by an allocation failure: they are preempted and resume."""
+
+
+class TokenizeError(ParaLLMError):
+    """A server's tokenizer endpoint gave no usable answer (no tokens for non-empty text: a body shape it
+    does not read), so no token count can be given; never reported as 0 tokens."""

@@ -76,6 +76,27 @@ class RemoteToolCallDelta:
 
 
 @dataclass
+class RemoteText:
+    """A content piece of a server's stream (``chat_format.ContentDelta``'s field)."""
+
+    text: str
+
+
+@dataclass
+class RemoteReasoning:
+    """A reasoning piece of a server's stream (``chat_format.ReasoningDelta``'s field)."""
+
+    reasoning: str
+
+
+@dataclass
+class RemoteFinish:
+    """A choice's end in a server's stream (``typed_output.Finish``'s ``reason``)."""
+
+    reason: str
+
+
+@dataclass
 class RemoteChoice:
     index: int
     text: str
@@ -144,6 +165,9 @@ class RemoteDelta:
     stop_reason: str | int | None = None
     error: BaseException | None = None
     system_fingerprint: str | None = None  # as the server sent it on the stream's chunks
+    # The delta as typed pieces in the engine's order (``StreamDelta.pieces``): RemoteReasoning,
+    # RemoteToolCallDelta, RemoteText, RemoteFinish; the same information as the fields above.
+    pieces: list = field(default_factory=list)
 
 
 def _usage(u) -> Usage | None:
@@ -430,6 +454,9 @@ class _StreamState:
                                     tool_calls=calls, reasoning=_reasoning(d))
             if not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason or delta.reasoning):
                 continue  # e.g. the role-only first chunk
+            delta.pieces = [*([RemoteReasoning(delta.reasoning)] if delta.reasoning else []), *delta.tool_calls,
+                            *([RemoteText(delta.text)] if delta.text else []),
+                            *([RemoteFinish(delta.finish_reason)] if delta.finish_reason else [])]
             delta.model = self.model
             delta.system_fingerprint = self.fingerprint
             if self.pending is not None:

@@ -183,11 +183,20 @@ def _usage(u) -> Usage | None:
                  spec_accepted_tokens=int(spec.get("accepted_tokens") or 0))
 
 
-def _tool_call(tc) -> RemoteToolCall:
+#: The error of a call a server sent with finish_reason "length" whose arguments are not whole (as
+#: ``parallm_engine.typed_output.TRUNCATED_CALL`` says it in-process).
+TRUNCATED_CALL = "the tool call was cut off by max_tokens (finish_reason 'length') before it was complete"
+
+
+def _tool_call(tc, truncated: bool = False) -> RemoteToolCall:
+    """A call of a server's message; ``truncated``: the last call of a message cut off by max_tokens."""
     fn = tc.function
     raw = fn.arguments if fn is not None else ""
     args: dict = {}
     error = None
+    if truncated and not (raw or "").strip():
+        return RemoteToolCall(id=tc.id or "", name=(fn.name if fn is not None else "") or "", arguments={},
+                              raw_arguments=raw, error=TRUNCATED_CALL)
     try:
         parsed = json.loads(raw) if raw else {}
         if isinstance(parsed, dict):
@@ -195,7 +204,7 @@ def _tool_call(tc) -> RemoteToolCall:
         else:
             error = "arguments are not a JSON object"
     except (json.JSONDecodeError, TypeError) as exc:
-        error = f"arguments are not valid JSON: {exc}"
+        error = TRUNCATED_CALL if truncated else f"arguments are not valid JSON: {exc}"
     return RemoteToolCall(id=tc.id or "", name=(fn.name if fn is not None else "") or "", arguments=args,
                           raw_arguments=raw, error=error)
 
@@ -235,9 +244,12 @@ def _chat_result(resp) -> RemoteResult:
     for ch in sorted(resp.choices, key=lambda c: c.index):
         msg = ch.message
         content = msg.content or ""
+        calls = list(msg.tool_calls or [])
+        cut = ch.finish_reason == "length"
         choices.append(RemoteChoice(index=ch.index, text=content, finish_reason=ch.finish_reason,
                                     logprobs=_chat_logprobs(ch.logprobs), content=content,
-                                    tool_calls=[_tool_call(tc) for tc in (msg.tool_calls or [])],
+                                    tool_calls=[_tool_call(tc, cut and i == len(calls) - 1)
+                                                for i, tc in enumerate(calls)],
                                     reasoning=_reasoning(msg)))
     return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(), model=resp.model,
                         system_fingerprint=getattr(resp, "system_fingerprint", None) or None)

@@ -128,3 +128,9 @@ def test_partial_json_for_streamed_structured_output():
     assert partial_json('{"name": "Al", "age": 3') == {"name": "Al", "age": 3}
     assert partial_json('{"a": [1, {"b": "c\\') == {"a": [1, {"b": "c"}]}
     assert partial_json('{"a": {"b": 1}, "c": [tr') == {"a": {"b": 1}, "c": []}
+
+
+def test_remote_client_says_a_cut_call_the_same_way():
+    from parallm_integrations import _remote_client
+
+    assert _remote_client.TRUNCATED_CALL == TRUNCATED_CALL  # the client imports nothing of the engine

@@ -111,11 +111,13 @@ class ChatStream:
         self._final_calls: list | None = None  # the engine's finished calls (its Finish piece)
         self._by_index: dict[int, dict[str, Any]] = {}
         self._finished = False
+        self._cut = False  # the choice ended by max_tokens: its last call may be partial
 
     def update(self, delta: Any) -> str | None:
         """Feed one delta; returns the content delta of the chunk to emit, or None when nothing changed
         (no text, no tool-call progress, no usage). The delta that ends the choice completes the calls."""
         self.reasoning_delta = ""
+        self._cut = self._cut or getattr(delta, "finish_reason", None) == "length"
         text, changed = self.feed(delta)
         if delta.usage is not None or delta.finish_reason is not None:
             tail, changed2 = self.finish()
@@ -151,7 +153,9 @@ class ChatStream:
             self.calls.items = [{"id": c.id, "name": c.name, "args": dict(c.arguments)} for c in parsed]
         elif self.calls.items:
             items = []
-            for c in self.calls.items:
+            for i, c in enumerate(self.calls.items):
+                if self._cut and i == len(self.calls.items) - 1 and not c["args"].strip():
+                    continue  # cut off before its arguments (as the engine reports it: not a usable call)
                 try:
                     args = json.loads(c["args"]) if c["args"].strip() else {}
                 except (ValueError, TypeError):

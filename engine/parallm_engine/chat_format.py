@@ -7,6 +7,9 @@ The engine-facing API is one object per engine and one stream per request::
     stream = output_parser.stream(tools, prompt_ids)   # per request, never shared between requests
     stream.feed(delta_text) -> [ContentDelta | ReasoningDelta | ToolCallDelta]; stream.finish() -> [...]
 
+Front ends do not call these directly: ``typed_output.TypedOutput`` wraps one stream per choice and is
+the one entry point (the engine runs it and sends its pieces on ``StreamDelta.pieces``).
+
 The format comes from the chat template / tokenizer (``tool_formats.detect_format``: Hermes / Qwen
 ``<tool_call>``, Llama 3.x JSON, Mistral ``[TOOL_CALLS]``, gpt-oss harmony, and every family mlx-lm ships
 a parser for). Reasoning is ``<think>...</think>`` style text (the markers mlx-lm finds in the vocabulary)

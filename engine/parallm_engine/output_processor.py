@@ -86,12 +86,12 @@ class OutputProcessor:
         if s.detok.stopped:
             s.finish_reason = "stop"
             s.stop_reason = s.detok.matched_stop
+        elif s.constraint is not None and s.constraint.is_done():
+            s.finish_reason = "stop"  # the grammar is complete: whole, even when this was the last token allowed
         elif s.max_new is not None and len(s.output_ids) >= s.max_new:
             s.finish_reason = "length"
         elif s.total_len >= self.context_window:
             s.finish_reason = "length"
-        elif s.constraint is not None and s.constraint.is_done():
-            s.finish_reason = "stop"
         if s.finish_reason is not None and not s.detok.stopped:
             text += s.detok.finish()
         self.emit(s, text, [t], lp)

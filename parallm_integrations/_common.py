@@ -264,7 +264,25 @@ def langchain_tool_calls(calls, single_call: bool = False) -> tuple[list[dict], 
     return valid, invalid
 
 
-def chat_generation(choice, usage, model_name: str, single_call: bool = False):
+def response_metadata(finish_reason, model_name: str, request_id: str | None, usage,
+                      system_fingerprint: str | None = None) -> dict[str, Any]:
+    """``response_metadata`` as ``ChatOpenAI`` users read it: ``finish_reason``, ``model_name``, the response
+    ``id`` (a server's own id with ``base_url``), ``token_usage`` (OpenAI's usage dict) and
+    ``system_fingerprint`` when the server sent one; plus ``model_provider``."""
+    from ._messages import token_usage_dict
+
+    meta: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": PROVIDER}
+    if request_id:
+        meta["id"] = request_id
+    if usage is not None:
+        meta["token_usage"] = token_usage_dict(usage)
+    if system_fingerprint:
+        meta["system_fingerprint"] = system_fingerprint
+    return meta
+
+
+def chat_generation(choice, usage, model_name: str, single_call: bool = False, request_id: str | None = None,
+                    system_fingerprint: str | None = None):
     """A finished choice (the engine's ``Choice`` or a server's ``RemoteChoice``) as a ``ChatGeneration``:
     the content without tool-call markup, the calls, ``finish_reason`` ("tool_calls" when it made calls),
     model name, logprobs and usage."""
@@ -277,7 +295,7 @@ def chat_generation(choice, usage, model_name: str, single_call: bool = False):
     finish_reason = choice.finish_reason
     if (tool_calls or invalid) and finish_reason == "stop":
         finish_reason = "tool_calls"
-    meta: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": PROVIDER}
+    meta = response_metadata(finish_reason, model_name, request_id, usage, system_fingerprint)
     info: dict[str, Any] = {"finish_reason": finish_reason}
     logprobs = logprobs_to_openai(choice.logprobs)
     if logprobs:
@@ -294,10 +312,39 @@ def chat_result(result, model_name: str, single_call: bool = False):
     """A finished request (every choice) as a LangChain ``ChatResult``."""
     from langchain_core.outputs import ChatResult
 
+    from ._messages import token_usage_dict
+
+    rid, fingerprint = getattr(result, "request_id", None), getattr(result, "system_fingerprint", None)
+    llm_output: dict[str, Any] = {"model_name": model_name, "model_provider": PROVIDER, "id": rid}
+    if result.usage is not None:
+        llm_output["token_usage"] = token_usage_dict(result.usage)
+    if fingerprint:
+        llm_output["system_fingerprint"] = fingerprint
     return ChatResult(
-        generations=[chat_generation(c, result.usage, model_name, single_call) for c in result.choices],
-        llm_output={"model_name": model_name, "model_provider": PROVIDER},
+        generations=[chat_generation(c, result.usage, model_name, single_call, rid, fingerprint)
+                     for c in result.choices],
+        llm_output=llm_output,
     )
+
+
+def combine_llm_outputs(outputs: list[dict | None]) -> dict[str, Any]:
+    """``llm_output`` of several results (``generate`` over many conversations): token usage summed, as
+    ``ChatOpenAI`` does."""
+    outputs = [o for o in outputs if o]
+    if not outputs:
+        return {}
+    total: dict[str, Any] = {}
+    for o in outputs:
+        for key, value in (o.get("token_usage") or {}).items():
+            if isinstance(value, int):
+                total[key] = total.get(key, 0) + value
+            elif key == "prompt_tokens_details" and isinstance(value, dict):
+                cached = total.setdefault(key, {"cached_tokens": 0})
+                cached["cached_tokens"] += int(value.get("cached_tokens") or 0)
+    combined = {"model_name": outputs[0].get("model_name"), "model_provider": PROVIDER}
+    if total:
+        combined["token_usage"] = total
+    return combined
 
 
 def remote_module():

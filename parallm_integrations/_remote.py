@@ -123,17 +123,42 @@ def _split_params(params: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def _to_chat_result(result: RemoteResult, params: dict[str, Any]):
+_warned_tool_choice: set[str] = set()
+
+
+def check_forced_call(base_url: str, params: dict[str, Any], made_call: bool, finish_reason: str | None) -> None:
+    """A forced ``tool_choice`` ("required" / "any" / a named tool) answered without a call: the server
+    ignored it (llama.cpp's server does for templates without tool support). Warn once per server; callers
+    that cannot go on without a call (``with_structured_output(method="function_calling")``) raise."""
+    choice = params.get("tool_choice")
+    if made_call or choice in (None, "auto", "none") or finish_reason == "length" or not params.get("tools"):
+        return
+    if base_url in _warned_tool_choice:
+        return
+    _warned_tool_choice.add(base_url)
+    import warnings
+
+    warnings.warn(
+        f"the server at {base_url} answered a forced tool_choice ({choice!r}) without a tool call: it ignores "
+        "tool_choice (llama.cpp's server does for chat templates without tool support). Use a server that "
+        "enforces it (parallm serve, vLLM) or check AIMessage.tool_calls. (Said once per server.)",
+        UserWarning, stacklevel=4,
+    )
+
+
+def _to_chat_result(llm, result: RemoteResult, params: dict[str, Any]):
     """As the in-process path builds it (``_common.chat_result``: tool calls and invalid tool calls alike)."""
+    for choice in result.choices:
+        check_forced_call(llm.base_url, params, bool(choice.tool_calls), choice.finish_reason)
     return chat_result(result, result.model or str(params.get("model")), params.get("parallel_tool_calls") is False)
 
 
 def chat_generate(llm, messages: list[dict], params: dict[str, Any], run_manager=None):
-    return _to_chat_result(client_for(llm).chat(messages, **_split_params(params)), params)
+    return _to_chat_result(llm, client_for(llm).chat(messages, **_split_params(params)), params)
 
 
 async def achat_generate(llm, messages: list[dict], params: dict[str, Any], run_manager=None):
-    return _to_chat_result(await client_for(llm).achat(messages, **_split_params(params)), params)
+    return _to_chat_result(llm, await client_for(llm).achat(messages, **_split_params(params)), params)
 
 
 class _ChatChunks:
@@ -146,6 +171,8 @@ class _ChatChunks:
         self.usage = None
         self.saw_call = False
         self.model: str | None = None
+        self.request_id: str | None = None
+        self.fingerprint: str | None = None
 
     def feed(self, delta: RemoteDelta):
         from langchain_core.messages import AIMessageChunk
@@ -159,6 +186,8 @@ class _ChatChunks:
         if delta.usage is not None:
             self.usage = delta.usage
         self.model = delta.model or self.model
+        self.request_id = self.request_id or delta.request_id or None
+        self.fingerprint = delta.system_fingerprint or self.fingerprint
         if delta.reasoning:  # never part of the answer (as the in-process _ChunkBuilder does)
             yield ChatGenerationChunk(message=AIMessageChunk(content="",
                                                              additional_kwargs={"reasoning_content": delta.reasoning}))
@@ -178,13 +207,14 @@ class _ChatChunks:
         from langchain_core.messages import AIMessageChunk
         from langchain_core.outputs import ChatGenerationChunk
 
+        from ._common import response_metadata
         from ._messages import usage_metadata
 
         finish_reason = self.finish_reason
         if self.saw_call and finish_reason == "stop":
             finish_reason = "tool_calls"
-        meta = {"finish_reason": finish_reason, "model_name": self.model or self.model_name,
-                "model_provider": _PROVIDER}
+        meta = response_metadata(finish_reason, self.model or self.model_name, self.request_id, self.usage,
+                                 self.fingerprint)
         return ChatGenerationChunk(
             message=AIMessageChunk(content="", usage_metadata=usage_metadata(self.usage), response_metadata=meta,
                                    chunk_position="last"),
@@ -200,6 +230,7 @@ def chat_stream(llm, messages: list[dict], params: dict[str, Any], run_manager=N
             yield from builder.feed(delta)
     finally:
         stream.close()
+    check_forced_call(llm.base_url, params, builder.saw_call, builder.finish_reason)
     yield builder.finish()
 
 
@@ -212,6 +243,7 @@ async def achat_stream(llm, messages: list[dict], params: dict[str, Any], run_ma
                 yield chunk
     finally:
         await stream.aclose()
+    check_forced_call(llm.base_url, params, builder.saw_call, builder.finish_reason)
     yield builder.finish()
 
 

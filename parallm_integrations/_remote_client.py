@@ -76,6 +76,27 @@ class RemoteToolCallDelta:
 
 
 @dataclass
+class RemoteText:
+    """A content piece of a server's stream (``chat_format.ContentDelta``'s field)."""
+
+    text: str
+
+
+@dataclass
+class RemoteReasoning:
+    """A reasoning piece of a server's stream (``chat_format.ReasoningDelta``'s field)."""
+
+    reasoning: str
+
+
+@dataclass
+class RemoteFinish:
+    """A choice's end in a server's stream (``typed_output.Finish``'s ``reason``)."""
+
+    reason: str
+
+
+@dataclass
 class RemoteChoice:
     index: int
     text: str
@@ -100,6 +121,7 @@ class RemoteResult:
     model: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    system_fingerprint: str | None = None  # as the server sent it (None when it did not)
 
     @property
     def text(self) -> str:
@@ -142,6 +164,10 @@ class RemoteDelta:
     token_ids: list[int] = field(default_factory=list)
     stop_reason: str | int | None = None
     error: BaseException | None = None
+    system_fingerprint: str | None = None  # as the server sent it on the stream's chunks
+    # The delta as typed pieces in the engine's order (``StreamDelta.pieces``): RemoteReasoning,
+    # RemoteToolCallDelta, RemoteText, RemoteFinish; the same information as the fields above.
+    pieces: list = field(default_factory=list)
 
 
 def _usage(u) -> Usage | None:
@@ -157,11 +183,20 @@ def _usage(u) -> Usage | None:
                  spec_accepted_tokens=int(spec.get("accepted_tokens") or 0))
 
 
-def _tool_call(tc) -> RemoteToolCall:
+#: The error of a call a server sent with finish_reason "length" whose arguments are not whole (as
+#: ``parallm_engine.typed_output.TRUNCATED_CALL`` says it in-process).
+TRUNCATED_CALL = "the tool call was cut off by max_tokens (finish_reason 'length') before it was complete"
+
+
+def _tool_call(tc, truncated: bool = False) -> RemoteToolCall:
+    """A call of a server's message; ``truncated``: the last call of a message cut off by max_tokens."""
     fn = tc.function
     raw = fn.arguments if fn is not None else ""
     args: dict = {}
     error = None
+    if truncated and not (raw or "").strip():
+        return RemoteToolCall(id=tc.id or "", name=(fn.name if fn is not None else "") or "", arguments={},
+                              raw_arguments=raw, error=TRUNCATED_CALL)
     try:
         parsed = json.loads(raw) if raw else {}
         if isinstance(parsed, dict):
@@ -169,7 +204,7 @@ def _tool_call(tc) -> RemoteToolCall:
         else:
             error = "arguments are not a JSON object"
     except (json.JSONDecodeError, TypeError) as exc:
-        error = f"arguments are not valid JSON: {exc}"
+        error = TRUNCATED_CALL if truncated else f"arguments are not valid JSON: {exc}"
     return RemoteToolCall(id=tc.id or "", name=(fn.name if fn is not None else "") or "", arguments=args,
                           raw_arguments=raw, error=error)
 
@@ -209,11 +244,15 @@ def _chat_result(resp) -> RemoteResult:
     for ch in sorted(resp.choices, key=lambda c: c.index):
         msg = ch.message
         content = msg.content or ""
+        calls = list(msg.tool_calls or [])
+        cut = ch.finish_reason == "length"
         choices.append(RemoteChoice(index=ch.index, text=content, finish_reason=ch.finish_reason,
                                     logprobs=_chat_logprobs(ch.logprobs), content=content,
-                                    tool_calls=[_tool_call(tc) for tc in (msg.tool_calls or [])],
+                                    tool_calls=[_tool_call(tc, cut and i == len(calls) - 1)
+                                                for i, tc in enumerate(calls)],
                                     reasoning=_reasoning(msg)))
-    return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(), model=resp.model)
+    return RemoteResult(request_id=resp.id, choices=choices, usage=_usage(resp.usage) or Usage(), model=resp.model,
+                        system_fingerprint=getattr(resp, "system_fingerprint", None) or None)
 
 
 def _completion_results(resp, n_prompts: int, n: int) -> list[RemoteResult]:
@@ -246,6 +285,24 @@ def _error_fields(exc) -> tuple[str, str | None, str | None]:
     return str(getattr(exc, "message", None) or exc), None, getattr(exc, "code", None)
 
 
+#: How servers word a prompt that does not fit: OpenAI / parallm serve's code, llama.cpp's error type
+#: (400 ``exceed_context_size_error``: "the request exceeds the available context size"), vLLM's and
+#: SGLang's messages ("This model's maximum context length is N tokens...", "... is longer than the model's
+#: context length").
+_CONTEXT_CODES = frozenset({"context_length_exceeded", "exceed_context_size_error"})
+_CONTEXT_WORDS = ("context length", "context size", "context window", "maximum context")
+
+
+def _is_context_overflow(exc: BaseException, message: str, code: Any) -> bool:
+    body = getattr(exc, "body", None)
+    err = body.get("error", body) if isinstance(body, dict) else {}
+    kind = err.get("type") if isinstance(err, dict) else None
+    kind = kind or getattr(exc, "type", None)
+    if code in _CONTEXT_CODES or kind in _CONTEXT_CODES:
+        return True
+    return any(w in message.lower() for w in _CONTEXT_WORDS)
+
+
 def _translate(exc: BaseException) -> BaseException:
     """An ``openai`` exception -> the error the in-process engine raises for the same problem."""
     import openai
@@ -275,7 +332,7 @@ def _translate(exc: BaseException) -> BaseException:
         return QueueFullError(_error_fields(exc)[0], retry_after=retry)
     if isinstance(exc, (openai.BadRequestError, openai.UnprocessableEntityError)):
         message, param, code = _error_fields(exc)
-        if code == "context_length_exceeded" or "context length" in message.lower():
+        if _is_context_overflow(exc, message, code):
             return ContextLengthExceededError(message, param=param)
         return InvalidRequestError(message, param=param)
     if isinstance(exc, openai.NotFoundError):
@@ -287,7 +344,7 @@ def _translate(exc: BaseException) -> BaseException:
     if isinstance(exc, openai.APIError) and not isinstance(exc, openai.APIStatusError):
         # An error event inside a stream (``data: {"error": ...}``).
         message, param, code = _error_fields(exc)
-        if code == "context_length_exceeded":
+        if _is_context_overflow(exc, message, code):
             return ContextLengthExceededError(message, param=param)
         if getattr(exc, "type", None) == "invalid_request_error":
             return InvalidRequestError(message, param=param)
@@ -404,6 +461,7 @@ class _StreamState:
     def feed(self, chunk, completion: bool) -> list[RemoteDelta]:
         self.model = getattr(chunk, "model", None) or self.model
         self.request_id = getattr(chunk, "id", None) or self.request_id
+        self.fingerprint = getattr(chunk, "system_fingerprint", None) or getattr(self, "fingerprint", None)
         usage = _usage(getattr(chunk, "usage", None))
         if usage is not None:
             self.usage = usage
@@ -424,7 +482,11 @@ class _StreamState:
                                     tool_calls=calls, reasoning=_reasoning(d))
             if not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason or delta.reasoning):
                 continue  # e.g. the role-only first chunk
+            delta.pieces = [*([RemoteReasoning(delta.reasoning)] if delta.reasoning else []), *delta.tool_calls,
+                            *([RemoteText(delta.text)] if delta.text else []),
+                            *([RemoteFinish(delta.finish_reason)] if delta.finish_reason else [])]
             delta.model = self.model
+            delta.system_fingerprint = self.fingerprint
             if self.pending is not None:
                 out.append(self.pending)
                 self.pending = None
@@ -684,36 +746,84 @@ class RemoteClient:
             await stream.close()
 
     # -- tokenizer -------------------------------------------------------------------------------------
+    # Two body shapes: ours and vLLM's (``{"prompt" | "messages", ...}`` -> ``{"tokens": [...]}``) and
+    # llama.cpp's server (``{"content": text}`` -> ``{"tokens": [...]}``, chat rendered by its
+    # ``/apply-template`` first). llama.cpp answers the other shape with 200 and no tokens: an empty answer
+    # for non-empty input moves to its shape, and if that is empty too it is a TokenizeError, never 0.
     def tokenize(self, text: str, *, model: str | None = None, add_special_tokens: bool = False,
                  timeout: float | None = 30.0) -> list[int]:
-        """Token ids from the server's tokenizer (vLLM's ``POST /tokenize``, which ``parallm serve``
-        implements too). Raises ``NotImplementedError`` for a server without it."""
-        body = {"model": self.resolve_model(model), "prompt": text, "add_special_tokens": add_special_tokens}
-        return self._tokenize(body, timeout)
+        """Token ids from the server's tokenizer (``POST /tokenize``: ``parallm serve``, vLLM, SGLang and
+        llama.cpp's server). Raises ``NotImplementedError`` for a server without one, ``TokenizeError`` when
+        it gives no tokens for non-empty text."""
+        if self._tokenize_shape != "llama.cpp":
+            body = {"model": self.resolve_model(model), "prompt": text, "add_special_tokens": add_special_tokens}
+            tokens = self._tokenize(body, timeout)
+            if tokens or not text:
+                return tokens
+        tokens = self._tokenize({"content": text, "add_special": add_special_tokens}, timeout)
+        return self._checked(tokens, text)
 
     def tokenize_messages(self, messages: list[dict], *, model: str | None = None, tools: list[dict] | None = None,
                           add_generation_prompt: bool = False, timeout: float | None = 30.0) -> list[int]:
         """Token ids of ``messages`` (and ``tools``) rendered with the server's chat template."""
-        body: dict[str, Any] = {"model": self.resolve_model(model), "messages": messages,
-                                "add_generation_prompt": add_generation_prompt}
-        if tools:
-            body["tools"] = list(tools)
-        return self._tokenize(body, timeout)
+        if self._tokenize_shape != "llama.cpp":
+            body: dict[str, Any] = {"model": self.resolve_model(model), "messages": messages,
+                                    "add_generation_prompt": add_generation_prompt}
+            if tools:
+                body["tools"] = list(tools)
+            tokens = self._tokenize(body, timeout)
+            if tokens or not messages:
+                return tokens
+        template: dict[str, Any] = {"messages": messages, **({"tools": list(tools)} if tools else {})}
+        try:
+            prompt = self._post("/apply-template", template, timeout).get("prompt")
+        except NotImplementedError:  # a /tokenize that answered nothing, and no llama.cpp route either
+            raise self._empty_error() from None
+        if not isinstance(prompt, str):
+            raise self._empty_error()
+        tokens = self._tokenize({"content": prompt, "add_special": False, "parse_special": True}, timeout)
+        return self._checked(tokens, prompt)
+
+    _tokenize_shape: str | None = None  # "llama.cpp" once a server answered only that shape
+
+    def _checked(self, tokens: list[int], text: str) -> list[int]:
+        if text and not tokens:
+            raise self._empty_error()
+        if text:
+            self._tokenize_shape = "llama.cpp"
+        return tokens
+
+    def _empty_error(self):
+        from .errors import TokenizeError
+
+        return TokenizeError(
+            f"the server at {self.base_url} answered /tokenize with no tokens for non-empty text in every body "
+            "shape known (parallm serve / vLLM's and llama.cpp's); it cannot count tokens"
+        )
 
     def _tokenize(self, body: dict, timeout: float | None) -> list[int]:
+        answer = self._post("/tokenize", body, timeout)
+        tokens = answer.get("tokens")
+        if not isinstance(tokens, list):
+            return []
+        # llama.cpp's with_pieces shape is [{"id": ..., "piece": ...}]; ours / vLLM's / llama.cpp's plain ids.
+        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens]
+
+    def _post(self, path: str, body: dict, timeout: float | None) -> dict:
         root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}",
                    **self.default_headers}
-        req = urllib.request.Request(f"{root}/tokenize", data=json.dumps(body).encode(), headers=headers,
+        req = urllib.request.Request(f"{root}{path}", data=json.dumps(body).encode(), headers=headers,
                                      method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (the user's base_url)
-                return [int(t) for t in json.loads(resp.read())["tokens"]]
+                answer = json.loads(resp.read() or b"{}")
+                return answer if isinstance(answer, dict) else {}
         except urllib.error.HTTPError as exc:
-            if exc.code in (404, 405):
+            if exc.code in (404, 405, 501):
                 raise NotImplementedError(
-                    f"the server at {self.base_url} has no /tokenize endpoint; token counts need the model's "
-                    "tokenizer (parallm serve and vLLM have one)"
+                    f"the server at {self.base_url} has no {path} endpoint; token counts need the model's "
+                    "tokenizer (parallm serve, vLLM and llama.cpp's server have one)"
                 ) from exc
             detail = exc.read().decode("utf-8", "replace")[:500]
             if exc.code == 400:

@@ -14,10 +14,11 @@ from langchain_core.language_models.chat_models import BaseChatModel, LangSmithP
 from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, convert_to_messages
 from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult, LLMResult
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ContextThreadPoolExecutor
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -30,7 +31,9 @@ from ._common import (
     EngineRequest,
     ParaLLMParams,
     chat_result,
+    combine_llm_outputs,
     peek_context_window,
+    response_metadata,
     remote_function,
 )
 from ._messages import (
@@ -46,15 +49,17 @@ from ._messages import (
 )
 
 _PROVIDER = "parallm"
-#: Default cap on threads for a sync ``batch`` without ``max_concurrency`` (the engine queues the rest).
-_MAX_DEFAULT_BATCH_THREADS = 256
+#: Default ``max_concurrency`` of a sync ``batch`` through a server (``base_url``): requests in flight at once.
+DEFAULT_REMOTE_BATCH_CONCURRENCY = 64
 
 
 def _fan_out_config(
-    config: RunnableConfig | Sequence[RunnableConfig] | None, n_inputs: int
+    config: RunnableConfig | Sequence[RunnableConfig] | None, n_inputs: int, default_limit: int
 ) -> RunnableConfig | list[RunnableConfig]:
-    """Give a sync batch one thread per input (capped) unless the caller set ``max_concurrency``."""
-    default = min(n_inputs, _MAX_DEFAULT_BATCH_THREADS)
+    """Give a sync batch ``min(n_inputs, default_limit)`` waiting threads unless the caller set
+    ``max_concurrency``: enough to keep the engine's batch full; the engine's queue, not more threads,
+    holds the rest."""
+    default = max(1, min(n_inputs, default_limit))
     if config is None:
         return {"max_concurrency": default}
     if isinstance(config, Mapping):
@@ -68,51 +73,36 @@ def _fan_out_config(
     return configs  # type: ignore[return-value]
 
 
-# ----------------------------------------------------------------------------------------------
-# Tool-call parsing (parallm_engine.chat_format)
-# ----------------------------------------------------------------------------------------------
-
-
-def _chat_format():
-    from parallm_engine import chat_format
-
-    return chat_format
-
-
 class _ChunkBuilder:
-    """Turns one request's stream of engine deltas into ``ChatGenerationChunk``s: text as content,
-    tool calls (when tools are bound) as ``tool_call_chunks``, and usage / finish reason / model
-    name exactly once, on the last chunk (``chunk_position="last"``)."""
+    """Turns one request's engine deltas into ``ChatGenerationChunk``s by mapping the engine's typed pieces
+    (``StreamDelta.pieces``, ``parallm_engine.typed_output``): content, reasoning, ``tool_call_chunks``;
+    usage / finish reason / model name / id exactly once, on the last chunk (``chunk_position="last"``).
+    Nothing is parsed here, so the chunks add up to what ``invoke`` returns."""
 
-    def __init__(self, model_name: str, tools: list[dict] | None, parallel_tool_calls: bool | None,
-                 output_parser=None, prompt_ids=None):
+    def __init__(self, model_name: str, parallel_tool_calls: bool | None):
         self.model_name = model_name
-        # The model family's format (``chat_format.parser_for(engine.tokenizer)``); one stream per request.
-        output_parser = output_parser or _chat_format().default_parser()
-        wanted = tools or output_parser.splits_reasoning
-        self.parser = output_parser.stream(tools, prompt_ids) if wanted else None
         self.single_call = parallel_tool_calls is False
-        self.tool_calls_seen: set[int] = set()
         self.finish_reason: str | None = None
         self.usage = None
+        self.request_id: str | None = None
 
     def _content(self, text: str, logprobs=None) -> ChatGenerationChunk:
         info = {"logprobs": logprobs} if logprobs else None
         msg = AIMessageChunk(content=text, response_metadata=dict(info) if info else {})
         return ChatGenerationChunk(message=msg, generation_info=info)
 
-    def _events(self, events) -> Iterator[ChatGenerationChunk]:
-        for ev in events:
-            if hasattr(ev, "arguments_delta"):  # ToolCallDelta
+    def _pieces(self, pieces) -> Iterator[ChatGenerationChunk]:
+        for ev in pieces:
+            if hasattr(ev, "arguments_delta"):  # ToolCallDelta: a call starts (id, name) or its arguments grow
                 if self.single_call and ev.index > 0:
                     continue
-                self.tool_calls_seen.add(ev.index)
                 yield ChatGenerationChunk(
                     message=AIMessageChunk(
                         content="",
                         tool_call_chunks=[
                             tool_call_chunk(
-                                name=ev.name or None, args=ev.arguments_delta or "", id=ev.id or None, index=ev.index
+                                name=ev.name if ev.id is not None else None, args=ev.arguments_delta or "",
+                                id=ev.id or None, index=ev.index,
                             )
                         ],
                     )
@@ -121,37 +111,46 @@ class _ChunkBuilder:
                 yield ChatGenerationChunk(
                     message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": ev.reasoning})
                 )
+            elif hasattr(ev, "calls"):  # Finish: the finish reason as the engine decided it
+                self.finish_reason = ev.reason
             elif getattr(ev, "text", ""):
                 yield self._content(ev.text)
 
     def feed(self, delta) -> Iterator[ChatGenerationChunk]:
-        if delta.finish_reason is not None:
+        self.request_id = self.request_id or getattr(delta, "request_id", None)
+        if delta.finish_reason is not None and self.finish_reason is None:
             self.finish_reason = delta.finish_reason
         if delta.usage is not None:
             self.usage = delta.usage
+        yield from self._pieces(delta.pieces)
         logprobs = logprobs_to_openai(delta.logprobs)
-        if self.parser is not None:
-            if delta.text:
-                yield from self._events(self.parser.feed(delta.text))
-            if logprobs:
-                yield self._content("", logprobs)
-        elif delta.text or logprobs:
-            yield self._content(delta.text, logprobs)
+        if logprobs:
+            yield self._content("", logprobs)
 
     def finish(self, result=None) -> Iterator[ChatGenerationChunk]:
-        if self.parser is not None:
-            yield from self._events(self.parser.finish())
         usage = self.usage if self.usage is not None else getattr(result, "usage", None)
         finish_reason = self.finish_reason or getattr(result, "finish_reason", None)
-        if self.tool_calls_seen and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        meta = {"finish_reason": finish_reason, "model_name": self.model_name, "model_provider": _PROVIDER}
+        meta = response_metadata(finish_reason, self.model_name, self.request_id, usage)
         yield ChatGenerationChunk(
             message=AIMessageChunk(
                 content="", usage_metadata=usage_metadata(usage), response_metadata=meta, chunk_position="last"
             ),
             generation_info={"finish_reason": finish_reason},
         )
+
+
+def _require_tool_call(message: AIMessage) -> AIMessage:
+    """``with_structured_output(method="function_calling")`` needs the call it forced: a message without one
+    (a server that ignores tool_choice; a call cut off by max_tokens) is an error, not ``None``."""
+    if message.tool_calls:
+        return message
+    if message.invalid_tool_calls:
+        bad = message.invalid_tool_calls[0]
+        raise OutputParserException(f"the structured-output tool call is not usable: {bad.get('error')} "
+                                    f"(arguments so far: {bad.get('args')!r})", llm_output=str(bad.get("args")))
+    raise OutputParserException(
+        "the model answered without the tool call that structured output forced (tool_choice): the server "
+        f"ignored tool_choice. Answer was: {str(message.content)[:200]!r}", llm_output=str(message.content))
 
 
 class ChatParaLLM(ParaLLMParams, BaseChatModel):
@@ -395,8 +394,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             return
         engine = self._get_engine(req.model)
         prompt = self._prompt(engine, messages, req)
-        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls,
-                                _chat_format().parser_for(getattr(engine, "tokenizer", None)), prompt)
+        builder = _ChunkBuilder(engine.model_name, req.parallel_tool_calls)
         call = EngineCall(engine, prompt, req)
         iterator = iter(call)
         try:
@@ -423,8 +421,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             return
         engine = await self._aget_engine(req.model)
         prompt = await self._aprompt(engine, messages, req)
-        builder = _ChunkBuilder(engine.model_name, req.tools, req.parallel_tool_calls,
-                                _chat_format().parser_for(getattr(engine, "tokenizer", None)), prompt)
+        builder = _ChunkBuilder(engine.model_name, req.parallel_tool_calls)
         call = EngineCall(engine, prompt, req, loop=asyncio.get_running_loop())
         iterator = call.__aiter__()
         try:
@@ -437,6 +434,19 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             yield chunk
 
     # -- batching --------------------------------------------------------------------------------
+    def _default_batch_concurrency(self) -> int:
+        """How many inputs of a sync ``batch`` are in flight at once when ``max_concurrency`` is not given:
+        twice the engine's decode batch (``max_batch_size``, 64 by default: 128), so the batch stays full and
+        the next requests already wait in the engine's queue; through a server,
+        :data:`DEFAULT_REMOTE_BATCH_CONCURRENCY`."""
+        if self.base_url:
+            return DEFAULT_REMOTE_BATCH_CONCURRENCY
+        try:
+            size = self._get_engine().config.max_batch_size
+        except Exception:  # the model does not load: each input reports that itself
+            size = 64
+        return 2 * int(size or 64)
+
     def batch(
         self,
         inputs: list[LanguageModelInput],
@@ -445,13 +455,15 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[AIMessage]:
-        """Like ``Runnable.batch``, but every input is in flight at once by default (one waiting
-        thread per input instead of the default pool of ``min(32, cpus + 4)``), so the engine decodes
-        them as one batch. An explicit ``max_concurrency`` in ``config`` is respected."""
+        """Like ``Runnable.batch``, but with enough inputs in flight to keep the engine's batch full
+        (:meth:`_default_batch_concurrency`: twice its ``max_batch_size``, 128 by default, instead of
+        LangChain's pool of ``min(32, cpus + 4)``); the engine's queue holds the rest. An explicit
+        ``max_concurrency`` in ``config`` is respected. ``abatch`` is LangChain's (no limit unless given)."""
         if not inputs:
             return []
         return super().batch(
-            inputs, _fan_out_config(config, len(inputs)), return_exceptions=return_exceptions, **kwargs
+            inputs, _fan_out_config(config, len(inputs), self._default_batch_concurrency()),
+            return_exceptions=return_exceptions, **kwargs,
         )
 
     def batch_as_completed(  # type: ignore[override]
@@ -462,11 +474,12 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> Iterator[tuple[int, AIMessage | Exception]]:
-        """Like ``Runnable.batch_as_completed`` with every input in flight at once by default."""
+        """Like ``Runnable.batch_as_completed`` with the same default concurrency as :meth:`batch`."""
         if not inputs:
             return iter(())
         return super().batch_as_completed(
-            inputs, _fan_out_config(config, len(inputs)), return_exceptions=return_exceptions, **kwargs
+            inputs, _fan_out_config(config, len(inputs), self._default_batch_concurrency()),
+            return_exceptions=return_exceptions, **kwargs,
         )
 
     def generate(
@@ -492,7 +505,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         def one(m: list[BaseMessage]) -> LLMResult:
             return parent.generate([m], stop, callbacks, tags=tags, metadata=metadata, run_name=run_name, **kwargs)
 
-        workers = min(len(messages), _MAX_DEFAULT_BATCH_THREADS)
+        workers = min(len(messages), self._default_batch_concurrency())
         with ContextThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(one, messages))
         return LLMResult(
@@ -500,6 +513,9 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             llm_output=self._combine_llm_outputs([r.llm_output for r in results]),
             run=[info for r in results for info in (r.run or [])] or None,
         )
+
+    def _combine_llm_outputs(self, llm_outputs: list[dict | None]) -> dict:
+        return combine_llm_outputs(llm_outputs)
 
     # -- tokens ----------------------------------------------------------------------------------
     def get_num_tokens_from_messages(
@@ -593,7 +609,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
                 [schema], tool_choice=tool_name, parallel_tool_calls=False, strict=strict,
                 ls_structured_output_format=ls_format,
             )
-            parser: Runnable = (
+            parser: Runnable = RunnableLambda(_require_tool_call) | (
                 PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
                 if is_pydantic
                 else JsonOutputKeyToolsParser(key_name=tool_name, first_tool_only=True)

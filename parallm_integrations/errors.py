@@ -30,6 +30,7 @@ try:
         ParaLLMError,
         QueueFullError,
         RequestCancelledError,
+        TokenizeError,
         UnsupportedModelError,
     )
 except ImportError:  # the engine is not installed: the same classes, for the base_url= path
@@ -85,6 +86,9 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
     class AdapterNotFoundError(AdapterLoadError):  # type: ignore[no-redef]
         """The adapter name is not registered and is not an adapter directory (HTTP 404)."""
 
+    class TokenizeError(ParaLLMError):  # type: ignore[no-redef]
+        """A server's tokenizer endpoint gave no usable answer (no tokens for non-empty text)."""
+
 
 #: The modules whose absence means "the engine is not installed" (not, say, a model family mlx-lm lacks).
 ENGINE_MODULES = frozenset({"parallm_engine", "mlx", "mlx.core", "mlx.nn", "mlx_lm"})
@@ -107,5 +111,5 @@ class EngineNotInstalledError(ImportError):
 __all__ = [
     "AdapterLoadError", "AdapterNotFoundError", "ContextLengthExceededError", "EngineDeadError",
     "EngineNotInstalledError", "GrammarError", "InvalidRequestError", "ModelLoadError", "NotAnEmbeddingModelError",
-    "ParaLLMError", "QueueFullError", "RequestCancelledError", "UnsupportedModelError",
+    "ParaLLMError", "QueueFullError", "RequestCancelledError", "TokenizeError", "UnsupportedModelError",
 ]

@@ -87,12 +87,17 @@ def test_several_calls_in_one_message_get_unique_ids():
 
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_streamed_tool_calls_become_tool_call_chunks(piece):
-    builder = _ChunkBuilder("m", [get_weather], None)
+    from parallm_engine.typed_output import TypedOutput
+
+    builder = _ChunkBuilder("m", None)
+    typed = TypedOutput(None, [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}])
     chunks = []
     pieces = [TWO_CALLS[i : i + piece] for i in range(0, len(TWO_CALLS), piece)]
     for i, text in enumerate(pieces):
         last = i == len(pieces) - 1
-        delta = StreamDelta("r", 0, text, [], finish_reason="stop" if last else None, usage=Usage(9, 40, 0) if last else None)
+        typed_pieces = typed.feed(text) + (typed.finish("stop") if last else [])
+        delta = StreamDelta("r", 0, text, [], finish_reason="stop" if last else None,
+                            usage=Usage(9, 40, 0) if last else None, pieces=typed_pieces)
         chunks.extend(builder.feed(delta))
     chunks.extend(builder.finish())
     full = chunks[0].message

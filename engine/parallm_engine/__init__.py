@@ -34,6 +34,7 @@ from .errors import (  # noqa: E402  (plain Python: no MLX)
     ParaLLMError,
     QueueFullError,
     RequestCancelledError,
+    TokenizeError,
     UnsupportedModelError,
 )
 
@@ -89,4 +90,5 @@ __all__ = [
     "GrammarError", "EngineDeadError", "UnsupportedModelError", "ImageInputError", "OutOfMemoryError",
     "get_embedding_engine", "EncoderEngine", "EmbeddingResult", "EmbeddingHandle", "NotAnEmbeddingModelError",
     "AdapterLoadError", "AdapterNotFoundError",
+    "TokenizeError",
 ]

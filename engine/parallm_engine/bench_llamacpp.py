@@ -72,6 +72,14 @@ def find_llama_server() -> str | None:
     return str(built) if os.access(built, os.X_OK) else None
 
 
+def sdist_download_command(dest: str) -> list[str]:
+    """``pip download`` of llama-cpp-python's sdist only. ``--no-binary`` names the one package: with
+    ``:all:`` it would apply to the sdist's build dependencies too (pip prepares the sdist's metadata in an
+    isolated environment), and pip would compile CMake from source before llama.cpp."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", dest]
+
+
 def build_llama_server(jobs: int | None = None, log=print) -> Path:
     """Compile llama-server from the llama-cpp-python sdist on PyPI (llama.cpp's source is vendored in it)
     into :func:`cache_dir`; returns the binary. Static, ``-march=native``, no web UI, no downloads."""
@@ -83,8 +91,7 @@ def build_llama_server(jobs: int | None = None, log=print) -> Path:
     out = cache_dir() / "bin" / "llama-server"
     with tempfile.TemporaryDirectory(prefix="parallm-llama-") as tmp:
         log(f"downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist) ...")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp], check=True)
+        subprocess.run(sdist_download_command(tmp), check=True)
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         shutil.unpack_archive(str(sdist), tmp)
         src = Path(tmp) / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"

@@ -7,6 +7,9 @@ The engine-facing API is one object per engine and one stream per request::
     stream = output_parser.stream(tools, prompt_ids)   # per request, never shared between requests
     stream.feed(delta_text) -> [ContentDelta | ReasoningDelta | ToolCallDelta]; stream.finish() -> [...]
 
+Front ends do not call these directly: ``typed_output.TypedOutput`` wraps one stream per choice and is
+the one entry point (the engine runs it and sends its pieces on ``StreamDelta.pieces``).
+
 The format comes from the chat template / tokenizer (``tool_formats.detect_format``: Hermes / Qwen
 ``<tool_call>``, Llama 3.x JSON, Mistral ``[TOOL_CALLS]``, gpt-oss harmony, and every family mlx-lm ships
 a parser for). Reasoning is ``<think>...</think>`` style text (the markers mlx-lm finds in the vocabulary)
@@ -26,6 +29,7 @@ model's malformed call is shown to the caller rather than dropped or crashing th
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -40,13 +44,12 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
+    raw_arguments: str | None = None  # the argument text as streamed (exactly what the pieces concatenate to)
+    error: str | None = None  # set for a call that is not whole: cut off by max_tokens, or arguments not JSON
 
     def as_openai(self) -> dict:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
-        }
+        args = self.raw_arguments if self.raw_arguments is not None else json.dumps(self.arguments, ensure_ascii=False)
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": args}}
 
 
 @dataclass
@@ -186,54 +189,66 @@ class ToolCallStreamParser:
                 self._in_call = False
         return events
 
-    def finish(self) -> list:
+    def finish(self, truncated: bool = False) -> list:
+        """The output ended. ``truncated`` (finish_reason "length"): a call region still open is a call cut
+        off by max_tokens, reported as a call with what it has (``TypedOutput`` flags it incomplete)."""
         events: list = []
         if self._in_call:
-            self._body += self._buf
+            body = self._body + self._buf
+            self._body = body[: len(body) - _partial_suffix(body, TOOL_CALL_END)] if truncated else body
             self._buf = ""
-            events += self._stream_call(final=True)
+            events += self._stream_call(final=True, closed=False, truncated=truncated)
             self._in_call = False
-        elif self._buf:
+        elif self._buf and not truncated:  # held back as a possible start tag: cut off, it is markup
             events.append(ContentDelta(self._buf))
-            self._buf = ""
+        self._buf = ""
         return events
 
-    def _stream_call(self, final: bool) -> list:
+    def _as_text(self, closed: bool) -> list:
+        """The block is not a call: hand it back as the text the model wrote (the end tag only if written)."""
+        self._index -= 1
+        return [ContentDelta(TOOL_CALL_START + self._body + (TOOL_CALL_END if closed else ""))]
+
+    def _stream_call(self, final: bool, closed: bool = True, truncated: bool = False) -> list:
         events: list = []
         if self._rejected:
-            if final:
-                self._index -= 1
-                return [ContentDelta(TOOL_CALL_START + self._body + TOOL_CALL_END)]
-            return events
+            return self._as_text(closed) if final else events
         if not self._name_sent:
             name, args_start = _name_and_args_start(self._body)
             if name is not None and self._names is not None and name not in self._names:
                 self._rejected = True
-                return self._stream_call(final)
+                return self._stream_call(final, closed, truncated)
             if name is None:
-                if final:  # not a call after all: hand the block back as text
-                    call = _parse_block(self._body)
-                    if call is None or (self._names is not None and call.name not in self._names):
-                        self._index -= 1
-                        return [ContentDelta(TOOL_CALL_START + self._body + TOOL_CALL_END)]
+                if not final:
+                    return events
+                call = _parse_block(self._body)
+                if call is not None and (self._names is None or call.name in self._names):
                     self.calls.append(call)
                     args = json.dumps(call.arguments, ensure_ascii=False)
                     return [ToolCallDelta(self._index, call.id, call.name, args)]
-                return events
+                partial = _partial_name(self._body) if truncated and not closed else None
+                if partial is None or (partial[1] and self._names is not None and partial[0] not in self._names):
+                    return self._as_text(closed)  # not a call after all
+                # Cut off before the arguments began: a call with the name so far and no arguments.
+                return [ToolCallDelta(self._index, new_call_id(), partial[0], "")]
             self._name_sent = True
             self._args_start = args_start
             self._call_id = new_call_id()
             events.append(ToolCallDelta(self._index, self._call_id, name, ""))
+        if not self._args_sent:  # whitespace before the arguments may arrive after the colon was seen
+            while self._args_start < len(self._body) and self._body[self._args_start] in " \n\t\r":
+                self._args_start += 1
         raw = self._body[self._args_start :]
         if final:
-            # Drop the closing brace of the outer object (and whitespace) from the argument text.
-            raw = raw.rstrip()
-            if raw.endswith("}"):
-                raw = raw[:-1].rstrip()
+            call = _parse_block(self._body)
+            if closed or call is not None:
+                # Drop the closing brace of the outer object (and whitespace) from the argument text.
+                raw = raw.rstrip()
+                if raw.endswith("}"):
+                    raw = raw[:-1].rstrip()
             piece = raw[self._args_sent :]
             if piece:
                 events.append(ToolCallDelta(self._index, arguments_delta=piece))
-            call = _parse_block(self._body)
             if call is not None:
                 call.id = self._call_id
                 self.calls.append(call)
@@ -252,6 +267,25 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:k]):
             return k
     return 0
+
+
+_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
+
+
+def _partial_name(body: str) -> tuple[str, bool] | None:
+    """(the name so far, whether it is complete) of a call body cut off before its arguments; ("", False)
+    when not even the name began; None when the body is not the start of a JSON object."""
+    text = body.strip()
+    if text and not text.startswith("{"):
+        return None
+    match = _NAME_RE.search(text)
+    if match is None:
+        return "", False
+    try:
+        name = json.loads('"' + match.group(1) + '"')
+    except ValueError:
+        name = match.group(1)
+    return name, match.group(2) is not None
 
 
 def _name_and_args_start(body: str) -> tuple[str | None, int]:
@@ -350,10 +384,10 @@ class OutputStream:
         pieces = self._think.feed(delta) if self._think is not None else [("content", delta)]
         return self._route(pieces)
 
-    def finish(self) -> list:
+    def finish(self, truncated: bool = False) -> list:
         events = self._route(self._think.finish()) if self._think is not None else []
         if self._tools is not None:
-            events += self._track(self._tools.finish())
+            events += self._track(self._tools.finish(truncated=truncated))
         return events
 
     def _route(self, pieces) -> list:

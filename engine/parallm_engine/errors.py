@@ -102,3 +102,8 @@ class UnsupportedArchitectureError(UnsupportedModelError):
     def __init__(self, message: str, architecture: str | None = None):
         super().__init__(message)
         self.architecture = architecture
+
+
+class TokenizeError(ParaLLMError):
+    """A server's tokenizer endpoint gave no usable answer (no tokens for non-empty text: a body shape it
+    does not read), so no token count can be given; never reported as 0 tokens."""

@@ -108,7 +108,8 @@ class HarmonyStreamParser:
                 self._mode = "text"
         return events
 
-    def finish(self) -> list:
+    def finish(self, truncated: bool = False) -> list:
+        """A call cut off inside its body keeps its streamed arguments (``TypedOutput`` flags it)."""
         events: list = []
         if self._mode == "body":
             events += self._body_text(self._buf)

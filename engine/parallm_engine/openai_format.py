@@ -2,9 +2,8 @@
 streams, built from the engine's results and deltas (:mod:`parallm_engine.server` has the endpoints).
 
 Streams follow OpenAI's chunk shapes: a first chunk per choice with the assistant role, content
-deltas, tool calls as ``delta.tool_calls`` pieces (id and name first, argument JSON text after; split
-from the text by the model family's ``chat_format`` stream parser; reasoning as
-``delta.reasoning_content``), a chunk with the choice's ``finish_reason``,
+deltas, tool calls as ``delta.tool_calls`` pieces (id and name first, argument JSON text after; the
+engine's typed pieces, :mod:`typed_output`, mapped one to one; reasoning as ``delta.reasoning_content``), a chunk with the choice's ``finish_reason``,
 then, with ``stream_options.include_usage``, one chunk with empty ``choices`` and the request's usage,
 and ``data: [DONE]``.
 """
@@ -225,7 +224,9 @@ def _error_event(exc: BaseException) -> str:
 
 async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools: bool, single_call: bool,
                        include_usage: bool) -> AsyncIterator[str]:
-    from .chat_format import parser_for
+    """The engine's typed pieces (``StreamDelta.pieces``, :mod:`typed_output`) as chat.completion.chunk
+    events; nothing is parsed here, so the joined stream is the non-streamed body."""
+    from .typed_output import Finish
 
     rid, created = new_id("chatcmpl"), now()
     extra = {"usage": None} if include_usage else {}
@@ -236,17 +237,11 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                      "choices": [choice], "system_fingerprint": None, **extra})
 
-    # One stream parser per choice, in the model family's format (tool calls, reasoning).
-    request = handles[0].request
-    output_parser = parser_for(getattr(handles[0]._engine, "tokenizer", None))
-    wanted = with_tools or output_parser.splits_reasoning
-    parsers = {i: output_parser.stream(request.tools if with_tools else None, request.prompt_ids)
-               for i in range(n)} if wanted else {}
-    saw_call: set[int] = set()
-
-    def events_to_chunks(index: int, events: list, logprobs: dict | None) -> list[str]:
+    def pieces_to_chunks(index: int, pieces: list, logprobs: dict | None) -> list[str]:
         out, text = [], ""
-        for ev in events:
+        for ev in pieces:
+            if isinstance(ev, Finish):
+                continue
             if hasattr(ev, "arguments_delta"):  # ToolCallDelta
                 if single_call and ev.index > 0:
                     continue
@@ -256,10 +251,9 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
                 call: dict[str, Any] = {"index": ev.index}
                 if ev.id is not None:
                     call.update(id=ev.id, type="function",
-                                function={"name": ev.name, "arguments": ev.arguments_delta or ""})
+                                function={"name": ev.name or "", "arguments": ev.arguments_delta or ""})
                 else:
                     call["function"] = {"arguments": ev.arguments_delta}
-                saw_call.add(index)
                 out.append(chunk(index, {"tool_calls": [call]}))
             elif getattr(ev, "reasoning", None):  # ReasoningDelta
                 if text:
@@ -276,20 +270,10 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for _, delta in merged(handles, timing):
-            logprobs = chat_logprobs(delta.logprobs)
-            if parsers:
-                parser = parsers[delta.index]
-                events = parser.feed(delta.text) if delta.text else []
-                if delta.finish_reason is not None:
-                    events += parser.finish()
-            else:
-                events = [_Text(delta.text)] if delta.text else []
-            for piece in events_to_chunks(delta.index, events, logprobs):
+            for piece in pieces_to_chunks(delta.index, delta.pieces, chat_logprobs(delta.logprobs)):
                 yield piece
             if delta.finish_reason is not None:
-                finish = delta.finish_reason
-                if delta.index in saw_call and finish == "stop":
-                    finish = "tool_calls"
+                finish = next((p.reason for p in delta.pieces if isinstance(p, Finish)), delta.finish_reason)
                 yield chunk(delta.index, {}, finish=finish)
         if include_usage:
             u = sum_usage([h.request.result for h in handles])
@@ -299,13 +283,6 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
     except Exception as exc:  # the response has started: report in-band
         yield _error_event(exc)
     yield SSE_DONE
-
-
-class _Text:
-    __slots__ = ("text",)
-
-    def __init__(self, text: str):
-        self.text = text
 
 
 async def completion_stream(handles: list, timing: Timing, model_name: str, n: int, echoes: list[str],

@@ -3,8 +3,10 @@
 Runs on the engine thread after each forward. For each sequence's new token it advances the sampler's
 penalty counts and the grammar, detokenises incrementally, checks stop tokens / strings / max_tokens /
 the context window, sends a :class:`~parallm_engine.request.StreamDelta` to the caller, and on the
-last choice of a request assembles the :class:`~parallm_engine.request.GenerationResult` (tool calls
-and reasoning parsed once, here, in the model family's format: ``chat_format.parser_for``).
+last choice of a request assembles the :class:`~parallm_engine.request.GenerationResult`. Each choice's
+text goes through one :class:`~parallm_engine.typed_output.TypedOutput` (the model family's tool-call /
+reasoning format): its typed pieces ride on the deltas (``StreamDelta.pieces``) and the finished choice's
+content, reasoning and calls are what those pieces concatenate to.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from .chat_format import parser_for
 from .request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
 from .sampling import top_logprobs_for
+from .typed_output import TypedOutput
 
 
 class OutputProcessor:
@@ -26,10 +29,19 @@ class OutputProcessor:
         self.output_parser = parser_for(tokenizer)  # the model family's tool-call / reasoning format
         self.requests: dict[str, Request] = {}
         self._choices: dict[str, list[Choice | None]] = {}
+        self._typed: dict[str, list[TypedOutput | None]] = {}
 
     def register(self, request: Request) -> None:
         self.requests[request.id] = request
         self._choices[request.id] = [None] * request.params.n
+        self._typed[request.id] = [None] * request.params.n
+
+    def _typed_output(self, req: Request, index: int) -> TypedOutput:
+        outs = self._typed.setdefault(req.id, [None] * req.params.n)
+        out = outs[index]
+        if out is None:
+            out = outs[index] = TypedOutput(self.output_parser, req.tools, req.prompt_ids)
+        return out
 
     def deliver(self, seqs: list, toks, lp_rows, chosen) -> None:
         """Accept each sequence's sampled token (``toks`` one per row of ``seqs``)."""
@@ -76,22 +88,26 @@ class OutputProcessor:
         if s.detok.stopped:
             s.finish_reason = "stop"
             s.stop_reason = s.detok.matched_stop
+        elif s.constraint is not None and s.constraint.is_done():
+            s.finish_reason = "stop"  # the grammar is complete: whole, even when this was the last token allowed
         elif s.max_new is not None and len(s.output_ids) >= s.max_new:
             s.finish_reason = "length"
         elif s.total_len >= self.context_window:
             s.finish_reason = "length"
         elif s.cycle_guard is not None and s.cycle_guard.cycling(s.output_ids):
             s.finish_reason = "length"  # cut short: one block repeated (a request that set no max_tokens)
-        elif s.constraint is not None and s.constraint.is_done():
-            s.finish_reason = "stop"
         if s.finish_reason is not None and not s.detok.stopped:
             text += s.detok.finish()
         self.emit(s, text, [t], lp)
 
     def emit(self, s, text: str, ids: list[int], lp: TokenLogprob | None) -> None:
         req = s.request
+        out = self._typed_output(req, s.index)
+        pieces = out.feed(text)
+        if s.finish_reason is not None:
+            pieces += out.finish(s.finish_reason)
         delta = StreamDelta(request_id=req.id, index=s.index, text=text, token_ids=ids,
-                            logprobs=[lp] if lp is not None else None)
+                            logprobs=[lp] if lp is not None else None, pieces=pieces)
         if s.finish_reason is not None:
             delta.finish_reason = s.finish_reason
             delta.stop_reason = s.stop_reason
@@ -102,8 +118,7 @@ class OutputProcessor:
             choice = Choice(s.index, s.detok.text, list(out_ids), s.finish_reason, s.logprobs, s.stop_reason)
             # A grammar-constrained output cut by max_tokens does not match its grammar.
             choice.incomplete = s.constraint is not None and s.finish_reason == "length"
-            choice.content, choice.reasoning, choice.tool_calls = self.output_parser.parse(
-                choice.text, req.tools, req.prompt_ids)
+            choice.content, choice.reasoning, choice.tool_calls = out.content, out.reasoning or None, out.calls
             self._choices[req.id][s.index] = choice
             req.remaining_choices -= 1
             if req.remaining_choices == 0:
@@ -119,6 +134,7 @@ class OutputProcessor:
         req.finish_time = time.monotonic()
         self.stats.on_finish(req)
         choices = self._choices.pop(req.id, None)
+        self._typed.pop(req.id, None)
         req.result = result or GenerationResult(
             request_id=req.id,
             choices=choices,
@@ -136,4 +152,5 @@ class OutputProcessor:
         req.finished = True
         self.requests.pop(req.id, None)
         self._choices.pop(req.id, None)
+        self._typed.pop(req.id, None)
         req.channel.put(_Done(error))

@@ -63,6 +63,9 @@ class StreamDelta:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: BaseException | None = None
+    # ``text`` as typed pieces (typed_output: content, reasoning, tool-call start / argument pieces, and a
+    # Finish on the choice's last delta); front ends map these instead of parsing ``text``.
+    pieces: list = field(default_factory=list)
 
 
 @dataclass

@@ -137,11 +137,11 @@ class BlockStreamParser:
                 events += self._close(closed=True)
         return events
 
-    def finish(self) -> list:
+    def finish(self, truncated: bool = False) -> list:
         if self._in_call:
             self._body += self._buf
             self._buf = ""
-            return self._close(closed=False)
+            return self._close(closed=False, truncated=truncated)
         events = [ContentDelta(self._buf)] if self._buf else []
         self._buf = ""
         return events
@@ -149,9 +149,11 @@ class BlockStreamParser:
     def _open(self, opener: str) -> None:
         self._in_call, self._opener, self._body = True, opener, ""
 
-    def _close(self, closed: bool) -> list:
+    def _close(self, closed: bool, truncated: bool = False) -> list:
         self._in_call = False
         calls = self.fmt.parse_block(self._body, self.tools)
+        if not calls and truncated:  # cut off by max_tokens inside the region: a call, flagged incomplete
+            return [ToolCallDelta(len(self.calls), new_call_id(), None, self._body.strip())]
         if not calls:
             return [ContentDelta(self._opener + self._body + (self.fmt.end if closed else ""))]
         events = []
@@ -236,11 +238,11 @@ class _Llama3StreamParser(BlockStreamParser):
             return []
         return super().feed(text)
 
-    def finish(self) -> list:
+    def finish(self, truncated: bool = False) -> list:
         if self._head is not None:
             text, self._head = self._head, None
-            return super().feed(text) + super().finish()
-        return super().finish()
+            return super().feed(text) + super().finish(truncated)
+        return super().finish(truncated)
 
 
 class MlxLmFormat(ToolFormat):

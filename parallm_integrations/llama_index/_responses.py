@@ -3,10 +3,9 @@
 Both backends (``_backends``: the in-process engine and an OpenAI-compatible server) give results and
 deltas with the engine's fields (``GenerationResult`` / ``StreamDelta``; a server's are ``RemoteResult`` /
 ``RemoteDelta``), so the ``ChatResponse`` / ``CompletionResponse`` objects are built here once. Finished
-results carry the tool calls the engine (or the server) parsed; nothing is re-parsed here. The one
-difference is in streams: the engine's deltas carry the model's raw text, tool-call markup included,
-split here by the engine's own stream parser (``chat_format.ToolCallStreamParser``); a server has split
-it already and sends ``tool_calls`` deltas (``RemoteDelta.tool_calls``) and content without the markup.
+results carry the tool calls the engine (or the server) parsed; nothing is re-parsed here. In streams the
+engine's deltas carry typed pieces (``StreamDelta.pieces``: content, reasoning, tool-call pieces, finish),
+mapped here; a server sends ``tool_calls`` deltas (``RemoteDelta.tool_calls``) and content without markup.
 """
 
 from __future__ import annotations
@@ -97,8 +96,9 @@ def assistant_message(content: str, calls: ToolCalls, reasoning: str | None = No
 class ChatStream:
     """Turns stream deltas into cumulative chat state: content, and tool calls as they stream.
 
-    ``parse_markup``: the deltas carry the model's raw text (in-process), so tool calls are parsed out of
-    it; otherwise they come as the deltas' own ``tool_calls`` (a server parsed them)."""
+    ``parse_markup`` (in-process): the deltas carry the engine's typed pieces (``StreamDelta.pieces``,
+    ``parallm_engine.typed_output``), mapped here; otherwise the deltas' own ``text`` / ``reasoning`` /
+    ``tool_calls`` (a server split them). Nothing is parsed here."""
 
     def __init__(self, tools: list[dict[str, Any]] | None, single_call: bool, parse_markup: bool = True,
                  output_parser: Any = None):
@@ -107,21 +107,17 @@ class ChatStream:
         self.reasoning = ""  # cumulative; ``reasoning_delta`` is the last update's part
         self.reasoning_delta = ""
         self.calls = ToolCalls()
-        self._parser = None
+        self._typed = parse_markup
+        self._final_calls: list | None = None  # the engine's finished calls (its Finish piece)
         self._by_index: dict[int, dict[str, Any]] = {}
         self._finished = False
-        if parse_markup:
-            # The model family's format (``chat_format.parser_for(engine.tokenizer)``), one per request.
-            from parallm_engine.chat_format import default_parser
-
-            output_parser = output_parser or default_parser()
-            if tools or output_parser.splits_reasoning:
-                self._parser = output_parser.stream(tools)
+        self._cut = False  # the choice ended by max_tokens: its last call may be partial
 
     def update(self, delta: Any) -> str | None:
         """Feed one delta; returns the content delta of the chunk to emit, or None when nothing changed
         (no text, no tool-call progress, no usage). The delta that ends the choice completes the calls."""
         self.reasoning_delta = ""
+        self._cut = self._cut or getattr(delta, "finish_reason", None) == "length"
         text, changed = self.feed(delta)
         if delta.usage is not None or delta.finish_reason is not None:
             tail, changed2 = self.finish()
@@ -131,8 +127,12 @@ class ChatStream:
 
     def feed(self, delta: Any) -> tuple[str, bool]:
         """Returns (content delta, whether the tool calls changed)."""
-        if self._parser is not None:
-            return self._apply(self._parser.feed(delta.text))
+        if self._typed:
+            pieces = list(getattr(delta, "pieces", None) or [])
+            for p in pieces:
+                if hasattr(p, "calls") and hasattr(p, "reason"):  # typed_output.Finish
+                    self._final_calls = list(p.calls)
+            return self._apply([p for p in pieces if not hasattr(p, "calls")])
         events: list[Any] = [_Reasoning(delta.reasoning)] if getattr(delta, "reasoning", None) else []
         if delta.text:
             events.append(_Text(delta.text))
@@ -141,22 +141,21 @@ class ChatStream:
 
     def finish(self) -> tuple[str, bool]:
         """The calls are complete: their arguments become parsed dicts (a call whose arguments never
-        became a JSON object is dropped, as the engine's parser drops it)."""
+        became a JSON object, or that max_tokens cut off, is dropped: LlamaIndex has no invalid calls)."""
         if self._finished:
             return "", False
         self._finished = True
-        delta = ""
-        if self._parser is not None:
-            delta, _ = self._apply(self._parser.finish())
         before = [(c["id"], c["args"]) for c in self.calls.items]
-        if self._parser is not None:
-            parsed = list(self._parser.calls)
+        if self._final_calls is not None:
+            parsed = [c for c in self._final_calls if not c.error]
             if self.single:
                 parsed = parsed[:1]
             self.calls.items = [{"id": c.id, "name": c.name, "args": dict(c.arguments)} for c in parsed]
         elif self.calls.items:
             items = []
-            for c in self.calls.items:
+            for i, c in enumerate(self.calls.items):
+                if self._cut and i == len(self.calls.items) - 1 and not c["args"].strip():
+                    continue  # cut off before its arguments (as the engine reports it: not a usable call)
                 try:
                     args = json.loads(c["args"]) if c["args"].strip() else {}
                 except (ValueError, TypeError):
@@ -164,7 +163,7 @@ class ChatStream:
                 if isinstance(args, dict):
                     items.append({**c, "args": args})
             self.calls.items = items
-        return delta, before != [(c["id"], c["args"]) for c in self.calls.items]
+        return "", before != [(c["id"], c["args"]) for c in self.calls.items]
 
     def _apply(self, events: list) -> tuple[str, bool]:
         """Events are content (``.text``) or tool-call pieces (``.index``, ``.id``, ``.name``,

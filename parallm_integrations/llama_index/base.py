@@ -46,6 +46,7 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW, DEFAULT_NUM_OUTPU
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictEndEvent,
+    LLMStructuredPredictInProgressEvent,
     LLMStructuredPredictStartEvent,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
@@ -649,6 +650,49 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         result = self._parse_structured(output_cls, await self.achat(messages, **kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
+
+    @dispatcher.span
+    def stream_structured_predict(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any):
+        """:meth:`structured_predict`, streamed: decoding constrained to ``output_cls``'s schema; yields the
+        object so far (a ``FlexibleModel``) as the JSON grows, then the complete ``output_cls`` instance."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            yield from super().stream_structured_predict(output_cls, prompt, llm_kwargs=llm_kwargs, **prompt_args)
+            return
+        from parallm_integrations.llama_index._structured import stream_objects
+
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                        template_args=prompt_args))
+        messages = self._structured_messages(output_cls, prompt, prompt_args)
+        kwargs = {**(llm_kwargs or {}), "response_format": json_schema_format(output_cls)}
+        obj = None
+        for obj in stream_objects(self.stream_chat(messages, **kwargs), output_cls):
+            dispatcher.event(LLMStructuredPredictInProgressEvent(output=obj))
+            yield obj
+        dispatcher.event(LLMStructuredPredictEndEvent(output=obj))
+
+    @dispatcher.span
+    async def astream_structured_predict(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                         llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any):
+        """Async :meth:`stream_structured_predict` (awaited, it returns the async generator, as LlamaIndex's)."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs=llm_kwargs,
+                                                            **prompt_args)
+        from parallm_integrations.llama_index._structured import astream_objects
+
+        messages = self._structured_messages(output_cls, prompt, prompt_args)
+        kwargs = {**(llm_kwargs or {}), "response_format": json_schema_format(output_cls)}
+
+        async def gen():
+            dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
+                                                            template_args=prompt_args))
+            obj = None
+            async for obj in astream_objects(await self.astream_chat(messages, **kwargs), output_cls):
+                dispatcher.event(LLMStructuredPredictInProgressEvent(output=obj))
+                yield obj
+            dispatcher.event(LLMStructuredPredictEndEvent(output=obj))
+
+        return gen()
 
     # -- tokens ---------------------------------------------------------------------------------
     def get_token_ids(self, text: str) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI
 from pydantic import ValidationError
 
-from .chat_format import ContentDelta, ReasoningDelta, ToolCallDelta, parser_for
+from .chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
 from .openai_format import APIError, merged
 from .protocol import ChatCompletionRequest
 from .queue_shares import Lease
@@ -102,22 +102,13 @@ OutputPiece = ContentDelta | ReasoningDelta | ToolCallDelta | Finished
 
 async def output_pieces(run: ChatRun, with_tools: bool) -> AsyncIterator[OutputPiece]:
     """The model's output of a one-choice run as typed pieces: text, reasoning, tool-call pieces (id and
-    name first, argument JSON text after), then :class:`Finished`. Split by the model family's
-    ``chat_format`` stream parser, as the chat-completions stream does: the ONE place the extra APIs read
-    model text (the lead can switch it to the engine's typed deltas here)."""
-    handle = run.handles[0]
-    request = handle.request
-    output_parser = parser_for(getattr(handle._engine, "tokenizer", None))
-    parser = (output_parser.stream(request.tools if with_tools else None, request.prompt_ids)
-              if with_tools or output_parser.splits_reasoning else None)
+    name first, argument JSON text after), then :class:`Finished`. The engine's own pieces
+    (``StreamDelta.pieces``, from ``typed_output``: the one parser of model text), so these streams agree with
+    the non-streamed bodies (built from the same ``Choice``) by construction. ``with_tools``: whether the
+    request offered tools (the engine already parses calls only then)."""
     async for _, delta in merged(run.handles, run.timing):
-        if parser is not None:
-            events = parser.feed(delta.text) if delta.text else []
-            if delta.finish_reason is not None:
-                events += parser.finish()
-        else:
-            events = [ContentDelta(delta.text)] if delta.text else []
-        for ev in events:
-            yield ev
+        for piece in delta.pieces:
+            if isinstance(piece, (ContentDelta, ReasoningDelta, ToolCallDelta)):
+                yield piece  # the engine's Finish is replaced by Finished below (the engine's own reason)
         if delta.finish_reason is not None:
             yield Finished(delta.finish_reason, delta.stop_reason)

@@ -27,6 +27,7 @@ from .errors import (  # noqa: E402  (plain Python: no MLX)
     ParaLLMError,
     QueueFullError,
     RequestCancelledError,
+    UnsupportedGGUFArchitectureError,
     UnsupportedModelError,
 )
 
@@ -71,4 +72,5 @@ __all__ = [
     "TokenLogprob", "Usage", "RequestHandle", "ParaLLMError", "InvalidRequestError",
     "ContextLengthExceededError", "ModelLoadError", "QueueFullError", "RequestCancelledError",
     "GrammarError", "EngineDeadError", "UnsupportedModelError", "ImageInputError", "OutOfMemoryError",
+    "UnsupportedGGUFArchitectureError",
 ]

@@ -56,3 +56,17 @@ class ImageInputError(InvalidRequestError):
 class OutOfMemoryError(ParaLLMError):
     """The device ran out of memory for this request even with nothing else running beside it (HTTP 507).
     Other requests in flight are not failed by an allocation failure: they are preempted and resume."""
+
+
+class UnsupportedGGUFArchitectureError(ModelLoadError):
+    """A GGUF file whose ``general.architecture`` the GGUF loader cannot convert (names it and the supported ones)."""
+
+    def __init__(self, architecture: str | None, supported: list[str], path=None):
+        self.architecture = architecture
+        self.supported = list(supported)
+        where = f"{path}: " if path else ""
+        super().__init__(
+            f"{where}GGUF architecture {architecture!r} is not supported by ParaLLM's GGUF loader "
+            f"(supported: {', '.join(self.supported)}); convert the original model with mlx_lm.convert "
+            "and pass its directory instead"
+        )

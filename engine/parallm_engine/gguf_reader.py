@@ -1,0 +1,156 @@
+"""Read a GGUF file: its header (metadata and tensor table) in pure Python, and its tensors as MLX arrays.
+
+Tensors: ``mx.load`` reads F32 / F16 / Q4_0 / Q4_1 / Q8_0 natively (the quantized ones as MLX affine
+(weight, scales, biases) triples with group size 32, which stay quantized). It cannot read any other
+type, and reads BF16 as float16, so for those this module reads the raw blocks itself: BF16 exactly as
+bfloat16, every other ggml type (Q5_0 / Q5_1, the K-quants Q2_K..Q6_K that Ollama's default Q4_K_M files
+are made of, the IQ types) dequantized with the ``gguf`` package (ggml-org's own Python reference
+code) to bfloat16.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from math import prod
+
+from .errors import ModelLoadError
+
+#: GGUF metadata value types (gguf spec) -> struct format; 8 = string, 9 = array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+#: ggml tensor types ``mx.load`` turns into MLX arrays without loss (BF16 it reads, but as float16).
+MX_NATIVE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+GGML_BF16 = 30
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order (rows first); GGUF stores the innermost dimension first
+    ggml_type: int
+    offset: int  # absolute, in the file
+
+
+def read_gguf_header(gguf_path, want=lambda key: True, arrays: bool = False, tensors: bool = False):
+    """``(metadata, tensor infos)`` of a GGUF file. Metadata keys ``want`` accepts; arrays only if ``arrays``
+    (strings as lists of str, numbers as lists); the tensor table only if ``tensors``. Raises
+    :class:`ModelLoadError` for a file that is not GGUF or is cut short."""
+    with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _parse(buf, gguf_path, want, arrays, tensors)
+        except struct.error as exc:
+            raise ModelLoadError(f"{gguf_path}: truncated or corrupt GGUF header ({exc})") from exc
+
+
+def _parse(buf, path, want, arrays: bool, tensors: bool):
+    if buf[:4] != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file")
+    version = struct.unpack_from("<I", buf, 4)[0]
+    count_fmt = "<I" if version == 1 else "<Q"
+    size = struct.calcsize(count_fmt)
+    pos = 8
+    (n_tensors,) = struct.unpack_from(count_fmt, buf, pos)
+    (n_kv,) = struct.unpack_from(count_fmt, buf, pos + size)
+    pos += 2 * size
+
+    def string(pos):
+        (n,) = struct.unpack_from(count_fmt, buf, pos)
+        pos += size
+        return bytes(buf[pos:pos + n]).decode("utf-8", errors="replace"), pos + n
+
+    def value(vtype, pos, keep):
+        """(value or None when not kept, position after it)."""
+        if vtype in _SCALARS:
+            fmt = "<" + _SCALARS[vtype]
+            return (struct.unpack_from(fmt, buf, pos)[0] if keep else None), pos + struct.calcsize(fmt)
+        if vtype == 8:
+            if keep:
+                return string(pos)
+            (n,) = struct.unpack_from(count_fmt, buf, pos)
+            return None, pos + size + n
+        if vtype == 9:
+            etype, n = struct.unpack_from("<I" + count_fmt[1], buf, pos)
+            pos += 4 + size
+            keep = keep and arrays
+            if etype in _SCALARS:
+                width = struct.calcsize(_SCALARS[etype])
+                items = list(struct.unpack_from(f"<{n}{_SCALARS[etype]}", buf, pos)) if keep else None
+                return items, pos + n * width
+            items = [] if keep else None
+            for _ in range(n):
+                item, pos = value(etype, pos, keep)
+                if keep:
+                    items.append(item)
+            return items, pos
+        raise ModelLoadError(f"{path}: unknown GGUF metadata type {vtype}")
+
+    meta: dict = {}
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        item, pos = value(vtype, pos + 4, want(key) or key == "general.alignment")
+        if item is not None:
+            meta[key] = item
+    if not tensors:
+        return meta, []
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+    alignment = int(meta.get("general.alignment", 32))
+    data_start = (pos + alignment - 1) // alignment * alignment
+    return meta, [TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
+
+
+def load_gguf_tensors(gguf_path, infos: list[TensorInfo]) -> dict:
+    """Every tensor as MLX arrays (``name.weight`` / ``.scales`` / ``.biases`` for mx.load's quantized ones)."""
+    import mlx.core as mx
+
+    if all(t.ggml_type in MX_NATIVE_TYPES or t.ggml_type == GGML_BF16 for t in infos):
+        try:
+            weights = mx.load(str(gguf_path))
+        except Exception as exc:  # mx.load raises plain ValueError/RuntimeError for bad files
+            raise ModelLoadError(f"cannot read GGUF {gguf_path}: {exc}") from exc
+        exact = [t for t in infos if t.ggml_type == GGML_BF16]  # mx.load read these as float16
+    else:  # mx.load cannot read this file at all: read every tensor here
+        weights, exact = {}, infos
+    if exact:
+        with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            for info in exact:
+                weights[info.name] = _read_tensor(buf, info, gguf_path)
+    return weights
+
+
+def _read_tensor(buf, info: TensorInfo, path):
+    import mlx.core as mx
+    import numpy as np
+
+    count = prod(info.shape)
+    if info.ggml_type in (0, 1, GGML_BF16):
+        dtype = {0: np.float32, 1: np.float16, GGML_BF16: np.uint16}[info.ggml_type]
+        raw = np.frombuffer(buf, dtype=dtype, count=count, offset=info.offset).reshape(info.shape)
+        arr = mx.array(raw.copy())
+        return arr.view(mx.bfloat16) if info.ggml_type == GGML_BF16 else arr
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"{path} has {info.name} in ggml type {info.ggml_type}, which needs the `gguf` package "
+            "(pip install gguf) to read"
+        ) from exc
+    try:
+        qtype = GGMLQuantizationType(info.ggml_type)
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        rows, cols = prod(info.shape[:-1]), info.shape[-1]
+        raw = np.frombuffer(buf, dtype=np.uint8, count=count // block * block_bytes, offset=info.offset)
+        values = dequantize(raw.reshape(rows, cols // block * block_bytes), qtype)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise ModelLoadError(f"{path}: cannot read tensor {info.name} (ggml type {info.ggml_type}): {exc}") from exc
+    # bfloat16: float16's range overflows on some families' weights (as mlx-community checkpoints use)
+    return mx.array(values.reshape(info.shape)).astype(mx.bfloat16)

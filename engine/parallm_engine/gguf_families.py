@@ -107,10 +107,26 @@ def _gemma3_config(m: Meta) -> dict:
     config.update(
         query_pre_attn_scalar=scalar,
         sliding_window=m.int("attention.sliding_window", 4096),
-        sliding_window_pattern=m.int("attention.sliding_window_pattern", 6),  # not written; llama.cpp uses 6
+        sliding_window_pattern=_window_pattern(m.get("attention.sliding_window_pattern")),
         rope_local_base_freq=10000.0,  # not written; llama.cpp hard-codes it (rope_freq_base_train_swa)
     )
     return config
+
+
+def _window_pattern(value) -> int:
+    """Gemma 3's "every n-th layer is global" from ``attention.sliding_window_pattern``: llama.cpp's
+    converter does not write it (llama.cpp hard-codes 6); gguf-py's writer takes an int or a per-layer list
+    (true = sliding)."""
+    if value is None:
+        return 6
+    if isinstance(value, list):
+        if all(value):
+            raise ValueError("attention.sliding_window_pattern: no global layer")
+        period = value.index(False) + 1
+        if any(bool(v) != ((i + 1) % period != 0) for i, v in enumerate(value)):
+            raise ValueError("attention.sliding_window_pattern: not periodic (mlx-lm's gemma3_text needs it)")
+        return period
+    return int(value)
 
 
 def _phi3_config(m: Meta) -> dict:

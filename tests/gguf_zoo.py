@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -222,8 +223,29 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, vocab, blocks: dict | None = 
             writer.add_tensor(f"{gname}.{suffix}", quantize(data.astype(np.float32), Q.BF16), raw_dtype=Q.BF16)
         else:
             writer.add_tensor(f"{gname}.{suffix}", data.astype(np.float16))
+    if arch == "llama" and (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """convert_hf_to_gguf ``LlamaModel.generate_extra_tensors``: the llama3 rope_scaling as per-dimension factors."""
+    scaling, dim, base = cfg["rope_scaling"], cfg["head_dim"], cfg["rope_theta"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

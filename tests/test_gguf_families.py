@@ -151,6 +151,20 @@ def test_gguf_stored_types(family, qtype, embed_qtype, float_type, tmp_path, def
     _check_same_model(hf, gguf_file, vocab, mx_quantized=qtype is not None)
 
 
+def test_gguf_llama3_rope_freqs(tmp_path, default_tok):
+    """Llama 3.1+ files keep their "llama3" rope_scaling only as the ``rope_freqs`` tensor; the loader fits the
+    scaling back (every band crossed: original context 64, head_dim 16)."""
+    import json
+
+    from parallm_engine.gguf import ensure_converted
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    hf, gguf_file, vocab = _pair("llama", tmp_path, default_tok, overrides={"rope_scaling": llama3})
+    _check_same_model(hf, gguf_file, vocab)
+    assert json.loads((ensure_converted(gguf_file) / "config.json").read_text())["rope_scaling"] == llama3
+
+
 def test_gguf_k_quants_are_dequantized(tmp_path, default_tok):
     """Q4_K / Q6_K (Ollama's default Q4_K_M mix), which mx.load cannot read: dequantized by gguf-py."""
     import json

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ModelLoadError
-from .gguf_families import TOP_NAMES, Meta, family_for
+from .gguf_families import TOP_NAMES, Meta, family_for, llama3_rope_scaling
 from .gguf_reader import load_gguf_tensors, read_gguf_header
 from .gguf_tokenizer import CHATML_TOOLS_TEMPLATE, write_gguf_tokenizer
 
@@ -131,8 +131,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     for name, arr in weights.items():
         base, _, suffix = name.rpartition(".")  # suffix: weight / bias, or mx.load's scales / biases
         parts = base.split(".")
-        if base in ("rope_factors_long", "rope_factors_short"):  # phi3 LongRoPE (per-dimension factors)
-            rope_factors[base.rpartition("_")[2]] = [float(v) for v in arr.astype(mx.float32).tolist()]
+        if base in ("rope_freqs", "rope_factors_long", "rope_factors_short"):  # per-dimension RoPE factors
+            rope_factors[base] = [float(v) for v in arr.astype(mx.float32).tolist()]
             continue
         if parts[0] == "blk" and len(parts) >= 3 and ".".join(parts[2:]) in family.layer_names:
             key = ".".join(parts[2:])
@@ -151,9 +151,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             packed = weights[f"{base}.weight"]
             bits = packed.shape[-1] * 32 // (arr.shape[-1] * 32)  # 32-value groups
             quant[hf] = {"group_size": 32, "bits": int(bits), "mode": "affine"}
-    if rope_factors:
-        config["rope_scaling"] = {"type": "longrope", "long_factor": rope_factors.get("long"),
-                                  "short_factor": rope_factors.get("short", rope_factors.get("long"))}
+    if "rope_freqs" in rope_factors and arch == "llama":  # Llama 3.1+: llama3 scaling, kept as its factors
+        try:
+            scaling = llama3_rope_scaling(rope_factors["rope_freqs"], config["head_dim"], config["rope_theta"])
+        except ValueError as exc:
+            raise ModelLoadError(f"{gguf_path}: {exc}") from exc
+        if scaling:
+            config["rope_scaling"] = scaling
+    elif "rope_factors_long" in rope_factors and arch == "phi3":  # Phi-3 / 3.5 LongRoPE
+        long = rope_factors["rope_factors_long"]
+        config["rope_scaling"] = {"type": "longrope", "long_factor": long,
+                                  "short_factor": rope_factors.get("rope_factors_short", long)}
+    elif rope_factors:
+        raise ModelLoadError(f"{gguf_path}: RoPE factor tensors {sorted(rope_factors)} not supported for {arch!r}")
 
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config.update(

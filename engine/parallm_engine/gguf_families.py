@@ -21,6 +21,7 @@ A missing ``output.weight`` means tied embeddings (llama.cpp drops a tied head).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -138,6 +139,49 @@ def _phi3_config(m: Meta) -> dict:
         config["original_max_position_embeddings"] = int(original)
     config.pop("rope_scaling", None)  # longrope comes from the rope_factors tensors (see convert_gguf)
     return config
+
+
+def llama3_rope_factors(scaling: dict, head_dim: int, theta: float) -> list[float]:
+    """The per-dimension divisors of the RoPE frequencies that Llama 3.1's "llama3" rope_scaling means (what
+    convert_hf_to_gguf writes as the ``rope_freqs`` tensor; the same formula as transformers / mlx-lm)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def llama3_rope_scaling(factors: list[float], head_dim: int, theta: float) -> dict | None:
+    """The ``llama3`` rope_scaling whose factors are ``factors`` (a Llama 3.1+ GGUF's ``rope_freqs`` tensor;
+    the file keeps only the factors). Fitted with Llama 3's own low / high frequency factors (1, 4); the
+    original context from a dimension between the bands; checked by recomputing every factor."""
+    factor = max(factors)
+    if factor <= 1.0 + 1e-6:
+        return None
+    low, high = 1.0, 4.0
+    wavelens = [2 * math.pi * theta ** (i / head_dim) for i in range(0, head_dim, 2)]
+    between = [(w, f) for w, f in zip(wavelens, factors) if 1 + 1e-5 < f < factor * (1 - 1e-5)]
+    if between:
+        w, f = between[0]
+        smooth = (1 / f - 1 / factor) / (1 - 1 / factor)
+        old = w * (smooth * (high - low) + low)
+    else:  # no dimension between the bands: any context that splits them the same way is the same RoPE
+        old = high * max([w for w, f in zip(wavelens, factors) if f <= 1 + 1e-5], default=1.0)
+    old = round(old) if abs(old - round(old)) < 1e-2 * max(1.0, old / 1000) else old
+    scaling = {"rope_type": "llama3", "factor": float(factor), "low_freq_factor": low,
+               "high_freq_factor": high, "original_max_position_embeddings": old}
+    again = llama3_rope_factors(scaling, head_dim, theta)
+    if any(abs(a - b) > 1e-4 * max(1.0, abs(b)) for a, b in zip(again, factors)):
+        raise ValueError("rope_freqs is not the llama3 RoPE scaling (low/high frequency factors 1/4)")
+    return scaling
 
 
 @dataclass(frozen=True)

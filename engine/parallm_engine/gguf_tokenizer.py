@@ -60,13 +60,22 @@ CHATML_TOOLS_TEMPLATE = (
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
 
 
+def _transformers_gguf():
+    """``(GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)``: transformers 5 moved them into
+    ``integrations.gguf``; 4.x has them, same names and signature, in ``integrations.ggml``."""
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as mod
+    except ImportError:
+        from transformers.integrations import ggml as mod
+    return mod.GGUF_TOKENIZER_MAPPING, mod.convert_gguf_tokenizer
+
+
 def _tokenizer_dict(meta: dict) -> dict:
     """The ``tokenizer_dict`` transformers' GGUF builders take, from ``tokenizer.ggml.*`` metadata."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
-
+    mapping, _ = _transformers_gguf()
     return {
         name: meta[f"tokenizer.{key}"]
-        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        for key, name in mapping["tokenizer"].items()
         if f"tokenizer.{key}" in meta
     }
 
@@ -74,8 +83,8 @@ def _tokenizer_dict(meta: dict) -> dict:
 def build_gguf_tokenizer(meta: dict, arch: str):
     """The ``tokenizers.Tokenizer`` the metadata describes (raises :class:`ModelLoadError` if it cannot)."""
     from tokenizers import pre_tokenizers
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
+    _, convert_gguf_tokenizer = _transformers_gguf()
     if not meta.get("tokenizer.ggml.tokens"):
         raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
     tok_dict = _tokenizer_dict(meta)

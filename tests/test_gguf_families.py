@@ -128,6 +128,8 @@ def test_gguf_family_matches_hf_dir(family, tmp_path, default_tok):
     tokenizer = _check_same_model(hf, gguf_file, vocab)
     text = "Hello world, 2024!"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    with_specials = tokenizer.encode(text)  # SentencePiece files ask for BOS, the byte-level ones here not
+    assert (with_specials[0] == tokenizer.bos_token_id) == (TOKENIZER[family] == "spm")
 
 
 @pytest.mark.parametrize(
@@ -206,6 +208,8 @@ def test_spm_tokenizers_match_sentencepiece(tmp_path):
             got = tok.encode(text, add_special_tokens=False).ids
             assert got == sp.encode(text), (arch, text, got, sp.encode(text))
             assert tok.decode(got) == text
+            # add_bos_token (llama.cpp's default for SentencePiece): BOS first, as llama.cpp encodes
+            assert tok.encode(text).ids == [sp.bos_id()] + sp.encode(text)
 
 
 def test_bpe_tokenizer_qwen2_split_and_specials(tmp_path, default_tok):

@@ -82,7 +82,7 @@ def _tokenizer_dict(meta: dict) -> dict:
 
 def build_gguf_tokenizer(meta: dict, arch: str):
     """The ``tokenizers.Tokenizer`` the metadata describes (raises :class:`ModelLoadError` if it cannot)."""
-    from tokenizers import pre_tokenizers
+    from tokenizers import pre_tokenizers, processors
 
     _, convert_gguf_tokenizer = _transformers_gguf()
     if not meta.get("tokenizer.ggml.tokens"):
@@ -96,7 +96,31 @@ def build_gguf_tokenizer(meta: dict, arch: str):
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
+    add_bos, add_eos = special_affixes(meta)
+    bos, eos = _token(meta, "tokenizer.ggml.bos_token_id"), _token(meta, "tokenizer.ggml.eos_token_id")
+    if (add_bos and bos) or (add_eos and eos):
+        # transformers' builders leave BOS out of the post-processor, and a tokenizer.json loaded with
+        # add_bos_token=True does not get it back (Gemma without BOS produces junk): write it in here.
+        pre = [bos[0]] if add_bos and bos else []
+        post = [eos[0]] if add_eos and eos else []
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join(pre + ["$A"] + post), pair=" ".join(pre + ["$A"] + post + pre + ["$B:1"] + post),
+            special_tokens=[t for t in (bos if add_bos else None, eos if add_eos else None) if t],
+        )
     return backend
+
+
+def _token(meta: dict, key: str) -> tuple[str, int] | None:
+    """``(token text, id)`` of the special token whose id is stored under ``key``."""
+    tokens, tid = meta.get("tokenizer.ggml.tokens") or [], meta.get(key)
+    return (tokens[tid], tid) if tid is not None and 0 <= tid < len(tokens) else None
+
+
+def special_affixes(meta: dict) -> tuple[bool, bool]:
+    """(add BOS, add EOS) when encoding: the file's flags; llama.cpp adds BOS to a SentencePiece vocabulary
+    whose file does not say."""
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+    return bool(add_bos), bool(meta.get("tokenizer.ggml.add_eos_token", False))
 
 
 def write_gguf_tokenizer(meta: dict, arch: str, out_dir: Path, context_length: int) -> None:
@@ -107,14 +131,13 @@ def write_gguf_tokenizer(meta: dict, arch: str, out_dir: Path, context_length: i
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
     def name(key):
-        tid = meta.get(key)
-        return tokens[tid] if tid is not None and 0 <= tid < len(tokens) else None
+        token = _token(meta, key)
+        return token[0] if token else None
 
     template = meta.get("tokenizer.chat_template")
     if template and "<|im_start|>" in template and "tools" not in template:
         template = CHATML_TOOLS_TEMPLATE  # same ChatML turns, plus tool calling
-    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+    add_bos, add_eos = special_affixes(meta)
     specials = [t for t, ty in zip(tokens, types) if ty == 3]  # 3 = control
     tk_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -122,8 +145,8 @@ def write_gguf_tokenizer(meta: dict, arch: str, out_dir: Path, context_length: i
         "eos_token": name("tokenizer.ggml.eos_token_id"),
         "pad_token": name("tokenizer.ggml.padding_token_id"),
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
-        "add_bos_token": bool(add_bos),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": context_length,
         "chat_template": template,

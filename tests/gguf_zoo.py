@@ -33,8 +33,8 @@ _SPM_TEXT = [
 ] * 40
 
 
-#: ggml types mx.load reads as MLX-quantized triplets (names from gguf.constants.GGMLQuantizationType).
-MX_QUANTIZED_NAMES = ("Q4_0", "Q4_1", "Q8_0")
+#: ggml types the converted model keeps MLX-quantized (mx.load's three, and Q4_K re-packed by ParaLLM).
+MX_QUANTIZED_NAMES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
 
 
 def _load_hf(hf_dir: Path) -> tuple[dict, dict]:

@@ -60,9 +60,10 @@ def _pair(family, tmp_path, default_tok, qtype=None, embed_qtype=None, float_typ
     return hf, gguf_file, vocab
 
 
-def _assert_stored_weights_equal(hf, converted):
-    """The converted (MLX-quantized) model holds exactly the HF directory's values: every quantized layer
-    dequantized in float32 equals them, every other tensor is equal as it is."""
+def _assert_stored_weights_equal(hf, converted, rtol=0.0):
+    """The converted (MLX-quantized) model holds the HF directory's values: every quantized layer
+    dequantized in float32 equals them (Q4_0 / Q4_1 / Q8_0 exactly; Q4_K to the float16 rounding of its
+    group scales, ``rtol``), every other tensor is equal as it is."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model as mlx_load_model
@@ -76,13 +77,18 @@ def _assert_stored_weights_equal(hf, converted):
         q = config["quantization"].get(prefix, config["quantization"])
         values = mx.dequantize(params[f"{prefix}.weight"], params[f"{prefix}.scales"].astype(mx.float32),
                                params[f"{prefix}.biases"].astype(mx.float32), q["group_size"], q["bits"])
-        assert mx.array_equal(values, want[f"{prefix}.weight"].astype(mx.float32)).item(), prefix
+        expected = want[f"{prefix}.weight"].astype(mx.float32)
+        if rtol:  # relative to the group's largest value: the rounding is the scale's, not the value's
+            bound = rtol * mx.max(mx.abs(expected).reshape(expected.shape[0], -1, 32), axis=-1, keepdims=True)
+            assert mx.all(mx.abs(values - expected).reshape(bound.shape[0], -1, 32) <= bound).item(), prefix
+        else:
+            assert mx.array_equal(values, expected).item(), prefix
     for name, value in want.items():
         if name.rsplit(".", 1)[0] not in quantized:
             assert mx.allclose(params[name].astype(mx.float32), value.astype(mx.float32), atol=1e-6).item(), name
 
 
-def _check_same_model(hf, gguf_file, vocab, mx_quantized=False):
+def _check_same_model(hf, gguf_file, vocab, mx_quantized=False, weights_rtol=0.0):
     """Float files: logits of the GGUF equal the HF directory's to float32 precision. MLX-quantized files
     (Q4_0 / Q4_1 / Q8_0): the stored values are exact (:func:`_assert_stored_weights_equal`), and the float32
     reference is mlx-lm's own model on the converted directory (MLX dequantizes with float16 scales, which
@@ -102,7 +108,7 @@ def _check_same_model(hf, gguf_file, vocab, mx_quantized=False):
     prompts = [prompt_ids(n, vocab, seed=i) for i, n in enumerate((37, 19))]
     if mx_quantized:
         converted = ensure_converted(gguf_file)
-        _assert_stored_weights_equal(hf, converted)
+        _assert_stored_weights_equal(hf, converted, weights_rtol)
         ref = dequantize_model(mlx_load(str(converted))[0])
         ref.set_dtype(mx.float32)
     else:
@@ -167,19 +173,22 @@ def test_gguf_llama3_rope_freqs(tmp_path, default_tok):
     assert json.loads((ensure_converted(gguf_file) / "config.json").read_text())["rope_scaling"] == llama3
 
 
-def test_gguf_k_quants_are_dequantized(tmp_path, default_tok):
-    """Q4_K / Q6_K (Ollama's default Q4_K_M mix), which mx.load cannot read: dequantized by gguf-py."""
+def test_gguf_k_quants(tmp_path, default_tok):
+    """Ollama's default Q4_K_M mix, which mx.load cannot read: Q4_K re-packed as MLX 4-bit group 32 (kept
+    quantized), Q6_K dequantized by gguf-py to bfloat16 (the HF dir holds those bfloat16 values)."""
     import json
 
     from gguf.constants import GGMLQuantizationType as Q
 
-    dims = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # K-quant blocks are 256 wide
-    hf, gguf_file, vocab = _pair("qwen2", tmp_path, default_tok, qtype=Q.Q4_K, embed_qtype=Q.Q6_K, overrides=dims)
-    _check_same_model(hf, gguf_file, vocab)  # the HF dir holds the bfloat16 values ParaLLM keeps
-    from parallm_engine.gguf import converted_dir_for
+    from parallm_engine.gguf import ensure_converted
 
-    config = json.loads((converted_dir_for(gguf_file) / "config.json").read_text())
-    assert "quantization" not in config
+    dims = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # K-quant blocks are 256 wide
+    for family in ("qwen2", "llama"):  # llama: the Q/K permutation moves Q4_K rows with their scales
+        hf, gguf_file, vocab = _pair(family, tmp_path, default_tok, qtype=Q.Q4_K, embed_qtype=Q.Q6_K,
+                                     overrides=dims)
+        _check_same_model(hf, gguf_file, vocab, mx_quantized=True, weights_rtol=2**-9)
+        quant = json.loads((ensure_converted(gguf_file) / "config.json").read_text())["quantization"]
+        assert (quant["bits"], quant["group_size"]) == (4, 32)
 
 
 def test_spm_tokenizers_match_sentencepiece(tmp_path):

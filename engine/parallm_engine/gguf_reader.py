@@ -3,9 +3,9 @@
 Tensors: ``mx.load`` reads F32 / F16 / Q4_0 / Q4_1 / Q8_0 natively (the quantized ones as MLX affine
 (weight, scales, biases) triples with group size 32, which stay quantized). It cannot read any other
 type, and reads BF16 as float16, so for those this module reads the raw blocks itself: BF16 exactly as
-bfloat16, every other ggml type (Q5_0 / Q5_1, the K-quants Q2_K..Q6_K that Ollama's default Q4_K_M files
-are made of, the IQ types) dequantized with the ``gguf`` package (ggml-org's own Python reference
-code) to bfloat16.
+bfloat16; Q4_K (most of Ollama's default Q4_K_M files) re-packed as MLX affine 4-bit group 32, which is
+the same arithmetic; every other ggml type (Q5_0 / Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ types)
+dequantized with the ``gguf`` package (ggml-org's own Python reference code) to bfloat16.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 #: ggml tensor types ``mx.load`` turns into MLX arrays without loss (BF16 it reads, but as float16).
 MX_NATIVE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 GGML_BF16 = 30
+GGML_Q4_K = 12  # kept 4-bit (q4_k_to_mlx); the other types mx.load cannot read are dequantized
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,47 @@ def load_gguf_tensors(gguf_path, infos: list[TensorInfo]) -> dict:
     if exact:
         with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             for info in exact:
-                weights[info.name] = _read_tensor(buf, info, gguf_path)
+                if info.ggml_type == GGML_Q4_K and info.name.endswith(".weight"):
+                    base = info.name[: -len(".weight")]
+                    raw = _raw_blocks(buf, info, 144)
+                    weights[info.name], weights[f"{base}.scales"], weights[f"{base}.biases"] = q4_k_to_mlx(raw)
+                else:
+                    weights[info.name] = _read_tensor(buf, info, gguf_path)
     return weights
+
+
+def _raw_blocks(buf, info: TensorInfo, block_bytes: int, block: int = 256):
+    """The tensor's stored blocks, one row of the matrix per row (uint8)."""
+    import numpy as np
+
+    rows, cols = prod(info.shape[:-1]), info.shape[-1]
+    count = rows * cols // block * block_bytes
+    # a copy: a view would keep the mmap from closing
+    return np.frombuffer(buf, dtype=np.uint8, count=count, offset=info.offset).reshape(rows, -1).copy()
+
+
+def q4_k_to_mlx(raw):
+    """Q4_K rows -> MLX affine 4-bit, group 32 ``(packed uint32, scales, biases)``, kept quantized.
+
+    A Q4_K super-block is 256 values in 8 groups of 32, value = d * sc_j * q - dmin * m_j (6-bit sc_j, m_j,
+    4-bit q): per group exactly MLX's ``scale * q + bias``. Scales and biases are rounded to float16 once
+    (as mx.load does for Q4_0 / Q4_1)."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    scales = (d * sc.astype(np.float32)).reshape(rows, -1)
+    biases = (-dmin * m.astype(np.float32)).reshape(rows, -1)
+    # 4 chunks of 32 bytes: low nibbles are values 0..31 of the chunk's 64, high nibbles values 32..63
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(0x0F)).reshape(-1, 8).astype(np.uint32)  # 8 consecutive values per uint32
+    packed = np.bitwise_or.reduce(q << (4 * np.arange(8, dtype=np.uint32)), axis=1).reshape(rows, -1)
+    return mx.array(packed), mx.array(scales).astype(mx.float16), mx.array(biases).astype(mx.float16)
 
 
 def _read_tensor(buf, info: TensorInfo, path):

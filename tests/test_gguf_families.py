@@ -242,9 +242,10 @@ def test_unsupported_architecture_is_a_typed_error(tmp_path):
     import gguf
     import numpy as np
 
-    from parallm_engine.gguf import ensure_converted
-    from parallm_engine.loader import load_model
+    from parallm_engine.gguf import ensure_converted, gguf_architecture
+    from parallm_engine.loader import default_model_path, load_model
 
+    assert gguf_architecture(default_model_path()) == ("llama", True)
     path = tmp_path / "tiny-mamba.gguf"
     writer = gguf.GGUFWriter(str(path), "mamba")
     writer.add_block_count(1)
@@ -253,6 +254,7 @@ def test_unsupported_architecture_is_a_typed_error(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    assert gguf_architecture(path) == ("mamba", False)
     with pytest.raises(UnsupportedGGUFArchitectureError) as info:
         ensure_converted(path)
     assert info.value.architecture == "mamba"

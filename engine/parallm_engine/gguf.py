@@ -4,7 +4,7 @@ mlx-lm loads, cached on disk so later starts skip the conversion.
 Architectures: llama (and Mistral, SmolLM: llama in GGUF), qwen2, qwen3, gemma3, phi3
 (:mod:`.gguf_families` holds what differs per family); any other raises
 :class:`~parallm_engine.errors.UnsupportedGGUFArchitectureError`. Tensors come from :mod:`.gguf_reader`
-(Q4_0/Q4_1/Q8_0 stay MLX-quantized, group 32; other quantized types are dequantized), GGUF names are mapped to
+(Q4_0/Q4_1/Q8_0/Q4_K stay MLX-quantized, group 32; other quantized types are dequantized), GGUF names are mapped to
 mlx-lm's, llama.cpp's changes are undone (llama Q/K row permutation: quantization groups run along columns,
 so packed weight, scales and biases are permuted by row together; Gemma's ``+1`` on norm weights),
 ``config.json`` is written from the metadata and the tokenizer rebuilt from it (:mod:`.gguf_tokenizer`).
@@ -20,13 +20,13 @@ import tempfile
 from pathlib import Path
 
 from .errors import ModelLoadError
-from .gguf_families import TOP_NAMES, Meta, family_for, llama3_rope_scaling
+from .gguf_families import FAMILIES, TOP_NAMES, Meta, family_for, llama3_rope_scaling
 from .gguf_reader import load_gguf_tensors, read_gguf_header
 from .gguf_tokenizer import CHATML_TOOLS_TEMPLATE, write_gguf_tokenizer
 
 __all__ = [
     "CHATML_TOOLS_TEMPLATE", "converted_dir_for", "default_cache_dir", "ensure_converted", "gguf_sampling_defaults",
-    "read_gguf_metadata", "convert_gguf",
+    "read_gguf_metadata", "convert_gguf", "gguf_architecture",
 ]
 
 _CONVERTER_VERSION = "5"  # bump when the converted layout changes, to invalidate caches
@@ -80,6 +80,13 @@ def read_gguf_metadata(gguf_path: str | os.PathLike, want=lambda key: True) -> d
     Pure Python over the header only (no mlx, no tensors), so it is cheap enough to call at construction
     time. Raises :class:`ModelLoadError` for a file that is not GGUF."""
     return read_gguf_header(gguf_path, want)[0]
+
+
+def gguf_architecture(gguf_path: str | os.PathLike) -> tuple[str | None, bool]:
+    """``(general.architecture, whether the GGUF loader converts it)``, from the header only (cheap: for
+    listings such as ``parallm models``). Raises :class:`ModelLoadError` for a file that is not GGUF."""
+    arch = read_gguf_metadata(gguf_path, want=lambda key: key == "general.architecture").get("general.architecture")
+    return arch, arch in FAMILIES
 
 
 #: llama.cpp's ``general.sampling.*`` metadata keys (written by convert_hf_to_gguf from the model's
@@ -142,6 +149,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
                 arr = _unpermute_rows(arr, heads)
         elif base in TOP_NAMES:
             hf = TOP_NAMES[base]
+        elif "_exps" in base:  # expert tensors: a Mixtral-style MoE stored under a dense architecture name
+            raise ModelLoadError(f"{gguf_path}: mixture-of-experts {arch!r} GGUF files are not supported ({name})")
         else:
             raise ModelLoadError(f"{gguf_path}: unexpected tensor {name} for GGUF architecture {arch!r}")
         if family.norm_shift and base.endswith("norm") and suffix == "weight":

@@ -214,7 +214,7 @@ PHI3_LAYER = {
     "ffn_norm": "post_attention_layernorm",
 }
 
-#: ``general.architecture`` -> family. Mistral / Mixtral-free Mistral models are ``llama`` in GGUF.
+#: ``general.architecture`` -> family. Dense Mistral models are ``llama`` in GGUF (llama.cpp's LlamaModel).
 FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("llama", "LlamaForCausalLM", permuted_qk=True),
     "qwen2": GGUFFamily("qwen2", "Qwen2ForCausalLM"),

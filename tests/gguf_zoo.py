@@ -33,8 +33,8 @@ _SPM_TEXT = [
 ] * 40
 
 
-#: ggml types the converted model keeps MLX-quantized (mx.load's three, and Q4_K re-packed by ParaLLM).
-MX_QUANTIZED_NAMES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+#: ggml types the converted model keeps MLX-quantized (mx.load's three; Q4_K, Q5_0, Q5_1 re-packed by ParaLLM).
+MX_QUANTIZED_NAMES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1")
 
 
 def _load_hf(hf_dir: Path) -> tuple[dict, dict]:

@@ -3,9 +3,10 @@
 Tensors: ``mx.load`` reads F32 / F16 / Q4_0 / Q4_1 / Q8_0 natively (the quantized ones as MLX affine
 (weight, scales, biases) triples with group size 32, which stay quantized). It cannot read any other
 type, and reads BF16 as float16, so for those this module reads the raw blocks itself: BF16 exactly as
-bfloat16; Q4_K (most of Ollama's default Q4_K_M files) re-packed as MLX affine 4-bit group 32, which is
-the same arithmetic; every other ggml type (Q5_0 / Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ types)
-dequantized with the ``gguf`` package (ggml-org's own Python reference code) to bfloat16.
+bfloat16; Q4_K (most of Ollama's default Q4_K_M files) and Q5_0 / Q5_1 (llama.cpp's fallback for rows not
+a multiple of 256) re-packed as MLX affine 4- / 5-bit, group 32, which is the same arithmetic; every other
+ggml type (Q2_K, Q3_K, Q5_K, Q6_K, the IQ types) dequantized with the ``gguf`` package (ggml-org's own
+Python reference code) to bfloat16.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 #: ggml tensor types ``mx.load`` turns into MLX arrays without loss (BF16 it reads, but as float16).
 MX_NATIVE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 GGML_BF16 = 30
-GGML_Q4_K = 12  # kept 4-bit (q4_k_to_mlx); the other types mx.load cannot read are dequantized
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,12 @@ def load_gguf_tensors(gguf_path, infos: list[TensorInfo]) -> dict:
     if exact:
         with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             for info in exact:
-                if info.ggml_type == GGML_Q4_K and info.name.endswith(".weight"):
+                repack = _REPACKED.get(info.ggml_type)
+                if repack and info.name.endswith(".weight") and len(info.shape) == 2:
                     base = info.name[: -len(".weight")]
-                    raw = _raw_blocks(buf, info, 144)
-                    weights[info.name], weights[f"{base}.scales"], weights[f"{base}.biases"] = q4_k_to_mlx(raw)
+                    block, block_bytes, to_mlx = repack
+                    raw = _raw_blocks(buf, info, block_bytes, block)
+                    weights[info.name], weights[f"{base}.scales"], weights[f"{base}.biases"] = to_mlx(raw)
                 else:
                     weights[info.name] = _read_tensor(buf, info, gguf_path)
     return weights
@@ -140,30 +142,6 @@ def _raw_blocks(buf, info: TensorInfo, block_bytes: int, block: int = 256):
     count = rows * cols // block * block_bytes
     # a copy: a view would keep the mmap from closing
     return np.frombuffer(buf, dtype=np.uint8, count=count, offset=info.offset).reshape(rows, -1).copy()
-
-
-def q4_k_to_mlx(raw):
-    """Q4_K rows -> MLX affine 4-bit, group 32 ``(packed uint32, scales, biases)``, kept quantized.
-
-    A Q4_K super-block is 256 values in 8 groups of 32, value = d * sc_j * q - dmin * m_j (6-bit sc_j, m_j,
-    4-bit q): per group exactly MLX's ``scale * q + bias``. Scales and biases are rounded to float16 once
-    (as mx.load does for Q4_0 / Q4_1)."""
-    import mlx.core as mx
-    import numpy as np
-    from gguf.quants import Q4_K
-
-    rows = raw.shape[0]
-    blocks = raw.reshape(-1, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-    scales = (d * sc.astype(np.float32)).reshape(rows, -1)
-    biases = (-dmin * m.astype(np.float32)).reshape(rows, -1)
-    # 4 chunks of 32 bytes: low nibbles are values 0..31 of the chunk's 64, high nibbles values 32..63
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & np.uint8(0x0F)).reshape(-1, 8).astype(np.uint32)  # 8 consecutive values per uint32
-    packed = np.bitwise_or.reduce(q << (4 * np.arange(8, dtype=np.uint32)), axis=1).reshape(rows, -1)
-    return mx.array(packed), mx.array(scales).astype(mx.float16), mx.array(biases).astype(mx.float16)
 
 
 def _read_tensor(buf, info: TensorInfo, path):
@@ -194,3 +172,86 @@ def _read_tensor(buf, info: TensorInfo, path):
         raise ModelLoadError(f"{path}: cannot read tensor {info.name} (ggml type {info.ggml_type}): {exc}") from exc
     # bfloat16: float16's range overflows on some families' weights (as mlx-community checkpoints use)
     return mx.array(values.reshape(info.shape)).astype(mx.bfloat16)
+
+
+def pack_mlx(q, bits: int):
+    """Unsigned ``bits``-wide integers (rows x cols) packed as MLX stores them: one little-endian bit stream
+    per row, in uint32 words (for 4 bits: value k of a word at bits 4k)."""
+    import numpy as np
+
+    rows = q.shape[0]
+    stream = (q.astype(np.uint32)[..., None] >> np.arange(bits, dtype=np.uint32)) & np.uint32(1)
+    packed = np.packbits(stream.astype(np.uint8).reshape(rows, -1), axis=-1, bitorder="little")
+    return packed.view("<u4").reshape(rows, -1)
+
+
+def _as_mlx(q, scales, biases, bits: int):
+    import mlx.core as mx
+
+    rows = q.shape[0]
+    return (mx.array(pack_mlx(q.reshape(rows, -1), bits)), mx.array(scales.reshape(rows, -1)).astype(mx.float16),
+            mx.array(biases.reshape(rows, -1)).astype(mx.float16))
+
+
+def q4_k_to_mlx(raw):
+    """Q4_K rows -> MLX affine 4-bit, group 32 ``(packed uint32, scales, biases)``, kept quantized.
+
+    A Q4_K super-block is 256 values in 8 groups of 32, value = d * sc_j * q - dmin * m_j (6-bit sc_j, m_j,
+    4-bit q): per group exactly MLX's ``scale * q + bias``. Scales and biases are rounded to float16 once
+    (as mx.load does for Q4_0 / Q4_1)."""
+    import numpy as np
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    # 4 chunks of 32 bytes: low nibbles are values 0..31 of the chunk's 64, high nibbles values 32..63
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(0x0F)).reshape(rows, -1)
+    return _as_mlx(q, d * sc.astype(np.float32), -dmin * m.astype(np.float32), 4)
+
+
+def q5_to_mlx(raw, with_min: bool):
+    """Q5_0 (value = d * (q - 16)) / Q5_1 (value = d * q + m) rows -> MLX affine 5-bit, group 32: the same
+    values exactly (the fp16 d, m and -16 d are MLX's float16 scales and biases)."""
+    import numpy as np
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 24 if with_min else 22)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    bias = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if with_min else -16 * d
+    rest = blocks[:, 4:] if with_min else blocks[:, 2:]
+    qh = rest[:, :4].copy().view("<u4") >> np.arange(32, dtype=np.uint32)  # bit j: the 5th bit of value j
+    ql = rest[:, 4:].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)  # values 0-15, 16-31
+    q = (ql & np.uint8(0x0F)).reshape(-1, 32) | ((qh & np.uint32(1)).astype(np.uint8) << np.uint8(4))
+    return _as_mlx(q.reshape(rows, -1), d, bias, 5)
+
+
+def legacy_to_mlx(raw, bits: int, with_min: bool):
+    """Q8_0 (d * q, int8 q), Q4_0 (d * (q - 8)), Q4_1 (d * q + m) rows -> MLX affine, group 32, the same values:
+    what mx.load does, for files it cannot read because of other tensors' types."""
+    import numpy as np
+
+    rows = raw.shape[0]
+    head = 4 if with_min else 2
+    blocks = raw.reshape(-1, head + 32 * bits // 8)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    if bits == 8:
+        q = (blocks[:, head:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return _as_mlx(q.reshape(rows, -1), d, -128 * d, 8)
+    bias = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if with_min else -8 * d
+    ql = blocks[:, head:].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    return _as_mlx((ql & np.uint8(0x0F)).reshape(rows, -1), d, bias, 4)
+
+
+#: ggml types re-packed as MLX affine quantization (same values): type -> (block, block bytes, converter).
+_REPACKED = {
+    2: (32, 18, lambda raw: legacy_to_mlx(raw, 4, with_min=False)),  # Q4_0
+    3: (32, 20, lambda raw: legacy_to_mlx(raw, 4, with_min=True)),  # Q4_1
+    8: (32, 34, lambda raw: legacy_to_mlx(raw, 8, with_min=False)),  # Q8_0
+    6: (32, 22, lambda raw: q5_to_mlx(raw, with_min=False)),  # Q5_0
+    7: (32, 24, lambda raw: q5_to_mlx(raw, with_min=True)),  # Q5_1
+    12: (256, 144, q4_k_to_mlx),  # Q4_K
+}

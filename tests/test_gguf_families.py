@@ -5,9 +5,10 @@ Each test builds a tiny random-weight model with mlx-lm's own class (tests/model
 HF/MLX directory, writes the same weights as the GGUF llama.cpp's converter would make (tests/gguf_zoo.py:
 gguf-py's tensor names, the converter's metadata keys, llama's Q/K permutation, Gemma's +1 on norms), and
 loads both through ``parallm_engine``: logits agree to float32 precision, and the engine's greedy tokens on
-the GGUF equal mlx-lm's on the directory. Quantized files (Q8_0, Q4_0, BF16, and K-quants, which mx.load
-cannot read) against the directory holding the values they store (see ``_check_same_model``); the tokenizers the metadata describes
-against SentencePiece itself; an unsupported architecture gets a typed error naming it.
+the GGUF equal mlx-lm's on the directory. Stored types (F16, BF16, Q8_0, Q4_0, and Q5_0 / Q5_1 / Q4_K /
+Q6_K, which mx.load cannot read) against the directory holding the values they store (see
+``_check_same_model``); Llama 3's rope_freqs; the tokenizers the metadata describes against SentencePiece
+itself; an unsupported architecture gets a typed error naming it.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Tensors: ``mx.load`` reads F32 / F16 / Q4_0 / Q4_1 / Q8_0 natively (the quantize
 (weight, scales, biases) triples with group size 32, which stay quantized). It cannot read any other
 type, and reads BF16 as float16, so for those this module reads the raw blocks itself: BF16 exactly as
 bfloat16; Q4_K (most of Ollama's default Q4_K_M files) and Q5_0 / Q5_1 (llama.cpp's fallback for rows not
-a multiple of 256) re-packed as MLX affine 4- / 5-bit, group 32, which is the same arithmetic; every other
-ggml type (Q2_K, Q3_K, Q5_K, Q6_K, the IQ types) dequantized with the ``gguf`` package (ggml-org's own
-Python reference code) to bfloat16.
+a multiple of 256) re-packed as MLX affine 4- / 5-bit, group 32, which is the same arithmetic (and, in a
+file mx.load cannot read, Q4_0 / Q4_1 / Q8_0 re-packed the way mx.load would); every other ggml type (Q2_K,
+Q3_K, Q5_K, Q6_K, the IQ types) dequantized with the ``gguf`` package (ggml-org's own Python reference
+code) to bfloat16.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from .errors import (  # noqa: E402  (plain Python: no MLX)
     QueueFullError,
     RequestCancelledError,
     TokenizeError,
+    UnsupportedGGUFArchitectureError,
     UnsupportedModelError,
 )
 
@@ -91,4 +92,5 @@ __all__ = [
     "get_embedding_engine", "EncoderEngine", "EmbeddingResult", "EmbeddingHandle", "NotAnEmbeddingModelError",
     "AdapterLoadError", "AdapterNotFoundError",
     "TokenizeError",
+    "UnsupportedGGUFArchitectureError",
 ]

@@ -107,3 +107,17 @@ class UnsupportedArchitectureError(UnsupportedModelError):
 class TokenizeError(ParaLLMError):
     """A server's tokenizer endpoint gave no usable answer (no tokens for non-empty text: a body shape it
     does not read), so no token count can be given; never reported as 0 tokens."""
+
+
+class UnsupportedGGUFArchitectureError(ModelLoadError):
+    """A GGUF file whose ``general.architecture`` the GGUF loader cannot convert (names it and the supported ones)."""
+
+    def __init__(self, architecture: str | None, supported: list[str], path=None):
+        self.architecture = architecture
+        self.supported = list(supported)
+        where = f"{path}: " if path else ""
+        super().__init__(
+            f"{where}GGUF architecture {architecture!r} is not supported by ParaLLM's GGUF loader "
+            f"(supported: {', '.join(self.supported)}); convert the original model with mlx_lm.convert "
+            "and pass its directory instead"
+        )

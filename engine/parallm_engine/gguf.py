@@ -1,12 +1,13 @@
-"""Convert a llama-family GGUF file (what Ollama / LM Studio users already have) into an HF-layout
-model directory that mlx-lm loads, cached on disk so later starts skip the conversion.
+"""Convert a GGUF file (what Ollama / LM Studio users already have) into an HF-layout model directory that
+mlx-lm loads, cached on disk so later starts skip the conversion.
 
-``mx.load`` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX affine-quantized
-(weight, scales, biases) triples with group size 32, float tensors as they are. What this module adds:
-tensor names mapped to HF Llama names, llama.cpp's Q/K row permutation undone (quantization groups run
-along columns, so packed weight, scales and biases are permuted by row together), ``config.json`` from
-the metadata, and the tokenizer (byte-level BPE + special tokens + chat template) rebuilt from the
-metadata with the ``tokenizers`` library.
+Architectures: llama (and Mistral, SmolLM: llama in GGUF), qwen2, qwen3, gemma3, phi3
+(:mod:`.gguf_families` holds what differs per family); any other raises
+:class:`~parallm_engine.errors.UnsupportedGGUFArchitectureError`. Tensors come from :mod:`.gguf_reader`
+(Q4_0/Q4_1/Q8_0/Q4_K stay MLX-quantized, group 32; other quantized types are dequantized), GGUF names are mapped to
+mlx-lm's, llama.cpp's changes are undone (llama Q/K row permutation: quantization groups run along columns,
+so packed weight, scales and biases are permuted by row together; Gemma's ``+1`` on norm weights),
+``config.json`` is written from the metadata and the tokenizer rebuilt from it (:mod:`.gguf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -19,66 +20,16 @@ import tempfile
 from pathlib import Path
 
 from .errors import ModelLoadError
+from .gguf_families import FAMILIES, TOP_NAMES, Meta, family_for, llama3_rope_scaling
+from .gguf_reader import load_gguf_tensors, read_gguf_header
+from .gguf_tokenizer import CHATML_TOOLS_TEMPLATE, write_gguf_tokenizer
 
-# A ChatML template (SmolLM2's own, with its default system prompt) extended with the Hermes / Qwen
-# tool-calling convention: tools listed in the system turn, calls as <tool_call>{json}</tool_call>,
-# results as <tool_response> user turns. mlx-lm's `json_tools` parser reads this format.
-CHATML_TOOLS_TEMPLATE = (
-    "{%- set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set system_message = messages[0]['content'] -%}{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}{%- set system_message = default_system -%}{%- set loop_messages = messages -%}{%- endif -%}"
-    "{{- '<|im_start|>system\\n' + system_message -}}"
-    "{%- if tools -%}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\\n</tool_call>' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- for message in loop_messages -%}"
-    "{%- if message['role'] == 'tool' -%}"
-    "{%- if loop.first or loop_messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + (message['content'] if message['content'] is string else (message['content'] | tojson)) + '\\n</tool_response>' -}}"
-    "{%- if loop.last or loop_messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] -%}{{- message['content'] -}}{%- endif -%}"
-    "{%- if message.get('tool_calls') -%}"
-    "{%- for tc in message['tool_calls'] -%}"
-    "{%- set fn = tc['function'] if tc.get('function') else tc -%}"
-    "{%- if not loop.first or message['content'] -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
-    "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}"
-    "{{- '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+__all__ = [
+    "CHATML_TOOLS_TEMPLATE", "converted_dir_for", "default_cache_dir", "ensure_converted", "gguf_sampling_defaults",
+    "read_gguf_metadata", "convert_gguf", "gguf_architecture",
+]
 
-_CONVERTER_VERSION = "4"  # bump when the converted layout changes, to invalidate caches
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+_CONVERTER_VERSION = "5"  # bump when the converted layout changes, to invalidate caches
 
 
 def default_cache_dir() -> Path:
@@ -87,15 +38,6 @@ def default_cache_dir() -> Path:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg) / "parallm" if xdg else Path.home() / ".cache" / "parallm"
-
-
-def _scalar(meta: dict, key: str, default=None):
-    value = meta.get(key, default)
-    if value is None:
-        return None
-    if hasattr(value, "item"):
-        return value.item()
-    return value
 
 
 def _file_key(path: Path) -> str:
@@ -132,60 +74,19 @@ def ensure_converted(gguf_path: str | os.PathLike, cache_dir: Path | None = None
     return out
 
 
-#: GGUF metadata value types (gguf spec) -> struct format; 8 = string, 9 = array.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
 def read_gguf_metadata(gguf_path: str | os.PathLike, want=lambda key: True) -> dict:
     """The scalar and string metadata of a GGUF file whose keys ``want`` accepts (arrays are skipped).
 
     Pure Python over the header only (no mlx, no tensors), so it is cheap enough to call at construction
     time. Raises :class:`ModelLoadError` for a file that is not GGUF."""
-    import mmap
-    import struct
+    return read_gguf_header(gguf_path, want)[0]
 
-    out: dict = {}
-    with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ModelLoadError(f"{gguf_path} is not a GGUF file")
-        version = struct.unpack_from("<I", buf, 4)[0]
-        count_fmt = "<I" if version == 1 else "<Q"
-        size = struct.calcsize(count_fmt)
-        pos = 8 + size  # magic, version, tensor count
-        (n_kv,) = struct.unpack_from(count_fmt, buf, pos)
-        pos += size
 
-        def string(pos):
-            (n,) = struct.unpack_from(count_fmt, buf, pos)
-            pos += size
-            return bytes(buf[pos:pos + n]).decode("utf-8", errors="replace"), pos + n
-
-        def skip(vtype, pos):
-            if vtype in _GGUF_SCALARS:
-                return pos + struct.calcsize(_GGUF_SCALARS[vtype])
-            if vtype == 8:
-                (n,) = struct.unpack_from(count_fmt, buf, pos)
-                return pos + size + n
-            if vtype == 9:
-                etype, n = struct.unpack_from("<I" + count_fmt[1], buf, pos)
-                pos += 4 + size
-                if etype in _GGUF_SCALARS:
-                    return pos + n * struct.calcsize(_GGUF_SCALARS[etype])
-                for _ in range(n):
-                    pos = skip(etype, pos)
-                return pos
-            raise ModelLoadError(f"{gguf_path}: unknown GGUF metadata type {vtype}")
-
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            if want(key) and vtype in _GGUF_SCALARS:
-                out[key] = struct.unpack_from("<" + _GGUF_SCALARS[vtype], buf, pos)[0]
-            elif want(key) and vtype == 8:
-                out[key] = string(pos)[0]
-            pos = skip(vtype, pos)
-    return out
+def gguf_architecture(gguf_path: str | os.PathLike) -> tuple[str | None, bool]:
+    """``(general.architecture, whether the GGUF loader converts it)``, from the header only (cheap: for
+    listings such as ``parallm models``). Raises :class:`ModelLoadError` for a file that is not GGUF."""
+    arch = read_gguf_metadata(gguf_path, want=lambda key: key == "general.architecture").get("general.architecture")
+    return arch, arch in FAMILIES
 
 
 #: llama.cpp's ``general.sampling.*`` metadata keys (written by convert_hf_to_gguf from the model's
@@ -218,70 +119,73 @@ def _unpermute_rows(x, n_head: int):
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write ``config.json``, ``model.safetensors`` and the tokenizer files of ``gguf_path`` into ``out_dir``."""
     import mlx.core as mx
 
+    meta, infos = read_gguf_header(gguf_path, arrays=True, tensors=True)
+    arch = meta.get("general.architecture")
+    family = family_for(arch, gguf_path)  # typed error for an architecture not supported
+    m = Meta(meta, arch)
     try:
-        weights, meta = mx.load(str(gguf_path), format="gguf", return_metadata=True)  # Ollama blobs have no suffix
-    except Exception as exc:  # mx.load raises plain ValueError/RuntimeError for bad files
-        raise ModelLoadError(f"cannot read GGUF {gguf_path}: {exc}") from exc
-    arch = _scalar(meta, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported by the GGUF loader yet (llama only); "
-            "convert it to an HF/MLX directory with mlx_lm.convert instead"
-        )
-    n_head = int(_scalar(meta, "llama.attention.head_count"))
-    n_kv = int(_scalar(meta, "llama.attention.head_count_kv", n_head))
-    hidden = int(_scalar(meta, "llama.embedding_length"))
-    n_layers = int(_scalar(meta, "llama.block_count"))
-    head_dim = int(_scalar(meta, "llama.rope.dimension_count", hidden // n_head))
+        config = family.config(m)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{gguf_path}: GGUF metadata incomplete for {arch}: missing or bad {exc}") from exc
+    weights = load_gguf_tensors(gguf_path, infos)
 
     out_w: dict = {}
     quant: dict = {}
+    rope_factors: dict = {}
     for name, arr in weights.items():
-        base, _, suffix = name.rpartition(".")  # suffix: weight / scales / biases
+        base, _, suffix = name.rpartition(".")  # suffix: weight / bias, or mx.load's scales / biases
         parts = base.split(".")
-        if parts[0] == "blk":
-            layer, key = int(parts[1]), ".".join(parts[2:])
-            if key not in _LAYER_NAMES:
-                raise ModelLoadError(f"unexpected GGUF tensor {name}")
-            hf = f"model.layers.{layer}.{_LAYER_NAMES[key]}"
-            if key == "attn_q":
-                arr = _unpermute_rows(arr, n_head)
-            elif key == "attn_k":
-                arr = _unpermute_rows(arr, n_kv)
-        elif base in _TOP_NAMES:
-            hf = _TOP_NAMES[base]
+        if base in ("rope_freqs", "rope_factors_long", "rope_factors_short"):  # per-dimension RoPE factors
+            rope_factors[base] = [float(v) for v in arr.astype(mx.float32).tolist()]
+            continue
+        if parts[0] == "blk" and len(parts) >= 3 and ".".join(parts[2:]) in family.layer_names:
+            key = ".".join(parts[2:])
+            hf = f"model.layers.{int(parts[1])}.{family.layer_names[key]}"
+            if family.permuted_qk and key in ("attn_q", "attn_k"):
+                heads = config["num_attention_heads"] if key == "attn_q" else config["num_key_value_heads"]
+                arr = _unpermute_rows(arr, heads)
+        elif base in TOP_NAMES:
+            hf = TOP_NAMES[base]
+        elif "_exps" in base:  # expert tensors: a Mixtral-style MoE stored under a dense architecture name
+            raise ModelLoadError(f"{gguf_path}: mixture-of-experts {arch!r} GGUF files are not supported ({name})")
         else:
-            raise ModelLoadError(f"unexpected GGUF tensor {name}")
+            raise ModelLoadError(f"{gguf_path}: unexpected tensor {name} for GGUF architecture {arch!r}")
+        if family.norm_shift and base.endswith("norm") and suffix == "weight":
+            arr = (arr.astype(mx.float32) - family.norm_shift).astype(arr.dtype)
         out_w[f"{hf}.{suffix}"] = arr
         if suffix == "scales":
             packed = weights[f"{base}.weight"]
             bits = packed.shape[-1] * 32 // (arr.shape[-1] * 32)  # 32-value groups
             quant[hf] = {"group_size": 32, "bits": int(bits), "mode": "affine"}
+    if "rope_freqs" in rope_factors and arch == "llama":  # Llama 3.1+: llama3 scaling, kept as its factors
+        try:
+            scaling = llama3_rope_scaling(rope_factors["rope_freqs"], config["head_dim"], config["rope_theta"])
+        except ValueError as exc:
+            raise ModelLoadError(f"{gguf_path}: {exc}") from exc
+        if scaling:
+            config["rope_scaling"] = scaling
+    elif "rope_factors_long" in rope_factors and arch == "phi3":  # Phi-3 / 3.5 LongRoPE
+        long = rope_factors["rope_factors_long"]
+        config["rope_scaling"] = {"type": "longrope", "long_factor": long,
+                                  "short_factor": rope_factors.get("rope_factors_short", long)}
+    elif rope_factors:
+        raise ModelLoadError(f"{gguf_path}: RoPE factor tensors {sorted(rope_factors)} not supported for {arch!r}")
 
-    vocab_size = int(_scalar(meta, "llama.vocab_size", len(meta["tokenizer.ggml.tokens"])))
-    tied = "lm_head.weight" not in out_w
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": n_layers,
-        "intermediate_size": int(_scalar(meta, "llama.feed_forward_length")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_scalar(meta, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_scalar(meta, "llama.context_length", 2048)),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": tied,
-        "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float16",
-        "gguf_source": {"file": str(gguf_path), "name": _scalar(meta, "general.name"),
-                         "license": _scalar(meta, "general.license")},
-    }
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    config.update(
+        model_type=family.model_type,
+        architectures=[family.architectures],
+        vocab_size=int(m.get("vocab_size", len(tokens) or out_w["model.embed_tokens.weight"].shape[0])),
+        tie_word_embeddings="lm_head.weight" not in out_w,  # llama.cpp drops a tied output.weight
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        torch_dtype="float16",
+        gguf_source={"file": str(gguf_path), "architecture": arch, "name": meta.get("general.name"),
+                     "license": meta.get("general.license")},
+    )
     if quant:
         # mlx-lm reads per-layer overrides keyed by module path; the common setting is the default.
         common = max(quant.values(), key=lambda q: sum(v == q for v in quant.values()))
@@ -289,71 +193,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         for path, q in quant.items():
             if q != common:
                 qcfg[path] = q
-        # Layers not quantized in the file (norms are vectors; nothing else expected) are skipped
-        # by mlx-lm because they have no `.scales`.
+        # Layers not quantized in the file (norms, dequantized K-quants) are skipped by mlx-lm because
+        # they have no `.scales`.
         config["quantization"] = qcfg
         config["quantization_config"] = qcfg
 
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out_dir / "model.safetensors"), out_w, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    _write_tokenizer(meta, out_dir)
-
-
-def _write_tokenizer(meta: dict, out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    model_kind = _scalar(meta, "tokenizer.ggml.model")
-    if model_kind != "gpt2":
-        raise ModelLoadError(f"GGUF tokenizer model {model_kind!r} not supported (byte-level BPE only)")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    types = meta.get("tokenizer.ggml.token_type")
-    types = types.tolist() if types is not None else [1] * len(tokens)
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = _scalar(meta, "tokenizer.ggml.pre", "default")
-    steps = []
-    if pre in ("smollm", "starcoder", "refact", "default", "gpt-2", "llama-bpe"):
-        # llama.cpp's smollm/starcoder pre-tokenizers split every digit on its own first.
-        if pre in ("smollm", "starcoder", "refact"):
-            steps.append(pre_tokenizers.Digits(individual_digits=True))
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-    else:
-        raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} not supported yet")
-    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
-    # token_type 3 = control (special) tokens: never split, skipped when decoding specials.
-    specials = [t for t, ty in zip(tokens, types) if ty == 3]
-    tok.add_special_tokens(specials)
-    tok.save(str(out_dir / "tokenizer.json"))
-
-    def name(key):
-        tid = _scalar(meta, key)
-        return tokens[tid] if tid is not None and 0 <= tid < len(tokens) else None
-
-    template = _scalar(meta, "tokenizer.chat_template")
-    if template and "<|im_start|>" in template and "tools" not in template:
-        template = CHATML_TOOLS_TEMPLATE  # same ChatML turns, plus tool calling
-    tk_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name("tokenizer.ggml.bos_token_id"),
-        "eos_token": name("tokenizer.ggml.eos_token_id"),
-        "pad_token": name("tokenizer.ggml.padding_token_id"),
-        "unk_token": name("tokenizer.ggml.unknown_token_id"),
-        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta, "llama.context_length", 2048)),
-        "chat_template": template,
-        "additional_special_tokens": specials,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tk_config, indent=2))
-    (out_dir / "special_tokens_map.json").write_text(
-        json.dumps({k: tk_config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if tk_config[k]}, indent=2)
-    )
-    eos = _scalar(meta, "tokenizer.ggml.eos_token_id")
-    gen = {"bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id"), "eos_token_id": eos}
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    write_gguf_tokenizer(meta, arch, out_dir, config["max_position_embeddings"])

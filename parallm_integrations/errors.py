@@ -21,16 +21,22 @@ try:
         AdapterNotFoundError,
         ContextLengthExceededError,
         EngineDeadError,
+        GatedModelError,
         GrammarError,
         ImageInputError,
         InvalidRequestError,
+        ModelDownloadError,
         ModelLoadError,
+        ModelNotCachedError,
+        ModelNotFoundError,
         NotAnEmbeddingModelError,
         OutOfMemoryError,
         ParaLLMError,
         QueueFullError,
         RequestCancelledError,
         TokenizeError,
+        UnsupportedArchitectureError,
+        UnsupportedGGUFArchitectureError,
         UnsupportedModelError,
     )
 except ImportError:  # the engine is not installed: the same classes, for the base_url= path
@@ -89,6 +95,33 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
     class TokenizeError(ParaLLMError):  # type: ignore[no-redef]
         """A server's tokenizer endpoint gave no usable answer (no tokens for non-empty text)."""
 
+    class ModelNotFoundError(ModelLoadError):  # type: ignore[no-redef]
+        """The hub has no such repository (or revision), or it is private and no token with access was given."""
+
+    class GatedModelError(ModelLoadError):  # type: ignore[no-redef]
+        """The repository is gated: accept its terms on its hub page and give a token (``HF_TOKEN``)."""
+
+    class ModelNotCachedError(ModelLoadError):  # type: ignore[no-redef]
+        """Offline and the model is not in the local cache."""
+
+    class ModelDownloadError(ModelLoadError):  # type: ignore[no-redef]
+        """A download stopped part-way; nothing partial is loaded."""
+
+    class UnsupportedArchitectureError(UnsupportedModelError):  # type: ignore[no-redef]
+        """The repository is not a model mlx-lm or mlx-vlm can run (``architecture`` says what it is)."""
+
+        def __init__(self, message: str, architecture: str | None = None):
+            super().__init__(message)
+            self.architecture = architecture
+
+    class UnsupportedGGUFArchitectureError(ModelLoadError):  # type: ignore[no-redef]
+        """A GGUF file whose architecture the GGUF loader cannot convert."""
+
+        def __init__(self, architecture: str | None, supported: list[str], path=None):
+            self.architecture, self.supported = architecture, list(supported)
+            super().__init__(f"{f'{path}: ' if path else ''}GGUF architecture {architecture!r} is not supported "
+                             f"(supported: {', '.join(self.supported)})")
+
 
 #: The modules whose absence means "the engine is not installed" (not, say, a model family mlx-lm lacks).
 ENGINE_MODULES = frozenset({"parallm_engine", "mlx", "mlx.core", "mlx.nn", "mlx_lm"})
@@ -112,4 +145,6 @@ __all__ = [
     "AdapterLoadError", "AdapterNotFoundError", "ContextLengthExceededError", "EngineDeadError",
     "EngineNotInstalledError", "GrammarError", "InvalidRequestError", "ModelLoadError", "NotAnEmbeddingModelError",
     "ParaLLMError", "QueueFullError", "RequestCancelledError", "TokenizeError", "UnsupportedModelError",
+    "GatedModelError", "ModelDownloadError", "ModelNotCachedError", "ModelNotFoundError",
+    "UnsupportedArchitectureError", "UnsupportedGGUFArchitectureError",
 ]

@@ -37,7 +37,7 @@ def test_importing_the_integrations_imports_no_engine_and_the_plain_engine_modul
     assert out.returncode == 0, out.stderr[-3000:]
     engine_mods, mlx_mods = json.loads(out.stdout.strip().splitlines()[-1])
     # Constructing with base_url checks the sampling settings with the engine's plain-Python checks.
-    assert set(engine_mods) <= {"parallm_engine", "parallm_engine.backend", "parallm_engine.errors",
+    assert set(engine_mods) <= {"parallm_engine", "parallm_engine.backend", "parallm_engine.errors", "parallm_engine.import_notices",
                                 "parallm_engine.sampling_params", "parallm_engine.spec_config"}
     assert mlx_mods == [], "MLX was imported"
 

@@ -136,16 +136,20 @@ def test_logprob_drift_vs_fp32_bounded(bf16_engine, engine):
     assert agreed / total >= min_agreement
 
 
+def _native_linear(engine) -> bool:
+    """Whether every row's sums run in a fixed order: the native kernels on, and for bfloat16-matmul its
+    AVX512_BF16 linear (elsewhere that mode's linear is MLX's own matmul, even with the native kernels on)."""
+    from parallm_engine.weights_dtype import bf16_dot_kernel
+
+    return engine._scheduler.native_kernels and (engine.weights_dtype != "bfloat16-matmul"
+                                                 or bf16_dot_kernel() is not None)
+
+
 def _same_logprobs(engine, a, b):
     """Bitwise with the native kernels (every row's sums in a fixed order); MLX's own BLAS matmul (cpu-mlx)
     may round a row differently with the batch's size, so there the tokens are what must match."""
-    from parallm_engine.weights_dtype import bf16_dot_kernel
-
     la, lb = [lp.logprob for lp in a.choices[0].logprobs], [lp.logprob for lp in b.choices[0].logprobs]
-    # bfloat16-matmul's linear is native only where the CPU has AVX512_BF16; elsewhere it is MLX's matmul
-    # even with the native kernels on (an AVX2 machine: batched rows may round differently, as below).
-    native_linear = engine.weights_dtype != "bfloat16-matmul" or bf16_dot_kernel() is not None
-    if engine._scheduler.native_kernels and native_linear:
+    if _native_linear(engine):
         return la == lb
     # bfloat16-matmul through MLX ops: a last-bit difference of the batch's matmul can move an input across
     # a bf16 rounding step, which the next layers carry: measured up to 0.044 between alone and batched
@@ -157,6 +161,11 @@ def test_bf16_batched_equals_alone_and_cache_hit_equals_cold(bf16_engine):
     batched = _run(bf16_engine, PROMPTS)
     for i in (0, 3):
         alone = _run(bf16_engine, [PROMPTS[i]])[0]
+        if alone.token_ids != batched[i].token_ids and bf16_engine.weights_dtype == "bfloat16-matmul" \
+                and not _native_linear(bf16_engine):
+            # Seen on AVX2 CPUs (no AVX512_BF16) since 4c6721a, pure-MLX path: MLX's matmul accumulates a
+            # batch in another order, an activation crosses a bf16 rounding step and greedy tokens part.
+            pytest.xfail("bfloat16-matmul through MLX's own matmul: batched and alone may part (lossy mode)")
         assert alone.token_ids == batched[i].token_ids
         assert _same_logprobs(bf16_engine, alone, batched[i])
     long_prompt = "A short report on rivers. " + " ".join(f"River {i} flows north." for i in range(12))

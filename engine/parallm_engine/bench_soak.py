@@ -45,7 +45,7 @@ class SoakConfig:
     seed: int = 2026
     workers: int = 10
     max_queue: int = 32
-    kv_memory: str = "32MiB"
+    kv_memory: str = "64MiB"  # the smallest a server takes: preemption and eviction all the time
     target: str = "server"  # "server": `parallm serve` subprocess; "inproc": the engine + app in this process
     model: str | None = None
     rss_margin: float = 0.25  # end RSS may exceed the post-warm-up RSS by this fraction (allocator slack)
@@ -373,7 +373,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=60.0, help="soak: seconds between records (default 60)")
     p.add_argument("--soak-target", choices=("server", "inproc"), default="server",
                    help="soak: `parallm serve` in its own process (default) or the engine + app in this one")
-    p.add_argument("--soak-kv-memory", default="32MiB", help="soak: the server's KV budget (small: preemption)")
+    p.add_argument("--soak-kv-memory", default="64MiB", help="soak: the server's KV budget (small: preemption)")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schem
 
 #: Kinds of traffic and their weights in the mix.
 MIX = {"agent": 4, "fanout": 2, "chat_stream": 3, "tools": 2, "json": 1, "n2": 1, "seeded": 1, "speculative": 1,
-       "disconnect": 1, "cancel": 1, "bad": 1}
+       "disconnect": 1, "cancel": 1, "bad": 1, "long": 1}
 #: Probes re-sent every interval: their text must never change (greedy, and seeded sampling).
 PROBES = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0, "max_tokens": 24},
@@ -135,6 +135,14 @@ class Traffic:
         await asyncio.gather(*(self._stream("fanout", self.body(
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
             max_tokens=12, temperature=0)) for q in rng.sample(QUESTIONS, 4)))
+
+    async def _long(self, rng, i: int) -> None:
+        """Three long generations at once (EOS ignored): rows that grow past the small KV budget while
+        they decode, so the least urgent is preempted and resumes from the prefix cache."""
+        seed = rng.randrange(1 << 30)
+        await asyncio.gather(*(self._post("long", self.body(
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell a long story."}],
+            max_tokens=160, ignore_eos=True, temperature=0.7, seed=seed + k)) for k in range(3)))
 
     async def _chat_stream(self, rng, i: int) -> None:
         await self._stream("chat_stream", self.body(messages=[{"role": "user", "content": rng.choice(QUESTIONS)}],

@@ -35,7 +35,7 @@ def anthropic_router(kit: ServerKit) -> APIRouter:
         run = await kit.start_chat(p, request, ENDPOINT)
         try:
             if req.stream:
-                gen = message_stream(run, p.model_name, p.tools is not None, p.single_call, stops)
+                gen = message_stream(run, p.model_name, p.single_call, stops)
                 return kit.engine_stream(gen, run, ENDPOINT)  # the stream gives the lease back
             result = (await kit.run_to_completion(request, run.handles, run.timing, ENDPOINT))[0]
         finally:

@@ -108,7 +108,7 @@ def responses_router(kit: ServerKit, store: ResponseStore | None = None) -> APIR
         run = await kit.start_chat(p, request, ENDPOINT)
         try:
             if req.stream:
-                gen = response_stream(run, req, rid, p.model_name, p.tools is not None, p.single_call, keep)
+                gen = response_stream(run, req, rid, p.model_name, p.single_call, keep)
                 return kit.engine_stream(gen, run, ENDPOINT)  # the stream gives the lease back
             result = (await kit.run_to_completion(request, run.handles, run.timing, ENDPOINT))[0]
         finally:

@@ -94,14 +94,10 @@ def openai_router(kit: ServerKit) -> APIRouter:
                  responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         p = kit.prepare_chat(req)
-        run = await kit.start_chat(p, request, "chat")
-        try:
-            if req.stream:
-                gen = chat_stream(run.handles, run.timing, p.model_name, p.single_call, req.include_usage)
-                return kit.engine_stream(gen, run, "chat")  # the stream gives the lease back when it ends
-            result = (await kit.run_to_completion(request, run.handles, run.timing, "chat"))[0]
-        finally:
-            run.end()
+        if req.stream:
+            return await kit.stream_chat(p, request, "chat", lambda run: chat_stream(
+                run.handles, run.timing, p.model_name, p.single_call, req.include_usage))
+        result = await kit.complete_chat(p, request, "chat")
         return JSONResponse(chat_response(result, p.model_name, p.single_call))
 
     @router.post("/v1/completions", response_model=CompletionResponse, dependencies=kit.checked,
@@ -114,11 +110,7 @@ def openai_router(kit: ServerKit) -> APIRouter:
             raise APIError(400, "best_of must equal n (every sampled choice is returned)", param="best_of")
         if req.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-        kwargs = req.sampling_kwargs()
-        kwargs["adapter"] = state.adapter_for(req.model)
-        response_format = req.response_format.to_engine() if req.response_format else None
-        if response_format is not None:
-            kwargs["response_format"] = response_format
+        kwargs = kit.submit_kwargs(req)
         n = req.n or 1
         timing = Timing(state.metrics)
         lease = kit.reserve(request, len(prompts) * n, "completions", "prompt")
@@ -126,7 +118,7 @@ def openai_router(kit: ServerKit) -> APIRouter:
             # Plain-text tokenizing of text prompts when asked (the engine itself parses special tokens).
             engine_prompts = prompts if req.allow_special_tokens else [
                 eng.encode(p, allow_special_tokens=False) if isinstance(p, str) else p for p in prompts]
-            handles = await kit.submit(engine_prompts, kwargs, "completions", offload=response_format is not None)
+            handles = await kit.submit(engine_prompts, kwargs, "completions", offload="response_format" in kwargs)
             try:  # after submit, which has checked token ids are in the vocabulary
                 echoes = [(p if isinstance(p, str) else eng.decode(p)) if req.echo else "" for p in prompts]
             except BaseException:

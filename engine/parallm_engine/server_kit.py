@@ -213,6 +213,16 @@ class ServerKit:
                     metrics.count_outcome(endpoint, "error")
         return on_close
 
+    def submit_kwargs(self, req) -> dict[str, Any]:
+        """``Engine.submit``'s keyword arguments for a chat or completion request: its sampling, the LoRA
+        adapter its ``model`` names, its ``response_format``."""
+        kwargs = req.sampling_kwargs()
+        kwargs["adapter"] = self.state.adapter_for(req.model)
+        response_format = req.response_format.to_engine() if req.response_format else None
+        if response_format is not None:  # "text" is no constraint
+            kwargs["response_format"] = response_format
+        return kwargs
+
     def prepare_chat(self, req: ChatCompletionRequest, template_kwargs: dict | None = None) -> PreparedChat:
         """A chat request as the engine takes it: its messages and the submit kwargs (tools, tool_choice,
         grammar). The Anthropic and Responses routes translate their requests onto this too."""
@@ -226,17 +236,14 @@ class ServerKit:
             raise APIError(400, "tool_choice requires tools", param="tool_choice")
         if tool_choice == "none":  # nothing may be called: do not even show the tools
             tools, tool_choice = None, None
-        kwargs = req.sampling_kwargs()
-        kwargs["adapter"] = state.adapter_for(req.model)
+        kwargs = self.submit_kwargs(req)
         if tools:
             kwargs["tools"] = tools
             if tool_choice is not None:
                 kwargs["tool_choice"] = tool_choice
             if req.parallel_tool_calls is not None:
                 kwargs["parallel_tool_calls"] = req.parallel_tool_calls
-        response_format = req.response_format.to_engine() if req.response_format else None
-        if response_format is not None:
-            kwargs["response_format"] = response_format
+        response_format = kwargs.get("response_format")
         constrained = response_format is not None or bool(tools and tool_choice not in (None, "auto"))
         return PreparedChat(model_name, messages, tools, kwargs, constrained, req.parallel_tool_calls is False,
                             dict(template_kwargs or {}), req.allow_special_tokens)
@@ -261,6 +268,24 @@ class ServerKit:
             lease.release()
             raise
         return ChatRun(handles, timing, lease)
+
+    async def complete_chat(self, p: PreparedChat, request: Request, endpoint: str):
+        """Run a prepared chat to its end (aborted if the client goes first): its result."""
+        run = await self.start_chat(p, request, endpoint)
+        try:
+            return (await self.run_to_completion(request, run.handles, run.timing, endpoint))[0]
+        finally:
+            run.end()
+
+    async def stream_chat(self, p: PreparedChat, request: Request, endpoint: str,
+                          events: Callable[[ChatRun], AsyncIterator[str]]) -> StreamingResponse:
+        """Start a prepared chat and answer with ``events(run)`` as server-sent events; the stream aborts the
+        run's requests and gives its lease back when it ends."""
+        run = await self.start_chat(p, request, endpoint)
+        try:
+            return self.engine_stream(events(run), run, endpoint)
+        finally:
+            run.end()  # nothing left to release once the stream holds the lease
 
     def engine_stream(self, gen, run: ChatRun, endpoint: str) -> StreamingResponse:
         """The SSE response for ``gen``; it aborts the run's requests and gives its lease back when it ends."""

@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-import httpx
 import pytest
 
+from parallm_engine.server_process import free_port, wait_healthy
 from parallm_integrations import ChatParaLLM
 from parallm_integrations.errors import EngineDeadError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(port: int) -> subprocess.Popen:
@@ -30,28 +23,15 @@ def _start(port: int) -> subprocess.Popen:
                              "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "parallm serve exited"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError("server did not start")
-
-
 @pytest.mark.timeout(600)
 def test_kill_and_restart_under_load():
     from parallm_integrations.llama_index import ParaLLMLlamaIndex
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/v1"
     procs = [_start(port)]
     try:
-        _wait_healthy(port, procs[0])
+        wait_healthy(f"http://127.0.0.1:{port}", procs[0], timeout=240, name="parallm serve")
         streaming = ChatParaLLM(base_url=url, temperature=0, max_tokens=400, max_retries=0)
         chunks = streaming.stream("Tell me a very long story about a lighthouse keeper.")
         assert next(chunks).content is not None  # the answer has started

@@ -23,8 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
-from .errors import ParaLLMError
-from .openai_format import APIError, api_error_from, dumps, logger
+from .openai_format import APIError, dumps, reported_calls, stream_error
 from .protocol import MAX_STOP, ModelCard, new_id
 from .server_kit import ChatRun, Finished, output_pieces
 
@@ -301,7 +300,7 @@ def _stop(finish: str | None, stop_reason: Any, stops: list[str], called: bool) 
 
 def message_response(result, model_name: str, single_call: bool, stops: list[str]) -> dict:
     c = result.choices[0]
-    calls = list(c.tool_calls or [])[: 1 if single_call else None]
+    calls = reported_calls(c.tool_calls, single_call)
     content: list[dict] = []
     if c.reasoning:
         content.append({"type": "thinking", "thinking": c.reasoning, "signature": ""})
@@ -319,7 +318,7 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {dumps({'type': name, **data})}\n\n"
 
 
-async def message_stream(run: ChatRun, model_name: str, with_tools: bool, single_call: bool,
+async def message_stream(run: ChatRun, model_name: str, single_call: bool,
                          stops: list[str]) -> AsyncIterator[str]:
     """Anthropic's event sequence: ``message_start``, ``ping``, per content block ``content_block_start`` /
     ``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``) / ``content_block_stop``,
@@ -348,10 +347,8 @@ async def message_stream(run: ChatRun, model_name: str, with_tools: bool, single
 
     try:
         finished = None
-        async for piece in output_pieces(run, with_tools):
+        async for piece in output_pieces(run, single_call):
             if isinstance(piece, ToolCallDelta):
-                if single_call and piece.index > 0:
-                    continue
                 called = True
                 if piece.id is not None:
                     for ev in open_block(("tool", piece.index),
@@ -384,9 +381,7 @@ async def message_stream(run: ChatRun, model_name: str, with_tools: bool, single
                                        "usage": anthropic_usage(result.usage, prompt_tokens)})
         yield _event("message_stop", {})
     except Exception as exc:  # the response has started: report in-band
-        err = api_error_from(exc)
-        if err.status >= 500 and not isinstance(exc, ParaLLMError):
-            logger.exception("stream failed", exc_info=exc)
+        err = stream_error(exc)
         yield _event("error", {"error": _error_detail(err)})
 
 

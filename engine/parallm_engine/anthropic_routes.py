@@ -32,14 +32,10 @@ def anthropic_router(kit: ServerKit) -> APIRouter:
     async def create_message(req: MessagesRequest, request: Request):
         p = kit.prepare_chat(chat_request(chat_body(req)), template_kwargs(req))
         stops = list(req.stop_sequences or [])
-        run = await kit.start_chat(p, request, ENDPOINT)
-        try:
-            if req.stream:
-                gen = message_stream(run, p.model_name, p.tools is not None, p.single_call, stops)
-                return kit.engine_stream(gen, run, ENDPOINT)  # the stream gives the lease back
-            result = (await kit.run_to_completion(request, run.handles, run.timing, ENDPOINT))[0]
-        finally:
-            run.end()
+        if req.stream:
+            return await kit.stream_chat(p, request, ENDPOINT,
+                                         lambda run: message_stream(run, p.model_name, p.single_call, stops))
+        result = await kit.complete_chat(p, request, ENDPOINT)
         return JSONResponse(message_response(result, p.model_name, p.single_call, stops))
 
     @router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, dependencies=kit.checked,

@@ -12,13 +12,14 @@ run in float32; on Metal and CUDA the checkpoint's native dtype is right.
 from __future__ import annotations
 
 import ctypes
-import functools
 import glob
 import logging
 import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
+
+from .cpu_info import cpu_features
 
 logger = logging.getLogger("parallm_engine")
 
@@ -84,26 +85,6 @@ def _mkl_candidates() -> list[str]:
     for root in roots:
         found += sorted(glob.glob(os.path.join(root, "lib", "libmkl_rt.so*")))
     return found
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_features() -> tuple[str, frozenset[str]]:
-    """(vendor id, feature flags) of this CPU from /proc/cpuinfo, read once; ("", {}) where unreadable."""
-    vendor, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
-                if vendor and flags:
-                    break
-    except OSError:
-        pass
-    return vendor, frozenset(flags)
 
 
 def _prefers_openblas() -> bool:

@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 
 from .bench import _pct
+from .server_process import ServerExited, free_port, wait_healthy
 from .weights_dtype import BF16_WEIGHTS
 
 #: The llama-cpp-python sdist whose bundled llama.cpp :func:`build_llama_server` compiles.
@@ -131,12 +131,6 @@ def engine_gguf(engine) -> str | None:
 
 # -- servers as processes of their own -------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """A server subprocess on 127.0.0.1, ready once ``/health`` answers 200; stopped on exit."""
 
@@ -151,25 +145,15 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServerProcess":
-        import httpx
-
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self.proc.poll() is not None:
-                self.__exit__()
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"{self.name} did not become healthy in {self.timeout:.0f} s: {self.log_tail()}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.url, self.proc, self.timeout, interval=0.2, name=self.name)
+        except (ServerExited, TimeoutError) as exc:
+            self.__exit__()
+            raise RuntimeError(f"{exc}: {self.log_tail()}") from None
+        return self
 
     def log_tail(self, n: int = 2000) -> str:
         try:

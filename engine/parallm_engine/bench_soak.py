@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from .server_process import ServerExited, free_port, wait_healthy
 from .soak_traffic import Traffic, probe
 
 #: Gauges read from /metrics each interval (metric name without the ``parallm_`` prefix -> report key).
@@ -76,18 +76,12 @@ class SoakResult:
 
 # -- the server under test ---------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Target:
     """Starts the server; ``base_url`` and ``pid`` (whose RSS and threads are read) once up."""
 
     def __init__(self, cfg: SoakConfig):
         self.cfg = cfg
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc = None
         self.pid = os.getpid()
@@ -120,19 +114,10 @@ class _Target:
         self._wait_healthy()
 
     def _wait_healthy(self, timeout: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"parallm serve exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("the soak's server did not become healthy")
+        try:
+            wait_healthy(self.base_url, self.proc, timeout, interval=0.5, name="the soak's server")
+        except ServerExited:
+            raise RuntimeError(f"parallm serve exited: {self.proc.stderr.read().decode()[-2000:]}") from None
 
     def stop(self) -> None:
         if self.proc is not None:

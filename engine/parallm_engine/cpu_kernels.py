@@ -49,6 +49,8 @@ import types
 import mlx.core as mx
 import mlx.nn as nn
 
+from .bf16_embedding import bf16_embedding_class
+
 logger = logging.getLogger("parallm_engine")
 
 LOG2E = 1.4426950408889634
@@ -365,9 +367,7 @@ class _SwitchedEmbedding(nn.Embedding):
 
 @functools.lru_cache(maxsize=1)
 def _bf16_switched_embedding():
-    """:class:`_SwitchedEmbedding` for a bfloat16-weight embedding (``weights_dtype.Bf16Embedding``)."""
-    from .weights_dtype import bf16_embedding_class
-
+    """:class:`_SwitchedEmbedding` for a bfloat16-weight embedding (``bf16_embedding.Bf16Embedding``)."""
     def as_linear(self, x: mx.array) -> mx.array:
         y = linear_native(x, self.weight)
         return nn.Embedding.as_linear(self, x) if y is None else y
@@ -398,8 +398,6 @@ def _install_native_modules(model) -> bool:
     if _linear_rows(nat):  # the native linear is tuned (and measured) for AVX-512's and AVX2's registers only
         swaps[nn.Linear] = _SwitchedLinear
         swaps[nn.Embedding] = _SwitchedEmbedding
-        from .weights_dtype import bf16_embedding_class
-
         swaps[bf16_embedding_class()] = _bf16_switched_embedding()
     done = False
     for _, module in model.named_modules():

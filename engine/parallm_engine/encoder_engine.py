@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .embedding import EmbeddingResult
 from .embedding_api import EmbeddingAPI
+from .engine_base import EngineBase
 from .errors import EngineDeadError, InvalidRequestError, ModelLoadError, QueueFullError, RequestCancelledError
 from .loader import ModelInfo, resolve_model
 from .request import _Done
@@ -62,7 +63,7 @@ def _load_mlx_embeddings(path: Path):
         raise ModelLoadError(f"mlx-embeddings could not load {path}: {exc}") from exc
 
 
-class EncoderEngine(EmbeddingAPI):
+class EncoderEngine(EmbeddingAPI, EngineBase):
     def __init__(self, model: str | os.PathLike, *, max_batch_size: int = 64, max_batch_tokens: int = 16384,
                  max_queue: int = 4096, dtype: str | None = None):
         import mlx.core as mx
@@ -98,19 +99,7 @@ class EncoderEngine(EmbeddingAPI):
 
         _live_engines.add(self)  # stopped before the interpreter tears MLX down (engine._shutdown_live_engines)
 
-    # -- what the front ends read ---------------------------------------------------------------
-    @property
-    def model_name(self) -> str:
-        return self.model_info.name
-
-    @property
-    def context_window(self) -> int:
-        return self.model_info.context_window
-
-    @property
-    def is_alive(self) -> bool:
-        return self._dead is None
-
+    # -- what the front ends read (model_name, context_window, is_alive: EngineBase) -------------------
     def _check_embedding_model(self) -> None:  # every encoder mlx-embeddings loads gives hidden states
         return None
 

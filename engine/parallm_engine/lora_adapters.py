@@ -1,7 +1,7 @@
 """LoRA adapters on disk: reading mlx-lm's and PEFT's formats, checking them against the base model, and
 the registry of named adapters with a bounded number kept loaded (LRU).
 
-Formats (a directory, or a cached HF repo id resolved like a model: ``loader.cached_hub_snapshot``):
+Formats (a directory, or a cached HF repo id resolved like a model: ``hub.cached_hub_snapshot``):
 
 - **mlx-lm** (what ``mlx_lm.lora`` writes): ``adapter_config.json`` (``fine_tune_type`` ``lora`` or
   ``dora``, ``num_layers``, ``lora_parameters`` {``rank``, ``scale``, ``dropout`` (ignored at inference),
@@ -80,7 +80,7 @@ def linear_dims(model) -> dict[str, tuple[int, int]]:
 
 def resolve_adapter_dir(spec: str | os.PathLike) -> Path:
     """The directory of an adapter given by path or cached HF repo id (never downloads)."""
-    from .loader import cached_hub_snapshot
+    from .hub import cached_hub_snapshot
 
     path = Path(spec).expanduser()
     if path.is_dir():

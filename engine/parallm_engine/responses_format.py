@@ -19,8 +19,7 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
-from .errors import ParaLLMError
-from .openai_format import APIError, api_error_from, dumps, logger
+from .openai_format import APIError, dumps, reported_calls, stream_error
 from .protocol import new_id, now
 from .server_kit import ChatRun, Finished, output_pieces
 
@@ -271,7 +270,7 @@ def finish_response(body: dict, output: list[dict], finish_reason: str | None, u
 
 def response_body(result, req: ResponsesRequest, rid: str, model_name: str, single_call: bool) -> dict:
     c = result.choices[0]
-    calls = list(c.tool_calls or [])[: 1 if single_call else None]
+    calls = reported_calls(c.tool_calls, single_call)
     output: list[dict] = []
     if c.reasoning:
         output.append(reasoning_item(c.reasoning))
@@ -314,8 +313,8 @@ class _Events:
         return out
 
 
-async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_name: str, with_tools: bool,
-                          single_call: bool, on_done) -> AsyncIterator[str]:
+async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_name: str, single_call: bool,
+                          on_done) -> AsyncIterator[str]:
     """``response.created`` and ``response.in_progress``; per output item ``response.output_item.added``,
     its deltas (``response.reasoning_text.delta``, ``response.content_part.added`` +
     ``response.output_text.delta``, ``response.function_call_arguments.delta``) and ``...done`` events,
@@ -366,10 +365,8 @@ async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_n
     try:
         finished = None
         called = False
-        async for piece in output_pieces(run, with_tools):
+        async for piece in output_pieces(run, single_call):
             if isinstance(piece, ToolCallDelta):
-                if single_call and piece.index > 0:
-                    continue
                 called = True
                 if piece.id is not None:
                     for ev in open_item(function_call_item(piece.id, piece.name or "", "")):
@@ -407,7 +404,5 @@ async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_n
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         yield event(kind, response=final)
     except Exception as exc:  # the response has started: report in-band
-        err = api_error_from(exc)
-        if err.status >= 500 and not isinstance(exc, ParaLLMError):
-            logger.exception("stream failed", exc_info=exc)
+        err = stream_error(exc)
         yield event("error", code=err.code, message=err.message, param=err.param, error=err.body()["error"])

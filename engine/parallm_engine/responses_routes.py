@@ -105,14 +105,10 @@ def responses_router(kit: ServerKit, store: ResponseStore | None = None) -> APIR
             if req.store is not False:
                 store.put(key, rid, StoredResponse(body, history_of(turns, body["output"])))
 
-        run = await kit.start_chat(p, request, ENDPOINT)
-        try:
-            if req.stream:
-                gen = response_stream(run, req, rid, p.model_name, p.tools is not None, p.single_call, keep)
-                return kit.engine_stream(gen, run, ENDPOINT)  # the stream gives the lease back
-            result = (await kit.run_to_completion(request, run.handles, run.timing, ENDPOINT))[0]
-        finally:
-            run.end()
+        if req.stream:
+            return await kit.stream_chat(p, request, ENDPOINT,
+                                         lambda run: response_stream(run, req, rid, p.model_name, p.single_call, keep))
+        result = await kit.complete_chat(p, request, ENDPOINT)
         body = response_body(result, req, rid, p.model_name, p.single_call)
         keep(body)
         return JSONResponse(body)

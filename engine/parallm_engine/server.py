@@ -8,7 +8,8 @@ any OpenAI client talks to it::
     ChatParaLLM(base_url="http://127.0.0.1:8000/v1", api_key="KEY")
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream as server-sent
-events), ``GET /v1/models[/{id}]``, ``POST /tokenize`` and ``/detokenize`` (vLLM-compatible),
+events), ``GET /v1/models[/{id}]``, ``POST /tokenize`` and ``/detokenize`` (vLLM-compatible; these in
+:mod:`parallm_engine.openai_routes`),
 ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``; Anthropic's ``POST /v1/messages[/count_tokens]``
 (:mod:`parallm_engine.anthropic_routes`) and OpenAI's ``/v1/responses`` (:mod:`parallm_engine.responses_routes`),
 translated onto the chat endpoint's request path (``docs/server-apis.md``).
@@ -47,69 +48,33 @@ import os
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
-from .errors import InvalidRequestError, ParaLLMError, QueueFullError
-from .openai_format import (
-    APIError,
-    Timing,
-    abort_all,
-    api_error_from,
-    chat_response,
-    chat_stream,
-    completion_response,
-    completion_stream,
-    merged,
-    sum_usage,
-)
-from .server_embeddings import add_embedding_routes
-from .anthropic_format import anthropic_error, anthropic_model_card, anthropic_model_list, is_anthropic_path
-from .server_kit import ChatRun, PreparedChat, ServerKit, include_api_routers
-from .queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, Lease, QueueShares
-from .validation import check_text, safe_text
-from .vision_chat import chat_prompt
-from .vision_inputs import IMAGE_PART_TYPES, has_images
+from .anthropic_format import anthropic_error, is_anthropic_path
+from .anthropic_routes import anthropic_router
+from .errors import ParaLLMError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics, render as render_metrics
-from .protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessage,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ErrorResponse,
-    HealthResponse,
-    ModelCard,
-    ModelList,
-    NamedToolChoice,
-    TokenizeRequest,
-    TokenizeResponse,
-    now,
-)
+from .openai_format import APIError, api_error_from
+from .openai_routes import openai_router
+from .protocol import HealthResponse, now
+from .queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, QueueShares
+from .responses_routes import responses_router
+from .server_embeddings import add_embedding_routes
+from .server_kit import ERROR_RESPONSES, ServerKit
+from .validation import check_text, safe_text
 
 logger = logging.getLogger("parallm_engine.server")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: Model names every server answers to when it serves the embedded default model.
 DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-    429: {"model": ErrorResponse, "description": "Engine queue full, or this key's share of it (see Retry-After)"},
-    503: {"model": ErrorResponse, "description": "Engine not running"},
-}
-
-
 # ----------------------------------------------------------------------------------------------
 # Errors
 # ----------------------------------------------------------------------------------------------
@@ -210,85 +175,6 @@ class ServerState:
         if not self.healthy():
             raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
         return self.engine
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    """A validated chat message as the dict the chat template renders: text, or with ``image_url`` parts
-    (for a vision-language model: ``vision_chat``) text and image parts in order."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-    content = m.content
-    if isinstance(content, list) and any(p.type in IMAGE_PART_TYPES for p in content):
-        content = [p.model_dump(exclude_none=True) if p.type in IMAGE_PART_TYPES
-                   else {"type": "text", "text": p.text or ""} for p in content]
-    elif isinstance(content, list):
-        parts = []
-        for part in content:
-            if part.type in ("text", "input_text") and part.text is not None:
-                parts.append(part.text)
-            else:
-                raise InvalidRequestError(
-                    f"content part of type {part.type!r} is not supported; this model reads text only",
-                    param="messages",
-                )
-        content = "".join(parts)
-    out["content"] = content if content is not None else ""
-    if m.name:
-        out["name"] = m.name
-    if m.tool_calls:
-        out["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    return out
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    """Returns when the client has gone (the request body has already been read)."""
-    while True:
-        message = await request.receive()
-        if message.get("type") == "http.disconnect":
-            return
-
-
-class _EngineStream(StreamingResponse):
-    """A streaming response that aborts its engine requests however the response ends (finished,
-    client gone, send failed, never started)."""
-
-    def __init__(self, content, handles: list, on_close: Callable[[bool], None] | None = None,
-                 lease: Lease | None = None):
-        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
-        self._handles = handles
-        self._on_close = on_close
-        self._lease = lease
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aborted = any(not h.request.finished for h in self._handles)
-            abort_all(self._handles)
-            if self._lease is not None:
-                self._lease.release()
-            if self._on_close is not None:
-                self._on_close(aborted)
-
-
-def _submit_all(engine, prompts: list, loop, kwargs: dict) -> list:
-    """Submit every prompt as one fairness group (the scheduler takes turns across HTTP requests); if
-    one is refused, abort the ones already queued and re-raise."""
-    handles = []
-    group = object()
-    try:
-        for p in prompts:
-            handles.append(engine.submit(p, loop=loop, group=group, **kwargs))
-    except BaseException:
-        abort_all(handles)
-        raise
-    return handles
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,7 +348,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
             return get_redoc_html(openapi_url="/openapi.json", title="ParaLLM - ReDoc")
 
     # -- info endpoints ------------------------------------------------------------------------------
-    @app.get("/health", response_model=HealthResponse, responses={503: _ERROR_RESPONSES[503]})
+    @app.get("/health", response_model=HealthResponse, responses={503: ERROR_RESPONSES[503]})
     async def health():
         if not state.healthy():
             return JSONResponse({"status": "unavailable", "model": state.model_name}, status_code=503)
@@ -478,257 +364,20 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         body = render_metrics(stats, state.metrics, state.model_name, healthy=state.healthy())
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
-    @app.post("/reset_prefix_cache", dependencies=auth, responses={401: _ERROR_RESPONSES[401]})
+    @app.post("/reset_prefix_cache", dependencies=auth, responses={401: ERROR_RESPONSES[401]})
     async def reset_prefix_cache():
         """Drop every cached prefix no request in flight uses (vLLM's route); the bytes freed."""
         engine = state.engine_or_503()
         freed = await asyncio.to_thread(engine.clear_prefix_cache)
         return {"freed_bytes": freed}
 
-    def _card() -> ModelCard:
-        ctx = getattr(state.engine, "context_window", None)
-        return ModelCard(id=state.model_name, created=state.created, max_model_len=ctx)
-
-    @app.get("/v1/models", response_model=ModelList, dependencies=auth,
-             responses={401: _ERROR_RESPONSES[401]})
-    async def list_models(request: Request):
-        adapters = [ModelCard(id=name, created=state.created, max_model_len=getattr(state.engine, "context_window", None),
-                              parent=state.model_name) for name in state.adapter_names()]
-        if "anthropic-version" in request.headers:  # the anthropic SDK's models.list shape
-            return JSONResponse(anthropic_model_list([_card(), *adapters]))
-        return ModelList(data=[_card(), *adapters])
-
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth,
-             responses={401: _ERROR_RESPONSES[401], 404: _ERROR_RESPONSES[404]})
-    async def get_model(model_id: str, request: Request):
-        state.check_model(model_id)
-        card = _card()
-        if state.adapter_for(model_id):
-            card = ModelCard(id=model_id, created=state.created, max_model_len=card.max_model_len, parent=card.id)
-        if "anthropic-version" in request.headers:
-            return JSONResponse(anthropic_model_card(card))
-        return card
-
-    # -- tokenizer ------------------------------------------------------------------------------------
-    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=checked,
-              responses={k: _ERROR_RESPONSES[k] for k in (400, 401, 404)})
-    async def tokenize(req: TokenizeRequest):
-        state.check_model(req.model)
-        eng = state.engine_or_503()
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
-        if req.messages is not None:
-            msgs = [_message_dict(m) for m in req.messages]
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = list(eng.apply_chat_template(msgs, tools=tools, add_generation_prompt=req.add_generation_prompt,
-                                               allow_special_tokens=bool(req.allow_special_tokens)))
-        else:
-            allow = True if req.allow_special_tokens is None else req.allow_special_tokens
-            ids = eng.encode(req.prompt, add_special_tokens=req.add_special_tokens, allow_special_tokens=allow)
-        return TokenizeResponse(count=len(ids), max_model_len=eng.context_window, tokens=ids)
-
-    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=checked,
-              responses={k: _ERROR_RESPONSES[k] for k in (400, 401, 404)})
-    async def detokenize(req: DetokenizeRequest):
-        state.check_model(req.model)
-        eng = state.engine_or_503()
-        vocab = eng.model_info.vocab_size
-        if any(t < 0 or t >= vocab for t in req.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return DetokenizeResponse(prompt=eng.decode(req.tokens))
-
-    # -- generation -----------------------------------------------------------------------------------
-    async def run_to_completion(request: Request, handles: list, timing: Timing, endpoint: str) -> list:
-        """Drain the handles; abort them all if the client goes away first."""
-
-        async def drain():
-            async for _ in merged(handles, timing):
-                pass
-
-        work = asyncio.ensure_future(drain())
-        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                state.metrics.count_outcome(endpoint, "client_disconnected")
-                raise APIError(499, "client disconnected", code="client_disconnected")
-            work.result()  # re-raises an engine error
-        except ParaLLMError:
-            state.metrics.count_outcome(endpoint, "error")
-            raise
-        finally:
-            watcher.cancel()
-            if not work.done():
-                work.cancel()
-            abort_all(handles)
-        results = [h.request.result for h in handles]
-        timing.on_done(sum_usage(results))
-        state.metrics.count_outcome(endpoint, "finished")
-        return results
-
-    def reserve(request: Request, cost: int, endpoint: str, param: str) -> Lease:
-        """This request's share of the queue (400 / 429 when over a limit); released when it ends."""
-        try:
-            return state.shares.acquire(getattr(request.state, "parallm_key", None), cost, param=param)
-        except APIError:
-            state.metrics.count_outcome(endpoint, "rejected")
-            raise
-
-    async def submit(prompts: list, kwargs: dict, endpoint: str, offload: bool) -> list:
-        eng = state.engine_or_503()
-        loop = asyncio.get_running_loop()
-        try:
-            if offload:  # compiling a grammar takes a while: keep the event loop serving others
-                return await asyncio.to_thread(_submit_all, eng, prompts, loop, kwargs)
-            return _submit_all(eng, prompts, loop, kwargs)
-        except QueueFullError:
-            state.metrics.count_outcome(endpoint, "rejected")
-            raise
-
-    def stream_closed(endpoint: str, timing: Timing, handles: list) -> Callable[[bool], None]:
-        def on_close(aborted: bool) -> None:
-            if aborted:
-                state.metrics.count_outcome(endpoint, "client_disconnected")
-            else:
-                results = [h.request.result for h in handles]
-                if all(r is not None for r in results):
-                    timing.on_done(sum_usage(results))
-                    state.metrics.count_outcome(endpoint, "finished")
-                else:
-                    state.metrics.count_outcome(endpoint, "error")
-        return on_close
-
-    def prepare_chat(req: ChatCompletionRequest, template_kwargs: dict | None = None) -> PreparedChat:
-        """A chat request as the engine takes it: its messages and the submit kwargs (tools, tool_choice,
-        grammar). The Anthropic and Responses routes translate their requests onto this too."""
-        model_name = state.check_model(req.model)
-        state.engine_or_503()
-        messages = [_message_dict(m) for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
-        if tools is None and tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice requires tools", param="tool_choice")
-        if tool_choice == "none":  # nothing may be called: do not even show the tools
-            tools, tool_choice = None, None
-        kwargs = req.sampling_kwargs()
-        kwargs["adapter"] = state.adapter_for(req.model)
-        if tools:
-            kwargs["tools"] = tools
-            if tool_choice is not None:
-                kwargs["tool_choice"] = tool_choice
-            if req.parallel_tool_calls is not None:
-                kwargs["parallel_tool_calls"] = req.parallel_tool_calls
-        response_format = req.response_format.to_engine() if req.response_format else None
-        if response_format is not None:
-            kwargs["response_format"] = response_format
-        constrained = response_format is not None or bool(tools and tool_choice not in (None, "auto"))
-        return PreparedChat(model_name, messages, tools, kwargs, constrained, req.parallel_tool_calls is False,
-                            dict(template_kwargs or {}), req.allow_special_tokens)
-
-    async def chat_prompt_of(p: PreparedChat):
-        eng = state.engine_or_503()
-        if has_images(p.messages):  # decoding, hashing and the image processor: off the event loop
-            return await asyncio.to_thread(chat_prompt, eng, p.messages, p.tools, {})  # remote URLs never fetched
-        return eng.apply_chat_template(p.messages, tools=p.tools, allow_special_tokens=p.allow_special_tokens,
-                                       **p.template_kwargs)
-
-    async def start_chat(p: PreparedChat, request: Request, endpoint: str, prompt=None) -> ChatRun:
-        """Submit a prepared chat under this request's queue share; the caller ends the lease (or hands
-        it to the stream)."""
-        prompt = await chat_prompt_of(p) if prompt is None else prompt
-        timing = Timing(state.metrics)
-        lease = reserve(request, p.kwargs.get("n", 1), endpoint, "n")
-        try:
-            handles = await submit([prompt], p.kwargs, endpoint, offload=p.constrained)
-        except BaseException:
-            lease.release()
-            raise
-        return ChatRun(handles, timing, lease)
-
-    def engine_stream(gen, run: ChatRun, endpoint: str) -> StreamingResponse:
-        """The SSE response for ``gen``; it aborts the run's requests and gives its lease back when it ends."""
-        lease, run.lease = run.lease, None
-        return _EngineStream(gen, run.handles, stream_closed(endpoint, run.timing, run.handles), lease)
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=checked,
-              responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        p = prepare_chat(req)
-        run = await start_chat(p, request, "chat")
-        try:
-            if req.stream:
-                gen = chat_stream(run.handles, run.timing, p.model_name, p.tools is not None, p.single_call,
-                                  req.include_usage)
-                return engine_stream(gen, run, "chat")  # the stream gives the lease back when it ends
-            result = (await run_to_completion(request, run.handles, run.timing, "chat"))[0]
-        finally:
-            run.end()
-        return JSONResponse(chat_response(result, p.model_name, p.single_call))
-
-    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=checked,
-              responses={**_ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
-    async def completions(req: CompletionRequest, request: Request):
-        model_name = state.check_model(req.model)
-        eng = state.engine_or_503()
-        prompts = _completion_prompts(req.prompt)
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise APIError(400, "best_of must equal n (every sampled choice is returned)", param="best_of")
-        if req.suffix:
-            raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-        kwargs = req.sampling_kwargs()
-        kwargs["adapter"] = state.adapter_for(req.model)
-        response_format = req.response_format.to_engine() if req.response_format else None
-        if response_format is not None:
-            kwargs["response_format"] = response_format
-        n = req.n or 1
-        timing = Timing(state.metrics)
-        lease = reserve(request, len(prompts) * n, "completions", "prompt")
-        try:
-            # Plain-text tokenizing of text prompts when asked (the engine itself parses special tokens).
-            engine_prompts = prompts if req.allow_special_tokens else [
-                eng.encode(p, allow_special_tokens=False) if isinstance(p, str) else p for p in prompts]
-            handles = await submit(engine_prompts, kwargs, "completions", offload=response_format is not None)
-            try:  # after submit, which has checked token ids are in the vocabulary
-                echoes = [(p if isinstance(p, str) else eng.decode(p)) if req.echo else "" for p in prompts]
-            except BaseException:
-                abort_all(handles)
-                raise
-            if req.stream:
-                gen = completion_stream(handles, timing, model_name, n, echoes, req.logprobs is not None,
-                                         req.include_usage)
-                stream, lease = _EngineStream(gen, handles, stream_closed("completions", timing, handles), lease), None
-                return stream  # the stream gives the lease back when it ends
-            results = await run_to_completion(request, handles, timing, "completions")
-        finally:
-            if lease is not None:
-                lease.release()
-        return JSONResponse(completion_response(results, model_name, n, echoes, req.logprobs is not None))
-
+    # -- the APIs: OpenAI's, embeddings, Anthropic's Messages, OpenAI's Responses, on one request path -----
+    kit = ServerKit(state, checked, auth)
+    app.include_router(openai_router(kit))
     add_embedding_routes(app, state, checked, embedding_model, engine_config)
-    kit = ServerKit(state, checked, auth, prepare_chat, chat_prompt_of, start_chat, run_to_completion, engine_stream)
-    include_api_routers(app, kit)
+    app.include_router(anthropic_router(kit))
+    app.include_router(responses_router(kit))
     return app
-
-
-def _completion_prompts(prompt) -> list:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(isinstance(p, list) for p in prompt):
-        if any(not p for p in prompt):
-            raise APIError(400, "token-id prompts must not be empty", param="prompt")
-        return [list(p) for p in prompt]
-    raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-
-
-# ----------------------------------------------------------------------------------------------
-# Response bodies
-# ----------------------------------------------------------------------------------------------
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from .openai_format import APIError
+from .server_kit import wait_for_disconnect
 from .validation import safe_text
 
 
@@ -66,8 +67,6 @@ def add_embedding_routes(app: FastAPI, state, dependencies: list, embedding_mode
                          engine_config: dict | None = None) -> None:
     """Add ``/v1/embeddings`` to ``app`` (``server.create_app``): the served engine (``state``), or the
     shared engine of ``embedding_model`` (loaded on first use)."""
-    from .server import _wait_for_disconnect
-
     holder: dict = {}
 
     def embedding_engine():
@@ -94,7 +93,7 @@ def add_embedding_routes(app: FastAPI, state, dependencies: list, embedding_mode
         inputs = req.inputs()
         lease = state.shares.acquire(getattr(request.state, "parallm_key", None), len(inputs), param="input")
         work = asyncio.ensure_future(eng.aembed_results(inputs, **req.options()))
-        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        watcher = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client went away: aembed_results aborts what is still queued

@@ -5,7 +5,7 @@ makes per-request stream parsers (``feed(text) -> events``, ``finish() -> events
 grammar for constrained calls is in :mod:`tool_grammars`. Families:
 
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Qwen 2.5/3, Hermes, SmolLM,
-  the default model); arguments stream as the model writes them (``chat_format.ToolCallStreamParser``).
+  the default model); arguments stream as the model writes them (``tool_calls.ToolCallStreamParser``).
 * ``llama3_json``: Llama 3.x custom tools: the message is ``{"name": ..., "parameters": ...}``, possibly
   after ``<|python_tag|>``, several calls separated by ``;``.
 * ``harmony``: gpt-oss (:mod:`harmony`): analysis / commentary / final channels, calls addressed
@@ -15,7 +15,7 @@ grammar for constrained calls is in :mod:`tool_grammars`. Families:
   the module's ``tool_call_start`` and ``tool_call_end`` goes to its ``parse_tool_call``, as mlx-lm's
   own server does. Those calls are reported whole once their region closes.
 
-Detection (:func:`detect_format`): harmony tokens, then the parser mlx-lm chose for the tokenizer (its
+Detection (``chat_format.detect_format``): harmony tokens, then the parser mlx-lm chose for the tokenizer (its
 ``tool_parser_type`` or its inference from the template), then the Llama 3 template, then Hermes.
 """
 
@@ -25,7 +25,7 @@ import importlib
 import json
 from typing import Any
 
-from .chat_format import (
+from .tool_calls import (
     ContentDelta,
     ToolCall,
     ToolCallDelta,
@@ -267,87 +267,3 @@ class MlxLmFormat(ToolFormat):
         except Exception:  # each parser raises its own kinds (ValueError, JSONDecodeError, SyntaxError...)
             return None
         return calls_from_parsed(parsed, tool_names(tools))
-
-
-# ----------------------------------------------------------------------------------------------
-# Detection
-# ----------------------------------------------------------------------------------------------
-
-
-def _template_text(tokenizer) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates ("default", "tool_use")
-        return "\n".join(t for t in template.values() if isinstance(t, str))
-    return template if isinstance(template, str) else ""
-
-
-def _vocab(tokenizer) -> dict[str, int]:
-    try:
-        return tokenizer.get_vocab()
-    except Exception:
-        return {}
-
-
-def _mlx_parser_name(tokenizer) -> str | None:
-    """The parser mlx-lm picked when it loaded this tokenizer, else the one it would infer."""
-    try:
-        name = (getattr(tokenizer, "init_kwargs", None) or {}).get("tool_parser_type")
-    except Exception:
-        name = None
-    if not name:
-        fn = getattr(tokenizer, "tool_parser", None)
-        module = getattr(fn, "__module__", "") or ""
-        if module.startswith("mlx_lm.tool_parsers."):
-            name = module.rsplit(".", 1)[1]
-    if not name:
-        try:
-            from mlx_lm.tokenizer_utils import _infer_tool_parser
-
-            name = _infer_tool_parser(tokenizer)
-        except Exception:
-            name = None
-    return name or None
-
-
-def is_llama3_template(template: str) -> bool:
-    return "<|python_tag|>" in template or ('"parameters"' in template and "<|start_header_id|>" in template)
-
-
-def detect_format(tokenizer) -> ToolFormat:
-    """The tool-call format of the model whose tokenizer this is."""
-    from .harmony import HarmonyFormat
-
-    template = _template_text(tokenizer)
-    vocab = _vocab(tokenizer)
-    fmt: ToolFormat
-    if ("<|channel|>" in vocab and "<|message|>" in vocab) or "<|channel|>" in template:
-        fmt = HarmonyFormat()
-    else:
-        name = _mlx_parser_name(tokenizer)
-        if name == "json_tools":
-            fmt = HermesFormat()
-        elif name:
-            try:
-                fmt = MlxLmFormat(name, template)
-            except ImportError:
-                fmt = HermesFormat()
-        elif is_llama3_template(template):
-            fmt = Llama3JsonFormat()
-        else:
-            fmt = HermesFormat()
-    fmt.marker_ids = {m: vocab[m] for m in fmt.markers if m and m in vocab}
-    return fmt
-
-
-def detect_thinking(tokenizer) -> tuple[tuple[str, str] | None, tuple[tuple[int, ...], tuple[int, ...]] | None]:
-    """The reasoning markers (``<think>``, ``</think>`` and kin, as mlx-lm's TokenizerWrapper finds them in
-    the vocabulary) and their token ids; (None, None) for models without them."""
-    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
-    if isinstance(start, str) and isinstance(end, str):
-        ids = (tuple(getattr(tokenizer, "think_start_tokens", None) or ()),
-               tuple(getattr(tokenizer, "think_end_tokens", None) or ()))
-        return (start, end), (ids if ids[0] and ids[1] else None)
-    vocab = _vocab(tokenizer)
-    if "<think>" in vocab and "</think>" in vocab:  # a bare Hugging Face tokenizer
-        return ("<think>", "</think>"), ((vocab["<think>"],), (vocab["</think>"],))
-    return None, None

@@ -32,6 +32,7 @@ import functools
 import logging
 import os
 
+from .bf16_embedding import bf16_embedding_class
 from .errors import InvalidRequestError
 
 logger = logging.getLogger("parallm_engine")
@@ -60,34 +61,9 @@ def resolve_weights_dtype(value: str | None, device: str) -> str | None:
     return chosen or "float32"
 
 
-def _embedding_class():
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    class Bf16Embedding(nn.Embedding):
-        """An ``nn.Embedding`` holding bfloat16 rows whose lookups come back float32 (exact), so the
-        residual stream stays float32; a tied head (``as_linear``) promotes to float32 by itself."""
-
-        def __call__(self, x):
-            return super().__call__(x).astype(mx.float32)
-
-    Bf16Embedding.__module__, Bf16Embedding.__qualname__ = __name__, "Bf16Embedding"
-    return Bf16Embedding
-
-
-_BF16_EMBEDDING = None
-
-
-def bf16_embedding_class():
-    global _BF16_EMBEDDING
-    if _BF16_EMBEDDING is None:
-        _BF16_EMBEDDING = _embedding_class()
-    return _BF16_EMBEDDING
-
-
 def bf16_dot_kernel():
     """The native kernels' module where they run bfloat16 matmuls with AVX512_BF16, else None."""
-    from . import cpu_kernels
+    from . import cpu_kernels  # imports MLX: loaded when a bf16 matmul first runs, not with the dtype names
 
     nat = cpu_kernels._native()
     return nat if nat is not None and getattr(nat, "has_bf16_dot", lambda: False)() else None

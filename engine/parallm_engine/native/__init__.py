@@ -33,6 +33,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from ..cpu_info import cpu_features
+
 logger = logging.getLogger("parallm_engine")
 
 MODULE = "_parallm_native"
@@ -88,8 +90,6 @@ def _toolchain():
 
 
 def _cpu_flags() -> str:
-    from ..backend import cpu_features
-
     vendor, flags = cpu_features()
     return vendor + " " + " ".join(sorted(flags))
 

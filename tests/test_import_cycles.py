@@ -1,0 +1,140 @@
+"""No import cycles among ``parallm_engine``'s runtime modules.
+
+The graph is read statically (``ast``) from every ``from .x import``, ``from . import x``,
+``from parallm_engine.x import``, ``import parallm_engine.x`` and ``importlib.import_module("...")`` with a
+literal name, at module level or inside a function (a function-level import is still a dependency; hiding
+one in a function does not break a cycle).
+The benchmark / demo tooling modules are left out: they are not runtime code and will leave the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import parallm_engine
+
+PACKAGE = "parallm_engine"
+ROOT = Path(parallm_engine.__file__).resolve().parent
+
+#: Tooling, not runtime: benchmarks, the demo, the llama.cpp check, the soak's peer and traffic, test models.
+TOOLING = ("bench", "demo", "llamacpp_check", "peer_worker", "soak_traffic", "vision_tiny")
+
+
+def _is_tooling(module: str) -> bool:
+    leaf = module.rsplit(".", 1)[-1]
+    return any(leaf == name or leaf.startswith(name + "_") for name in TOOLING)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(base: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The absolute module ``from ... import`` names (its ``level`` counted from ``base``)."""
+    if node.level == 0:
+        return node.module or ""
+    package = base if is_package else base.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def _is_import_module(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or \
+        (isinstance(func, ast.Name) and func.id == "import_module")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports (anywhere in its body)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.Call) and _is_import_module(node.func) and node.args \
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                target = node.args[0].value  # importlib.import_module("pkg.mod"): a dependency all the same
+                if target.startswith("."):
+                    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                    target = package + target
+                deps.add(target)
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(name, node, path.name == "__init__.py")
+                for alias in node.names:  # ``from pkg import sub`` imports the submodule; else pkg's name
+                    sub = f"{target}.{alias.name}"
+                    deps.add(sub if sub in modules else target)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def runtime_graph() -> dict[str, set[str]]:
+    graph = import_graph()
+    return {m: {d for d in deps if not _is_tooling(d)} for m, deps in graph.items() if not _is_tooling(m)}
+
+
+def test_the_graph_sees_the_package():
+    graph = runtime_graph()
+    assert f"{PACKAGE}.engine" in graph and f"{PACKAGE}.native" in graph
+    assert f"{PACKAGE}.scheduler" in graph[f"{PACKAGE}.engine"]  # a module-level import is an edge
+    assert not any(_is_tooling(m) for m in graph)
+
+
+def test_a_function_level_import_is_an_edge():
+    graph = import_graph()
+    assert f"{PACKAGE}.registry" in graph[f"{PACKAGE}.server"]  # imported inside serve()
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_among_runtime_modules():
+    found = cycles(runtime_graph())
+    assert found == [], "import cycles among runtime modules:\n" + "\n".join(" <-> ".join(c) for c in found)

@@ -1,7 +1,7 @@
 """The engine thread's loop (``Engine`` takes it in): drain the callers' commands (submit, abort, calls
-run between steps), publish the statistics other threads read, and run steps while there is work:
-the scheduler's plan (``Scheduler.schedule``), the model runner's execution of it
-(``ModelRunner.execute``) and the scheduler's update. An allocation failure in a step preempts and
+run between steps), publish the statistics other threads read, and run steps while there is work
+(``Scheduler.step``: the scheduler's plan, ``Scheduler.schedule``; the model runner's execution of it,
+``ModelRunner.execute``; the scheduler's ``update``). An allocation failure in a step preempts and
 resumes (``memory_recovery``); any other error fails the requests in flight, and the engine keeps serving.
 """
 
@@ -135,9 +135,7 @@ class EngineLoop:
                 continue
             t0 = time.monotonic()
             try:
-                plan = sched.schedule()  # what runs this step
-                sched.runner.execute(plan)  # its forwards
-                sched.update(plan)  # what it measured
+                sched.step()  # schedule() -> runner.execute(plan) -> update(plan)
             except Exception as exc:
                 if is_allocation_failure(exc):  # preempt and resume; fails no request that can still run
                     memory_recovery.recover(sched, exc)

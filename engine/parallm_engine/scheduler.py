@@ -187,6 +187,7 @@ class Scheduler(PrefillPlanner):
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
+        """One engine step (the engine thread's loop calls it): plan, execute, update."""
         plan = self.schedule()
         self.runner.execute(plan)
         self.update(plan)

@@ -567,7 +567,7 @@ def _env(engine, quick: bool) -> dict:
         "quick": quick,
         "engine_path": engine.backend.name,
         "decode_lanes": engine.config.decode_lanes,
-        "cpu_kernels": bool(engine._scheduler._cpu_kernels),
+        "cpu_kernels": bool(engine._scheduler.runner.cpu_kernels),
         "native_kernels": engine._scheduler.native_kernels,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

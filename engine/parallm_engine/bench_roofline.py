@@ -56,7 +56,7 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
         rows.join([_Row(list(seq)) for _ in range(batch)])
         toks = mx.array([5] * batch)
         best = 1e9
-        with cpu_kernels.enabled(bool(engine._scheduler._cpu_kernels)):
+        with cpu_kernels.enabled(bool(engine._scheduler.runner.cpu_kernels)):
             for i in range(steps + 2):
                 t = time.perf_counter()
                 y = mx.argmax(rows.forward(model, toks), axis=-1)

@@ -1,5 +1,5 @@
-"""The decode step: one forward of the running batch, sampling, delivery (the model-runner part of the
-engine; the scheduler decides who runs, ``kv_manager`` what memory they may take).
+"""The decode step: one forward of the running batch, sampling, delivery (``model_runner.ModelRunner``'s
+base; the scheduler decides who runs, ``kv_cache_manager`` what memory they may take).
 
 Pipelined when no running sequence needs host state that depends on the previous token (penalties):
 the step's graph is built on the previous step's tokens while they are still being computed,

@@ -20,7 +20,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -36,12 +35,11 @@ from .sampling import SamplingParams
 from .sampling_params import apply_model_defaults
 from .spec_config import parse_speculative
 from .kv_quant import resolve_kv_bits
-from . import memory_recovery
-from .memory_recovery import is_allocation_failure
 from .memory_budget import apply_mlx_limits, mlx_limits
 from .embedding_api import EmbeddingAPI
 from .engine_api import EngineConvenienceAPI, Prompt
 from .engine_base import EngineBase
+from .engine_loop import EngineLoop
 from . import lora
 from .lora_adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, linear_dims
 from .scheduler import Scheduler, SchedulerConfig
@@ -63,21 +61,6 @@ def _shutdown_live_engines() -> None:
         eng.shutdown(timeout=30.0)
 
 
-def _default_decode_lanes() -> int:
-    """Parallel decode lanes: one per core (up to 4) on the CPU backend, one on Metal and CUDA."""
-    from .backend import choose_backend
-
-    return choose_backend().decode_lanes
-
-
-def _default_cpu_kernels() -> bool:
-    """The engine's own attention/SwiGLU (``cpu_kernels``) on the CPU backend, unless turned off
-    (``PARALLM_CPU_KERNELS=0`` or ``PARALLM_BACKEND=cpu-mlx``)."""
-    from .backend import choose_backend
-
-    return choose_backend().cpu_kernels
-
-
 #: Above this many bytes of weights, a decode step is bound by reading them: every CPU lane streams all of
 #: them, so parallel lanes slow it down. Measured on the 2-core CI machine (MKL): the 0.54 GB default model
 #: decodes 1.4x faster on 2 lanes; a 3 GB qwen3-4b-shaped model 1.9x faster on 1 (9.7 vs 5.2 tok/s).
@@ -97,7 +80,7 @@ def _weight_bytes(model) -> int:
     return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
-class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
+class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
     def __init__(
         self,
         model: str | os.PathLike | None = None,
@@ -381,26 +364,6 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         snap["adapters"] = {**self.adapters.stats(), **snap.pop("lora", {})}
         return snap
 
-    def _publish_stats(self) -> None:
-        """Engine thread only (between steps): publish what :meth:`stats` may not walk from another thread.
-        Read defensively: a monitoring snapshot must never stop the engine."""
-        sched = self._scheduler
-        gauges: dict[str, Any] = {"waiting": len(getattr(sched, "waiting", ())),
-                                  "prefilling": len(getattr(sched, "prefilling", ()))}
-        cache = getattr(sched, "prefix_cache", None)
-        if cache is not None:
-            try:
-                gauges["prefix_cache"] = cache.stats()
-            except Exception:  # noqa: BLE001
-                if not getattr(self, "_stats_warned", False):
-                    self._stats_warned = True
-                    logger.warning("could not read the prefix cache's stats", exc_info=True)
-        gauges["memory"] = sched.memory_stats()
-        rt = lora.runtime(self.model)
-        if rt is not None:  # the stacks resident in the batch (engine thread's view)
-            gauges["lora"] = rt.stats()
-        self._stats.publish(gauges)
-
     def reset_peaks(self) -> None:
         self._stats.reset_peaks()
 
@@ -408,115 +371,6 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         """Drop every prefix the radix tree holds that no running request uses; returns bytes freed."""
         cache = self._scheduler.prefix_cache
         return self.run_on_engine_thread(cache.clear_unpinned) if cache is not None else 0
-
-    # -- the engine thread ----------------------------------------------------------------------
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                cmd, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd == "add":
-                with self._lock:
-                    self._pending -= 1
-                try:
-                    self._scheduler.add(arg)
-                except Exception as exc:  # one bad request fails alone; the engine keeps serving
-                    logger.exception("could not start request %s", arg.id)
-                    self._scheduler.reject(arg, exc)
-            elif cmd == "abort":
-                with self._lock:  # counted as in flight again until the scheduler has dropped it
-                    self._aborting.discard(arg)
-                self._scheduler.abort(arg)
-            elif cmd == "call":
-                fn, box, done = arg
-                try:
-                    box.append(fn())
-                except BaseException as exc:  # handed back to the caller
-                    box.append(exc)
-                self._publish_stats()  # what the call changed (e.g. a cleared prefix cache) shows at once
-                done.set()
-
-    def run_on_engine_thread(self, fn, timeout: float | None = None):
-        """Run ``fn()`` between steps on the engine thread (for tests and maintenance)."""
-        box: list = []
-        done = threading.Event()
-        self._commands.put(("call", (fn, box, done)))
-        self._wake.set()
-        if not done.wait(timeout):
-            raise TimeoutError("engine thread did not answer")
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # the thread is dying: nobody may be left waiting on it
-            logger.critical("engine thread died", exc_info=True)
-            self._dead = self._dead or EngineDeadError(f"engine thread died: {exc!r}")
-            self._fail_waiting(self._dead)  # logged above; the thread then ends
-        finally:
-            # However the thread ends, later submits must fail fast instead of waiting forever.
-            self._dead = self._dead or EngineDeadError("engine thread stopped")
-
-    def _fail_waiting(self, error: EngineDeadError) -> None:
-        """End every request in flight and every one still queued, and answer pending calls, with
-        ``error`` (the engine thread is dying; best effort: each part on its own)."""
-        try:
-            self._scheduler.fail_all(error)
-        except BaseException:  # noqa: BLE001  (the scheduler may be what broke)
-            logger.exception("could not fail the scheduler's requests; ending each on its own")
-            out = self._scheduler.out
-            for req in list(out.requests.values()):
-                try:
-                    out.end(req, error)
-                except BaseException:  # noqa: BLE001
-                    logger.exception("could not end request %s", req.id)
-        while True:
-            try:
-                cmd, arg = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd == "add":
-                with self._lock:
-                    self._pending -= 1
-                try:
-                    self._scheduler.reject(arg, error)
-                except BaseException:  # noqa: BLE001
-                    logger.exception("could not fail queued request %s", arg.id)
-            elif cmd == "call":
-                _, box, done = arg
-                box.append(error)
-                done.set()
-
-    def _loop(self) -> None:
-        sched = self._scheduler
-        while not self._stop:
-            self._drain_commands()
-            self._publish_stats()
-            if not sched.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            t0 = time.monotonic()
-            try:
-                sched.step()
-            except Exception as exc:
-                if is_allocation_failure(exc):  # preempt and resume; fails no request that can still run
-                    memory_recovery.recover(sched, exc)
-                else:  # a bug or another MLX error: fail what is in flight, keep serving
-                    logger.exception("engine step failed; failing the requests in flight")
-                    sched.fail_all(exc)
-            self._stats.busy_time += time.monotonic() - t0
-            self._publish_stats()
-        sched.fail_all(EngineDeadError("engine was shut down"))
-        # MLX keeps per-thread streams whose destructors abort the process at exit unless the owning
-        # thread destroys them itself (mlx issue #3126 / PR #4110: call clear_streams per thread).
-        import mlx.core as mx
-
-        mx.synchronize()
-        mx.clear_streams()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._dead = self._dead or EngineDeadError("engine was shut down")

@@ -50,10 +50,6 @@ class KVFormat:
     bits: int
     group_size: int
 
-    def bytes_per_value(self) -> float:
-        """Stored bytes per K or V element, scales and biases included (float32 scales and biases)."""
-        return self.bits / 8 + 2 * 4 / self.group_size
-
 
 def resolve_kv_bits(kv_bits) -> int | None:
     """``kv_bits`` as given to ``Engine`` / ``--kv-bits`` (None: ``PARALLM_KV_BITS``): None, 0, 16 or 32

@@ -47,10 +47,10 @@ def recover(sched, exc: BaseException) -> None:
     started = {id(s) for s in [*sched.running, *sched.prefilling]}
     seqs = [s for req in list(sched.out.requests.values()) if not req.finished for s in req.sequences]
     for s in seqs:
-        sched._release_prefill(s)
+        sched.kv.release(s)
     sched.waiting.clear()
     sched.prefilling.clear()
-    sched.clear_batch()
+    sched.kv.clear()
     cache = sched.prefix_cache
     if cache is not None:
         cache.clear_unpinned()

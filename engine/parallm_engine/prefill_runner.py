@@ -1,13 +1,14 @@
 """The batched prefill forward ("attention" layout): several short contexts, each continuing its own
 cached prefix, in one forward pass per decode lane.
 
-The scheduler decides which sequences prefill together (``Scheduler._prefill``); this module builds
-their left-padded batch (``kv_cache.PrefillBatchKV``: each row's cached prefix, padded to the longest,
-then its new tokens), runs the model's own forward once per lane share, and cuts each row's KV back
-out (``PrefillBatchKV.row``). A group whose rows all continue one cached prefix (the agent fan-out)
-reads it once (cascade attention) where the engine's attention hook runs, instead of one broadcast
-copy per row. Logits are never evaluated: only the KV is kept (the last context token runs in the
-decode step). Image rows read their vision features (``vision.prefill_forward``).
+The scheduler decides which sequences prefill together (``prefill_planner``) and the model runner
+runs them (``model_runner``); this module builds their left-padded batch (``kv_cache.PrefillBatchKV``:
+each row's cached prefix, padded to the longest, then its new tokens), runs the model's own forward once
+per lane share, and cuts each row's KV back out (``PrefillBatchKV.row``). A group whose rows all
+continue one cached prefix (the agent fan-out) reads it once (cascade attention) where the engine's
+attention hook runs, instead of one broadcast copy per row. Logits are never evaluated: only the KV is
+kept (the last context token runs in the decode step). Image rows read their vision features
+(``vision.prefill_forward``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,40 @@
+"""The scheduler's plan for one engine step, which the model runner (``model_runner``) executes.
+
+``prefill`` is handed out lazily: the scheduler plans each work item once the one before it has run,
+because what comes next depends on it (the step's prefill stops on the clock, and a prompt whose
+uncached prefix another prompt of the step is computing waits for it to reach the radix tree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass
+class PrefillWork:
+    """One prefill forward (or none): ``kind`` is "chunk" (``n_tokens`` more context tokens of the one
+    sequence in ``seqs``, through its own caches), "group" (several short contexts together, all their
+    uncached tokens: ``n_tokens`` in all) or "cached" (a context the prefix cache holds whole: no forward).
+    The runner fills ``finished``: the ``(sequence, its caches)`` whose context is now prefilled."""
+
+    kind: str
+    seqs: list
+    n_tokens: int
+    finished: list = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    started: float  # perf_counter() when planning began
+    plan_s: float = 0.0  # seconds spent making room and admitting
+    admitted: list = field(default_factory=list)  # sequences moved from waiting to prefilling
+    preempted: list = field(default_factory=list)  # running sequences sent back to waiting
+    prefill: Iterator[PrefillWork] = field(default_factory=lambda: iter(()))  # planned as the runner draws them
+    joined: list = field(default_factory=list)  # sequences whose prefill ended this step (decode rows next)
+    finished: list = field(default_factory=list)  # sequences retired this step (their KV cached)
+    # Filled by the runner:
+    decode_rows: list = field(default_factory=list)  # the rows of the step's decode forward
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_s: float = 0.0

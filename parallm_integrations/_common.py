@@ -197,13 +197,6 @@ class ParaLLMParams(BaseModel):
         """How the backend treats special-token text (subclasses: their ``allow_special_tokens``)."""
         return {}
 
-    def _client(self, max_retries: int | None = None):
-        """The process-wide ``RemoteClient`` for ``base_url``, ``api_key`` and ``max_retries``."""
-        from ._remote_client import get_client
-
-        key = self.api_key.get_secret_value() if self.api_key is not None else None
-        return get_client(self.base_url, key or None, max_retries=self.max_retries if max_retries is None else max_retries)
-
     def _backend(self) -> Backend:
         """Where requests run: a server (``base_url``) or the in-process engine (``backends.backend_for``)."""
         return backend_for(self, self._backend_options(), request_model=self.model or DEFAULT_MODEL_NAME)

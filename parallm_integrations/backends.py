@@ -108,6 +108,10 @@ class Backend(ABC):
     def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         """Tokens of ``messages`` (and ``tools``) rendered with the model's chat template."""
 
+    async def aload(self, req: EngineRequest) -> None:
+        """Make sure what ``req`` runs on is up (an in-process model loads off the event loop), so a stream
+        created next renders its prompt at once."""
+
     def check_forced_call(self, req: EngineRequest, made_call: bool, finish_reason: str | None) -> None:
         """After a chat answer: warn when a forced ``tool_choice`` was ignored (only a server can ignore it)."""
 
@@ -139,6 +143,9 @@ class EngineBackend(Backend):
     async def aengine_for(self, model: str | None = None):
         """:meth:`engine_for` that never loads a model on the event loop."""
         return self._fixed if self._owner is None else await self._owner._aget_engine(model)
+
+    async def aload(self, req: EngineRequest) -> None:
+        await self.aengine_for(req.model)
 
     @property
     def engine(self):
@@ -465,8 +472,20 @@ class RemoteBackend(Backend):
 # ----------------------------------------------------------------------------------------------
 
 
+def owner_client(owner: Any, max_retries: int | None = None):
+    """The process-wide ``RemoteClient`` for ``owner``'s ``base_url``, ``api_key`` (str or SecretStr) and
+    ``max_retries`` (or the given ``max_retries``)."""
+    from ._remote_client import get_client
+
+    key = owner.api_key
+    if key is not None and hasattr(key, "get_secret_value"):
+        key = key.get_secret_value()
+    retries = owner.max_retries if max_retries is None else max_retries
+    return get_client(owner.base_url, key or None, max_retries=retries)
+
+
 def backend_for(owner: Any, options: dict[str, Any], request_model: str | None = None) -> Backend:
-    """``owner``'s backend (a ParaLLM class: ``base_url``, ``model``, ``_client(max_retries)``, ``_get_engine``
+    """``owner``'s backend (a ParaLLM class: ``base_url``, ``api_key``, ``max_retries``, ``model``, ``_get_engine``
     / ``_aget_engine``, ``_engine``, ``engine_kwargs``, and the private ``_picked_backend`` /
     ``_picked_backend_key``): a server when ``base_url`` is set, else the in-process engine. Picked on first
     use and kept; picked again only when ``base_url``, the model or ``options`` change."""
@@ -475,7 +494,7 @@ def backend_for(owner: Any, options: dict[str, Any], request_model: str | None =
     if owner._picked_backend is None or owner._picked_backend_key != key:
         if owner.base_url:
             backend: Backend = RemoteBackend(model=owner.model, request_model=request_model,
-                                             client_for=owner._client, **options)
+                                             client_for=lambda retries: owner_client(owner, retries), **options)
         else:
             backend = EngineBackend(owner=owner, allow_remote_images=getattr(owner, "allow_remote_images", None),
                                     **options)
@@ -483,4 +502,4 @@ def backend_for(owner: Any, options: dict[str, Any], request_model: str | None =
     return owner._picked_backend
 
 
-__all__ = ["Backend", "EngineBackend", "RemoteBackend", "backend_for", "check_forced_call"]
+__all__ = ["Backend", "EngineBackend", "RemoteBackend", "backend_for", "check_forced_call", "owner_client"]

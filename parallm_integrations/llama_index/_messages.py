@@ -175,6 +175,6 @@ async def amessages_to_dicts(messages) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "amessages_to_dicts", "call_to_openai", "close_schema", "close_tools", "json_schema_format", "legacy_tool_call", "message_to_dict",
-    "messages_to_dicts", "resolve_tool_choice", "tool_to_openai",
+    "amessages_to_dicts", "call_to_openai", "close_schema", "close_tools", "json_schema_format", "legacy_tool_call",
+    "message_to_dict", "messages_to_dicts", "resolve_tool_choice", "tool_to_openai",
 ]

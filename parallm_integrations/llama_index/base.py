@@ -292,14 +292,6 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         """The shared ``parallm_engine.Engine`` (loads it on first access). Not available with base_url."""
         return self._get_engine()
 
-    def _client(self, max_retries: int | None = None):
-        """The ``RemoteClient`` for base_url (shared per URL, key and retries)."""
-        from parallm_integrations._remote_client import get_client
-
-        key = self.api_key.get_secret_value() if self.api_key is not None else None
-        return get_client(self.base_url, key or None,
-                          max_retries=self.max_retries if max_retries is None else max_retries)
-
     def _backend(self) -> Backend:
         """Where requests run: the server at base_url, or the in-process engine (``backends.backend_for``)."""
         return backend_for(self, {"allow_special_tokens": self.allow_special_tokens})
@@ -382,6 +374,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         req = self._build_request(kwargs)
         req.check_streamable()
         backend = self._backend()
+        await backend.aload(req)  # the model loads off the event loop; the prompt then renders at the call
         deltas = backend.astream(await amessages_to_dicts(messages), req)
 
         async def gen() -> ChatResponseAsyncGen:
@@ -438,6 +431,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         req = self._build_request(kwargs)
         req.check_streamable()
         backend = self._backend()
+        await backend.aload(req)  # the model loads off the event loop; the prompt then renders at the call
         deltas = backend.astream(self._completion_input(prompt, formatted), req)
 
         async def gen() -> CompletionResponseAsyncGen:

@@ -45,7 +45,6 @@ from .backends import Backend
 
 #: ChatParaLLM's tools: LangChain tool objects, LangChain / OpenAI / Anthropic ``tool_choice`` spellings.
 _TOOL_RULES = ToolRules(to_openai=tools_to_openai, resolve_choice=normalize_tool_choice)
-_PROVIDER = "parallm"
 #: Default ``max_concurrency`` of a sync ``batch`` through a server (``base_url``): requests in flight at once.
 DEFAULT_REMOTE_BATCH_CONCURRENCY = 64
 

@@ -57,10 +57,11 @@ Two layers. Results have the engine's shapes, so a class's code does not care wh
    * The API key is always passed explicitly ("EMPTY" when there is none): ``OPENAI_API_KEY`` from the
      environment is never sent to a ``base_url``.
 
-2. LangChain adapters, called by ``ChatParaLLM`` / ``ParaLLM`` through ``_common.remote_function``;
-   ``llm`` supplies ``base_url``, ``api_key`` and ``max_retries``; ``params`` is ``llm._remote_params(req)``
-   (sampling settings, ``model``, ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` /
-   ``response_format``, ``timeout``)::
+2. LangChain adapters over an OpenAI-style request body ``params`` (sampling settings, ``model``, ``tools`` /
+   ``tool_choice`` / ``parallel_tool_calls`` / ``response_format``, ``timeout``), for code that holds such a
+   body; ``llm`` supplies ``base_url``, ``api_key`` and ``max_retries``. The classes themselves run through
+   :class:`parallm_integrations.backends.RemoteBackend` and map results with the same functions
+   (``_lc_results``, ``_lc_chunks``)::
 
        chat_generate(llm, messages, params, run_manager=None) -> ChatResult
        async achat_generate(llm, messages, params, run_manager=None) -> ChatResult
@@ -78,15 +79,15 @@ Two layers. Results have the engine's shapes, so a class's code does not care wh
 
    They build exactly what the in-process paths build (same ``response_metadata``, ``usage_metadata``
    with ``input_token_details.cache_read``, ``tool_call_chunks``, last chunk with
-   ``chunk_position="last"``) and fire no callbacks: the classes fire token callbacks themselves.
+   ``chunk_position="last"``) and fire no callbacks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._common import PROVIDER as _PROVIDER
-from ._common import chat_result
+from ._lc_chunks import _ChatChunks
+from ._lc_results import chat_result, final_text_chunk, llm_result, text_chunk
 from ._remote_client import (  # noqa: F401  (re-exported: the engine-shaped layer)
     DEFAULT_MODEL_ALIASES,
     RemoteChoice,
@@ -99,11 +100,7 @@ from ._remote_client import (  # noqa: F401  (re-exported: the engine-shaped lay
     _StreamState,
     get_client,
 )
-
-
-# ----------------------------------------------------------------------------------------------
-# LangChain adapters
-# ----------------------------------------------------------------------------------------------
+from .backends import check_forced_call
 
 
 def client_for(llm) -> RemoteClient:
@@ -116,38 +113,14 @@ def client_for(llm) -> RemoteClient:
 
 
 def _split_params(params: dict[str, Any]) -> dict[str, Any]:
-    """``_remote_params`` output -> RemoteClient keyword arguments."""
+    """A request body -> RemoteClient keyword arguments."""
     kw = dict(params)
     kw.pop("stream", None)
     kw.pop("stream_options", None)
     return kw
 
 
-_warned_tool_choice: set[str] = set()
-
-
-def check_forced_call(base_url: str, params: dict[str, Any], made_call: bool, finish_reason: str | None) -> None:
-    """A forced ``tool_choice`` ("required" / "any" / a named tool) answered without a call: the server
-    ignored it (llama.cpp's server does for templates without tool support). Warn once per server; callers
-    that cannot go on without a call (``with_structured_output(method="function_calling")``) raise."""
-    choice = params.get("tool_choice")
-    if made_call or choice in (None, "auto", "none") or finish_reason == "length" or not params.get("tools"):
-        return
-    if base_url in _warned_tool_choice:
-        return
-    _warned_tool_choice.add(base_url)
-    import warnings
-
-    warnings.warn(
-        f"the server at {base_url} answered a forced tool_choice ({choice!r}) without a tool call: it ignores "
-        "tool_choice (llama.cpp's server does for chat templates without tool support). Use a server that "
-        "enforces it (parallm serve, vLLM) or check AIMessage.tool_calls. (Said once per server.)",
-        UserWarning, stacklevel=4,
-    )
-
-
 def _to_chat_result(llm, result: RemoteResult, params: dict[str, Any]):
-    """As the in-process path builds it (``_common.chat_result``: tool calls and invalid tool calls alike)."""
     for choice in result.choices:
         check_forced_call(llm.base_url, params, bool(choice.tool_calls), choice.finish_reason)
     return chat_result(result, result.model or str(params.get("model")), params.get("parallel_tool_calls") is False)
@@ -161,67 +134,6 @@ async def achat_generate(llm, messages: list[dict], params: dict[str, Any], run_
     return _to_chat_result(llm, await client_for(llm).achat(messages, **_split_params(params)), params)
 
 
-class _ChatChunks:
-    """RemoteDelta -> ChatGenerationChunk, as the in-process ``_ChunkBuilder`` builds them."""
-
-    def __init__(self, params: dict[str, Any]):
-        self.model_name = str(params.get("model"))
-        self.single_call = params.get("parallel_tool_calls") is False
-        self.finish_reason: str | None = None
-        self.usage = None
-        self.saw_call = False
-        self.model: str | None = None
-        self.request_id: str | None = None
-        self.fingerprint: str | None = None
-
-    def feed(self, delta: RemoteDelta):
-        from langchain_core.messages import AIMessageChunk
-        from langchain_core.messages.tool import tool_call_chunk
-        from langchain_core.outputs import ChatGenerationChunk
-
-        from ._messages import logprobs_to_openai
-
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-        if delta.usage is not None:
-            self.usage = delta.usage
-        self.model = delta.model or self.model
-        self.request_id = self.request_id or delta.request_id or None
-        self.fingerprint = delta.system_fingerprint or self.fingerprint
-        if delta.reasoning:  # never part of the answer (as the in-process _ChunkBuilder does)
-            yield ChatGenerationChunk(message=AIMessageChunk(content="",
-                                                             additional_kwargs={"reasoning_content": delta.reasoning}))
-        for ev in delta.tool_calls:
-            if self.single_call and ev.index > 0:
-                continue
-            self.saw_call = True
-            yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(
-                name=ev.name or None, args=ev.arguments_delta or "", id=ev.id or None, index=ev.index)]))
-        logprobs = logprobs_to_openai(delta.logprobs)
-        if delta.text or logprobs:
-            info = {"logprobs": logprobs} if logprobs else None
-            msg = AIMessageChunk(content=delta.text, response_metadata=dict(info) if info else {})
-            yield ChatGenerationChunk(message=msg, generation_info=info)
-
-    def finish(self):
-        from langchain_core.messages import AIMessageChunk
-        from langchain_core.outputs import ChatGenerationChunk
-
-        from ._common import response_metadata
-        from ._messages import usage_metadata
-
-        finish_reason = self.finish_reason
-        if self.saw_call and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        meta = response_metadata(finish_reason, self.model or self.model_name, self.request_id, self.usage,
-                                 self.fingerprint)
-        return ChatGenerationChunk(
-            message=AIMessageChunk(content="", usage_metadata=usage_metadata(self.usage), response_metadata=meta,
-                                   chunk_position="last"),
-            generation_info={"finish_reason": finish_reason},
-        )
-
-
 def chat_stream(llm, messages: list[dict], params: dict[str, Any], run_manager=None):
     builder = _ChatChunks(params)
     stream = client_for(llm).chat_stream(messages, **_split_params(params))
@@ -231,7 +143,7 @@ def chat_stream(llm, messages: list[dict], params: dict[str, Any], run_manager=N
     finally:
         stream.close()
     check_forced_call(llm.base_url, params, builder.saw_call, builder.finish_reason)
-    yield builder.finish()
+    yield from builder.finish()
 
 
 async def achat_stream(llm, messages: list[dict], params: dict[str, Any], run_manager=None):
@@ -244,32 +156,12 @@ async def achat_stream(llm, messages: list[dict], params: dict[str, Any], run_ma
     finally:
         await stream.aclose()
     check_forced_call(llm.base_url, params, builder.saw_call, builder.finish_reason)
-    yield builder.finish()
+    for chunk in builder.finish():
+        yield chunk
 
 
 def _llm_result(results: list[RemoteResult], params: dict[str, Any]):
-    from langchain_core.outputs import Generation, LLMResult
-
-    from ._messages import logprobs_to_openai, token_usage_dict
-
-    generations = []
-    total = Usage()
-    for r in results:
-        gens = []
-        for c in r.choices:
-            info: dict[str, Any] = {"finish_reason": c.finish_reason}
-            logprobs = logprobs_to_openai(c.logprobs)
-            if logprobs:
-                info["logprobs"] = logprobs
-            gens.append(Generation(text=c.text, generation_info=info))
-        generations.append(gens)
-        total.prompt_tokens += r.usage.prompt_tokens
-        total.completion_tokens += r.usage.completion_tokens
-        total.cached_tokens += r.usage.cached_tokens
-    model_name = (results[0].model if results else None) or str(params.get("model"))
-    return LLMResult(generations=generations,
-                     llm_output={"token_usage": token_usage_dict(total), "model_name": model_name,
-                                 "model_provider": _PROVIDER})
+    return llm_result(results, (results[0].model if results else None) or str(params.get("model")))
 
 
 def completion_generate(llm, prompts: list[str], params: dict[str, Any], run_manager=None):
@@ -280,29 +172,6 @@ async def acompletion_generate(llm, prompts: list[str], params: dict[str, Any], 
     return _llm_result(await client_for(llm).agenerate(list(prompts), **_split_params(params)), params)
 
 
-def _text_chunk(delta: RemoteDelta):
-    from langchain_core.outputs import GenerationChunk
-
-    from ._messages import logprobs_to_openai
-
-    logprobs = logprobs_to_openai(delta.logprobs)
-    if not delta.text and not logprobs:
-        return None
-    return GenerationChunk(text=delta.text, generation_info={"logprobs": logprobs} if logprobs else None)
-
-
-def _final_text_chunk(params, finish_reason, usage):
-    from langchain_core.outputs import GenerationChunk
-
-    from ._messages import token_usage_dict
-
-    info: dict[str, Any] = {"finish_reason": finish_reason, "model_name": str(params.get("model")),
-                            "model_provider": _PROVIDER}
-    if usage is not None:
-        info["token_usage"] = token_usage_dict(usage)
-    return GenerationChunk(text="", generation_info=info)
-
-
 def completion_stream(llm, prompt: str, params: dict[str, Any], run_manager=None):
     finish_reason, usage = None, None
     stream = client_for(llm).stream(prompt, **_split_params(params))
@@ -310,12 +179,12 @@ def completion_stream(llm, prompt: str, params: dict[str, Any], run_manager=None
         for delta in stream:
             finish_reason = delta.finish_reason or finish_reason
             usage = delta.usage or usage
-            chunk = _text_chunk(delta)
+            chunk = text_chunk(delta)
             if chunk is not None:
                 yield chunk
     finally:
         stream.close()
-    yield _final_text_chunk(params, finish_reason, usage)
+    yield final_text_chunk(str(params.get("model")), finish_reason, usage)
 
 
 async def acompletion_stream(llm, prompt: str, params: dict[str, Any], run_manager=None):
@@ -325,12 +194,12 @@ async def acompletion_stream(llm, prompt: str, params: dict[str, Any], run_manag
         async for delta in stream:
             finish_reason = delta.finish_reason or finish_reason
             usage = delta.usage or usage
-            chunk = _text_chunk(delta)
+            chunk = text_chunk(delta)
             if chunk is not None:
                 yield chunk
     finally:
         await stream.aclose()
-    yield _final_text_chunk(params, finish_reason, usage)
+    yield final_text_chunk(str(params.get("model")), finish_reason, usage)
 
 
 def get_token_ids(llm, text: str) -> list[int]:

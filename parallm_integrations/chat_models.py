@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
@@ -12,8 +11,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.model_profile import ModelProfile
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, convert_to_messages
-from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.messages import AIMessage, BaseMessage, convert_to_messages
 from langchain_core.exceptions import OutputParserException
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
@@ -27,28 +25,26 @@ from pydantic import model_validator
 
 from ._common import (
     DEFAULT_MODEL_NAME,
-    EngineCall,
     EngineRequest,
     ParaLLMParams,
-    chat_result,
+    ToolRules,
     combine_llm_outputs,
     peek_context_window,
-    response_metadata,
-    remote_function,
 )
+from ._lc_chunks import _ChatChunks, _ChunkBuilder
+from ._lc_results import chat_result
 from ._messages import (
-    close_tool_schemas,
-    logprobs_to_openai,
     messages_to_dicts,
     normalize_response_format,
     normalize_tool_choice,
     schema_response_format,
     tool_names,
     tools_to_openai,
-    usage_metadata,
 )
+from .backends import Backend
 
-_PROVIDER = "parallm"
+#: ChatParaLLM's tools: LangChain tool objects, LangChain / OpenAI / Anthropic ``tool_choice`` spellings.
+_TOOL_RULES = ToolRules(to_openai=tools_to_openai, resolve_choice=normalize_tool_choice)
 #: Default ``max_concurrency`` of a sync ``batch`` through a server (``base_url``): requests in flight at once.
 DEFAULT_REMOTE_BATCH_CONCURRENCY = 64
 
@@ -71,72 +67,6 @@ def _fan_out_config(
         for c in configs:
             c["max_concurrency"] = default
     return configs  # type: ignore[return-value]
-
-
-class _ChunkBuilder:
-    """Turns one request's engine deltas into ``ChatGenerationChunk``s by mapping the engine's typed pieces
-    (``StreamDelta.pieces``, ``parallm_engine.typed_output``): content, reasoning, ``tool_call_chunks``;
-    usage / finish reason / model name / id exactly once, on the last chunk (``chunk_position="last"``).
-    Nothing is parsed here, so the chunks add up to what ``invoke`` returns."""
-
-    def __init__(self, model_name: str, parallel_tool_calls: bool | None):
-        self.model_name = model_name
-        self.single_call = parallel_tool_calls is False
-        self.finish_reason: str | None = None
-        self.usage = None
-        self.request_id: str | None = None
-
-    def _content(self, text: str, logprobs=None) -> ChatGenerationChunk:
-        info = {"logprobs": logprobs} if logprobs else None
-        msg = AIMessageChunk(content=text, response_metadata=dict(info) if info else {})
-        return ChatGenerationChunk(message=msg, generation_info=info)
-
-    def _pieces(self, pieces) -> Iterator[ChatGenerationChunk]:
-        for ev in pieces:
-            if hasattr(ev, "arguments_delta"):  # ToolCallDelta: a call starts (id, name) or its arguments grow
-                if self.single_call and ev.index > 0:
-                    continue
-                yield ChatGenerationChunk(
-                    message=AIMessageChunk(
-                        content="",
-                        tool_call_chunks=[
-                            tool_call_chunk(
-                                name=ev.name if ev.id is not None else None, args=ev.arguments_delta or "",
-                                id=ev.id or None, index=ev.index,
-                            )
-                        ],
-                    )
-                )
-            elif getattr(ev, "reasoning", ""):  # ReasoningDelta: never part of the answer
-                yield ChatGenerationChunk(
-                    message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": ev.reasoning})
-                )
-            elif hasattr(ev, "calls"):  # Finish: the finish reason as the engine decided it
-                self.finish_reason = ev.reason
-            elif getattr(ev, "text", ""):
-                yield self._content(ev.text)
-
-    def feed(self, delta) -> Iterator[ChatGenerationChunk]:
-        self.request_id = self.request_id or getattr(delta, "request_id", None)
-        if delta.finish_reason is not None and self.finish_reason is None:
-            self.finish_reason = delta.finish_reason
-        if delta.usage is not None:
-            self.usage = delta.usage
-        yield from self._pieces(delta.pieces)
-        logprobs = logprobs_to_openai(delta.logprobs)
-        if logprobs:
-            yield self._content("", logprobs)
-
-    def finish(self, result=None) -> Iterator[ChatGenerationChunk]:
-        usage = self.usage if self.usage is not None else getattr(result, "usage", None)
-        finish_reason = self.finish_reason or getattr(result, "finish_reason", None)
-        meta = response_metadata(finish_reason, self.model_name, self.request_id, usage)
-        yield ChatGenerationChunk(
-            message=AIMessageChunk(
-                content="", usage_metadata=usage_metadata(usage), response_metadata=meta, chunk_position="last"
-            ),
-            generation_info={"finish_reason": finish_reason},
-        )
 
 
 def _require_tool_call(message: AIMessage) -> AIMessage:
@@ -295,50 +225,28 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             self.profile = ModelProfile(**{**self.profile, "max_input_tokens": int(engine.context_window)})
 
     # -- requests --------------------------------------------------------------------------------
+    def _backend_options(self) -> dict[str, Any]:
+        return {"allow_special_tokens": self.allow_special_tokens}
+
     def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> EngineRequest:
-        req = self._build_request(stop, kwargs)
-        if req.tools:
-            req.tools = tools_to_openai(req.tools)
-            req.tool_choice = normalize_tool_choice(req.tool_choice, tool_names(req.tools))
-            if req.tool_choice == "none":  # nothing may be called: do not even show the tools
-                req.tools, req.tool_choice = None, None
-            else:
-                # The prompt shows the tools as given; decoding is constrained to closed schemas, so a
-                # forced call carries only declared arguments.
-                req.engine_tools = close_tool_schemas(req.tools)
-        else:
-            req.tools, req.tool_choice = None, None
-        req.response_format = normalize_response_format(req.response_format)
-        return req
+        return self._build_request(stop, kwargs, _TOOL_RULES)
 
-    def _prompt(self, engine, messages: list[BaseMessage], req: EngineRequest):
-        dicts = messages_to_dicts(messages)
-        if any(isinstance(m.get("content"), list) for m in dicts):  # images: a vision-language prompt
-            from parallm_engine.vision_chat import chat_prompt
+    def _chat_result(self, backend: Backend, result, req: EngineRequest) -> ChatResult:
+        # The engine (or the server) parsed the tool calls (it was given the tools): content and calls come from it.
+        for choice in result.choices:
+            backend.check_forced_call(req, bool(choice.tool_calls), choice.finish_reason)
+        return chat_result(result, backend.result_model(req, result), single_call=req.parallel_tool_calls is False)
 
-            return chat_prompt(engine, dicts, req.tools, {"allow_remote_images": self.allow_remote_images})
-        return engine.apply_chat_template(dicts, tools=req.tools, allow_special_tokens=self.allow_special_tokens)
+    @staticmethod
+    def _chunk_builder(backend: Backend, req: EngineRequest) -> _ChunkBuilder | _ChatChunks:
+        if backend.is_remote:  # a server's deltas: tool calls as it sent them
+            return _ChatChunks({"parallel_tool_calls": req.parallel_tool_calls})
+        return _ChunkBuilder("", req.parallel_tool_calls)  # the engine's typed pieces
 
-    async def _aprompt(self, engine, messages: list[BaseMessage], req: EngineRequest):
-        """:meth:`_prompt` for the async paths: a chat with content lists (images) is prepared on a worker
-        thread (decoding, hashing, the image processor), never on the event loop."""
-        if any(isinstance(m.content, list) for m in messages):
-            return await asyncio.to_thread(self._prompt, engine, messages, req)
-        return self._prompt(engine, messages, req)
-
-    def _remote_params(self, req: EngineRequest) -> dict[str, Any]:
-        params = super()._remote_params(req)
-        if self.allow_special_tokens:  # a ParaLLM extension: sent only when it differs from the default
-            params["allow_special_tokens"] = True
-        return params
-
-    def _check_streamable(self, req: EngineRequest) -> None:
-        if (req.sampling.get("n") or 1) > 1:
-            raise ValueError("n must be 1 when streaming")
-
-    def _chat_result(self, result, req: EngineRequest, model_name: str) -> ChatResult:
-        # The engine parsed the tool calls (it was given the tools): content and calls come from it.
-        return chat_result(result, model_name, single_call=req.parallel_tool_calls is False)
+    def _finish_stream(self, backend: Backend, builder, req: EngineRequest) -> Iterator[ChatGenerationChunk]:
+        backend.check_forced_call(req, builder.saw_call, builder.finish_reason)
+        builder.model_name = backend.result_model(req)
+        yield from builder.finish()
 
     # -- LangChain hooks -------------------------------------------------------------------------
     def _generate(
@@ -349,15 +257,8 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         req = self._request(stop, kwargs)
-        if self.base_url:
-            return remote_function("chat_generate")(
-                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
-            )
-        engine = self._get_engine(req.model)
-        call = EngineCall(engine, self._prompt(engine, messages, req), req)
-        for _ in call:
-            pass
-        return self._chat_result(call.result, req, engine.model_name)
+        backend = self._backend()
+        return self._chat_result(backend, backend.run(messages_to_dicts(messages), req), req)
 
     async def _agenerate(
         self,
@@ -367,15 +268,8 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         req = self._request(stop, kwargs)
-        if self.base_url:
-            return await remote_function("achat_generate")(
-                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
-            )
-        engine = await self._aget_engine(req.model)
-        call = EngineCall(engine, await self._aprompt(engine, messages, req), req, loop=asyncio.get_running_loop())
-        async for _ in call:
-            pass
-        return self._chat_result(call.result, req, engine.model_name)
+        backend = self._backend()
+        return self._chat_result(backend, await backend.arun(messages_to_dicts(messages), req), req)
 
     def _stream(
         self,
@@ -386,23 +280,16 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         # Token callbacks are fired by BaseChatModel.stream / _generate_with_cache, not here.
         req = self._request(stop, kwargs)
-        self._check_streamable(req)
-        if self.base_url:
-            yield from remote_function("chat_stream")(
-                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
-            )
-            return
-        engine = self._get_engine(req.model)
-        prompt = self._prompt(engine, messages, req)
-        builder = _ChunkBuilder(engine.model_name, req.parallel_tool_calls)
-        call = EngineCall(engine, prompt, req)
-        iterator = iter(call)
+        req.check_streamable()
+        backend = self._backend()
+        deltas = backend.stream(messages_to_dicts(messages), req)
+        builder = self._chunk_builder(backend, req)
         try:
-            for delta in iterator:
+            for delta in deltas:
                 yield from builder.feed(delta)
         finally:
-            iterator.close()  # aborts the request if the consumer stopped early
-        yield from builder.finish(call.result)
+            deltas.close()  # aborts the request if the consumer stopped early
+        yield from self._finish_stream(backend, builder, req)
 
     async def _astream(
         self,
@@ -412,25 +299,17 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         req = self._request(stop, kwargs)
-        self._check_streamable(req)
-        if self.base_url:
-            async for chunk in remote_function("achat_stream")(
-                self, messages_to_dicts(messages), self._remote_params(req), run_manager=run_manager
-            ):
-                yield chunk
-            return
-        engine = await self._aget_engine(req.model)
-        prompt = await self._aprompt(engine, messages, req)
-        builder = _ChunkBuilder(engine.model_name, req.parallel_tool_calls)
-        call = EngineCall(engine, prompt, req, loop=asyncio.get_running_loop())
-        iterator = call.__aiter__()
+        req.check_streamable()
+        backend = self._backend()
+        deltas = backend.astream(messages_to_dicts(messages), req)
+        builder = self._chunk_builder(backend, req)
         try:
-            async for delta in iterator:
+            async for delta in deltas:
                 for chunk in builder.feed(delta):
                     yield chunk
         finally:
-            await iterator.aclose()  # aborts the request if the consumer stopped early
-        for chunk in builder.finish(call.result):
+            await deltas.aclose()  # aborts the request if the consumer stopped early
+        for chunk in self._finish_stream(backend, builder, req):
             yield chunk
 
     # -- batching --------------------------------------------------------------------------------
@@ -439,12 +318,9 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         twice the engine's decode batch (``max_batch_size``, 64 by default: 128), so the batch stays full and
         the next requests already wait in the engine's queue; through a server,
         :data:`DEFAULT_REMOTE_BATCH_CONCURRENCY`."""
-        if self.base_url:
+        size = self._backend().decode_batch_size()
+        if size is None:  # a server
             return DEFAULT_REMOTE_BATCH_CONCURRENCY
-        try:
-            size = self._get_engine().config.max_batch_size
-        except Exception:  # the model does not load: each input reports that itself
-            size = 64
         return 2 * int(size or 64)
 
     def batch(
@@ -530,14 +406,10 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             return super().get_num_tokens_from_messages(convert_to_messages(messages), tools=tools)
         openai_messages = messages_to_dicts(messages)
         openai_tools = tools_to_openai(tools) if tools else None
-        if self.base_url:
-            try:
-                return remote_function("get_num_tokens_from_messages")(self, openai_messages, tools=openai_tools)
-            except NotImplementedError:  # no /tokenize on this server
-                return super().get_num_tokens_from_messages(convert_to_messages(messages), tools=tools)
-        ids = self._get_engine().apply_chat_template(openai_messages, tools=openai_tools, add_generation_prompt=False,
-                                                     allow_special_tokens=self.allow_special_tokens)
-        return len(ids)
+        try:
+            return self._backend().count_chat_tokens(openai_messages, openai_tools)
+        except NotImplementedError:  # no /tokenize on this server
+            return super().get_num_tokens_from_messages(convert_to_messages(messages), tools=tools)
 
     # -- tools -----------------------------------------------------------------------------------
     def bind_tools(

@@ -141,20 +141,17 @@ def test_fields_aliases_and_ls_params():
 
 
 def test_base_url_never_touches_the_local_engine(monkeypatch):
-    """With base_url set, every path goes to parallm_integrations._remote, with OpenAI-shaped input."""
-    import parallm_integrations._common as common
+    """With base_url set, every path goes to the server's client (through ``backends.RemoteBackend``), with
+    OpenAI-shaped input."""
+    from parallm_integrations._remote_client import RemoteChoice, RemoteClient, RemoteResult
 
     seen = {}
 
-    def fake(name):
-        def call(llm, messages, params, run_manager=None):
-            seen[name] = (messages, params)
-            return ChatResult(generations=[ChatGeneration(message=AIMessage("remote"))])
+    def fake_chat(self, messages, **params):
+        seen["chat_generate"] = (messages, params)
+        return RemoteResult("r", [RemoteChoice(0, "remote", "stop", content="remote")])
 
-        return call
-
-    monkeypatch.setattr(common, "remote_function", fake)
-    monkeypatch.setattr("parallm_integrations.chat_models.remote_function", fake)
+    monkeypatch.setattr(RemoteClient, "chat", fake_chat)
     llm = ChatParaLLM(base_url="http://127.0.0.1:9/v1", temperature=0, max_tokens=5)
     msg = llm.bind_tools([get_weather], tool_choice="any").invoke("hi", stop=["x"])
     assert msg.content == "remote" and llm._engine is None

@@ -119,7 +119,7 @@ def test_message_conversion_for_tool_history():
 
 def test_completion_prompt_modes(engine):
     from parallm_integrations._common import EngineRequest
-    from parallm_integrations.llama_index._backends import EngineBackend
+    from parallm_integrations.backends import EngineBackend
 
     llm = ParaLLMLlamaIndex(system_prompt="Be brief.")
     msgs = llm._completion_input("Hi there", formatted=False)  # one user turn of the chat template

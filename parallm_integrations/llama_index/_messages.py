@@ -4,6 +4,7 @@ OpenAI-compatible server) takes: message dicts for the model's chat template, Op
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -165,7 +166,15 @@ def json_schema_format(output_cls: type[BaseModel]) -> dict[str, Any]:
                             "strict": True}}
 
 
+async def amessages_to_dicts(messages) -> list[dict[str, Any]]:
+    """``messages_to_dicts`` for the async paths: messages with image blocks (read and base64-encoded)
+    are converted on a worker thread, never on the event loop."""
+    if any(isinstance(b, ImageBlock) for m in messages for b in (getattr(m, "blocks", None) or [])):
+        return await asyncio.to_thread(messages_to_dicts, messages)
+    return messages_to_dicts(messages)
+
+
 __all__ = [
-    "call_to_openai", "close_schema", "close_tools", "json_schema_format", "legacy_tool_call", "message_to_dict",
-    "messages_to_dicts", "resolve_tool_choice", "tool_to_openai",
+    "amessages_to_dicts", "call_to_openai", "close_schema", "close_tools", "json_schema_format", "legacy_tool_call",
+    "message_to_dict", "messages_to_dicts", "resolve_tool_choice", "tool_to_openai",
 ]

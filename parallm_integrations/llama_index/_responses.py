@@ -1,6 +1,6 @@
 """Engine-shaped results -> LlamaIndex responses.
 
-Both backends (``_backends``: the in-process engine and an OpenAI-compatible server) give results and
+Both backends (``parallm_integrations.backends``: the in-process engine and an OpenAI-compatible server) give results and
 deltas with the engine's fields (``GenerationResult`` / ``StreamDelta``; a server's are ``RemoteResult`` /
 ``RemoteDelta``), so the ``ChatResponse`` / ``CompletionResponse`` objects are built here once. Finished
 results carry the tool calls the engine (or the server) parsed; nothing is re-parsed here. In streams the

@@ -106,3 +106,26 @@ async def astream_objects(responses: AsyncIterator, output_cls) -> AsyncIterator
 
 
 __all__ = ["StructuredStream", "astream_objects", "partial_json", "stream_objects"]
+
+
+def structured_messages(messages: list, output_cls: type) -> list:
+    """``messages`` with the JSON schema of ``output_cls`` in the system message (added, or appended to)."""
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole
+
+    hint = ("Answer with a JSON object that matches this JSON schema:\n"
+            + json.dumps(output_cls.model_json_schema(), ensure_ascii=False))
+    if messages and messages[0].role == MessageRole.SYSTEM:
+        first = messages[0]
+        return [ChatMessage(role=MessageRole.SYSTEM, content=f"{first.content or ''}\n\n{hint}"), *messages[1:]]
+    return [ChatMessage(role=MessageRole.SYSTEM, content=hint), *messages]
+
+
+def parse_structured(output_cls: type, response) -> Any:
+    """The finished answer as an ``output_cls`` instance; a JSON cut off by max_tokens says so."""
+    text = response.message.content or ""
+    if (response.raw or {}).get("finish_reason") == "length":
+        raise ValueError(
+            f"structured output for {output_cls.__name__} was cut off by max_tokens before the JSON was "
+            f"complete: {text!r}. Raise max_tokens."
+        )
+    return output_cls.model_validate_json(text)

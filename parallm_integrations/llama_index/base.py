@@ -15,16 +15,14 @@ Many concurrent calls from anywhere in the process become concurrent requests in
 
 With ``base_url`` the same requests go to a server through the official ``openai`` client (async calls on
 ``AsyncOpenAI``; leaving a stream closes the HTTP stream, which aborts the request on ``parallm serve``,
-vLLM and SGLang). Requests and responses are built by the same code either way (``_backends``).
+vLLM and SGLang). Requests and responses are built by the same code either way (``parallm_integrations.backends``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +34,6 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     CompletionResponseAsyncGen,
     CompletionResponseGen,
-    ImageBlock,
     LLMMetadata,
     MessageRole,
     ToolCallBlock,
@@ -55,24 +52,23 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.llms.utils import parse_partial_json
 from llama_index.core.types import PydanticProgramMode
 
-from parallm_integrations._common import (
-    DEFAULT_MODEL_NAME,
-    EngineRequest,
-    check_priority,
-    check_sampling,
-    is_default_model,
-    peek_context_window,
-    resolve_engine,
-)
-from parallm_integrations.llama_index._backends import EngineBackend, RemoteBackend
+from parallm_integrations._engine_calls import resolve_engine
+from parallm_integrations._request import EngineRequest, ToolRules, build_request, check_sampling
+from parallm_integrations.backends import Backend, backend_for, same_model
 from parallm_integrations.llama_index._messages import (  # noqa: F401  (message_to_dict: re-exported)
-    close_tools,
+    amessages_to_dicts,
     json_schema_format,
     legacy_tool_call,
     message_to_dict,
     messages_to_dicts,
     resolve_tool_choice,
     tool_to_openai,
+)
+from parallm_integrations.llama_index._structured import (
+    astream_objects,
+    parse_structured,
+    stream_objects,
+    structured_messages,
 )
 from parallm_integrations.llama_index._responses import (
     ChatStream,
@@ -95,8 +91,11 @@ _LLAMA_INDEX_ONLY_KWARGS = ("formatted", "verbose", "strict", "stream", "tool_re
 #: Object fields that are engine sampling settings (OpenAI names).
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "speculative")
-#: After /v1/models could not be read, metadata uses the fallback context window this long before asking again.
-_REMOTE_INFO_RETRY_S = 30.0
+#: LlamaIndex's tools: its tool objects or OpenAI dicts; its tool_choice spellings; a forced call is one call
+#: unless parallel calls are asked for.
+_TOOL_RULES = ToolRules(to_openai=lambda tools: [tool_to_openai(t) for t in tools],
+                        resolve_choice=lambda choice, names: resolve_tool_choice(choice, False, names),
+                        one_forced_call=True)
 
 
 def _env_secret(name: str):
@@ -110,14 +109,6 @@ def _env_secret(name: str):
 # --------------------------------------------------------------------------------------------
 # The LLM
 # --------------------------------------------------------------------------------------------
-
-
-async def _amessages_to_dicts(messages) -> list[dict[str, Any]]:
-    """``messages_to_dicts`` for the async paths: messages with image blocks (read and base64-encoded)
-    are converted on a worker thread, never on the event loop."""
-    if any(isinstance(b, ImageBlock) for m in messages for b in (getattr(m, "blocks", None) or [])):
-        return await asyncio.to_thread(messages_to_dicts, messages)
-    return messages_to_dicts(messages)
 
 
 class ParaLLMLlamaIndex(FunctionCallingLLM):
@@ -259,7 +250,8 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     )
 
     _engine: Any = PrivateAttr(default=None)
-    _remote_retry_at: float = PrivateAttr(default=0.0)  # /v1/models failed: fall back until then
+    _picked_backend: Any = PrivateAttr(default=None)
+    _picked_backend_key: tuple = PrivateAttr(default=())
 
     @model_validator(mode="after")
     def _check_sampling(self):
@@ -273,51 +265,36 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         return "ParaLLMLlamaIndex"
 
     # -- where requests run ---------------------------------------------------------------------
-    def _get_engine(self):
-        """The shared engine; created (the model loaded, a few seconds) on first use."""
+    def _get_engine(self, model: str | None = None):
+        """The shared engine (for a per-call ``model``, that model's); created (the model loaded, a few
+        seconds) on first use."""
         if self.base_url:
             raise RuntimeError(
                 f"this ParaLLMLlamaIndex sends its requests to the server at base_url={self.base_url!r}; it has no "
                 "in-process engine (drop base_url to run the model in this process)"
             )
+        if not same_model(model, self.model):
+            return resolve_engine(model, self.engine_kwargs)
         eng = self._engine
         if eng is None or not eng.is_alive:
             eng = resolve_engine(self.model, self.engine_kwargs)
             self._engine = eng
         return eng
 
-    async def _aget_engine(self):
+    async def _aget_engine(self, model: str | None = None):
         eng = self._engine
-        if eng is not None and eng.is_alive:
+        if same_model(model, self.model) and eng is not None and eng.is_alive:
             return eng
-        return await asyncio.to_thread(self._get_engine)  # never load on the event loop
+        return await asyncio.to_thread(self._get_engine, model)  # never load on the event loop
 
     @property
     def engine(self):
         """The shared ``parallm_engine.Engine`` (loads it on first access). Not available with base_url."""
         return self._get_engine()
 
-    def _client(self, max_retries: int | None = None):
-        """The ``RemoteClient`` for base_url (shared per URL, key and retries)."""
-        from parallm_integrations._remote import get_client
-
-        key = self.api_key.get_secret_value() if self.api_key is not None else None
-        return get_client(self.base_url, key or None,
-                          max_retries=self.max_retries if max_retries is None else max_retries)
-
-    def _backend(self) -> EngineBackend | RemoteBackend:
-        if self.base_url:
-            return RemoteBackend(self._client(), self.model, self.allow_special_tokens)
-        return EngineBackend(self._get_engine(), self.allow_special_tokens)
-
-    async def _abackend(self) -> EngineBackend | RemoteBackend:
-        if self.base_url:
-            return RemoteBackend(self._client(), self.model, self.allow_special_tokens)
-        return EngineBackend(await self._aget_engine(), self.allow_special_tokens)
-
-    @staticmethod
-    def _model_name(backend: EngineBackend | RemoteBackend, item: Any) -> str:
-        return getattr(item, "model", None) or backend.model_name  # a server reports the name it serves
+    def _backend(self) -> Backend:
+        """Where requests run: the server at base_url, or the in-process engine (``backends.backend_for``)."""
+        return backend_for(self, {"allow_special_tokens": self.allow_special_tokens})
 
     # -- metadata -------------------------------------------------------------------------------
     @property
@@ -326,24 +303,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         the model's config (or an engine that is already up). With base_url, the context window is the
         server's ``max_model_len`` (``GET /v1/models``, asked once), else ``context_window`` if set, else
         LlamaIndex's default; nothing is loaded in-process."""
-        if self.base_url:
-            ctx, name = self._remote_model_info()
-        else:
-            eng = self._engine
-            ctx = self.context_window
-            if ctx is None and eng is not None:
-                ctx = int(eng.context_window)
-            if ctx is None:
-                ctx = peek_context_window(self.model, self.engine_kwargs)
-            if ctx is None:
-                eng = self._get_engine()
-                ctx = int(eng.context_window)
-            if eng is not None:
-                name = eng.model_name
-            elif is_default_model(self.model):
-                name = DEFAULT_MODEL_NAME
-            else:
-                name = str(self.model)
+        ctx, name = self._backend().model_info(self.context_window, DEFAULT_CONTEXT_WINDOW)
         return LLMMetadata(
             context_window=ctx,
             num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,
@@ -352,67 +312,11 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
             model_name=name,
         )
 
-    def _remote_model_info(self) -> tuple[int, str]:
-        """(context window, model name) of the server's model. The client asks ``/v1/models`` once and
-        remembers the answer (this client makes no retries: metadata is read all the time); when it cannot be
-        read (the server is down, or has no such endpoint) the fallback is used for a while before asking again."""
-        fallback_name = DEFAULT_MODEL_NAME if is_default_model(self.model) else str(self.model)
-        if self.context_window is not None and not is_default_model(self.model):
-            return self.context_window, fallback_name  # nothing to ask the server
-        if time.monotonic() < self._remote_retry_at:
-            return self.context_window or DEFAULT_CONTEXT_WINDOW, fallback_name
-        client = self._client(max_retries=0)
-        try:
-            client.models()
-        except Exception as exc:  # noqa: BLE001  (metadata must not fail; the request itself will say why)
-            logger.warning("could not read the model list of %s (%s); using context_window=%s until it can be read",
-                           self.base_url, exc, self.context_window or DEFAULT_CONTEXT_WINDOW)
-            self._remote_retry_at = time.monotonic() + _REMOTE_INFO_RETRY_S
-            return self.context_window or DEFAULT_CONTEXT_WINDOW, fallback_name
-        ctx = self.context_window or client.context_window(self.model) or DEFAULT_CONTEXT_WINDOW
-        return ctx, client.resolve_model(self.model)
-
     # -- requests -------------------------------------------------------------------------------
     def _build_request(self, kwargs: dict[str, Any]) -> EngineRequest:
-        """Merge the object's fields, additional_kwargs and per-call kwargs (these win)."""
-        kw = {**self.additional_kwargs, **kwargs}
-        for key in _LLAMA_INDEX_ONLY_KWARGS:
-            kw.pop(key, None)
-        sampling: dict[str, Any] = {}
-        for name in _SAMPLING_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                sampling[name] = value
-        if "max_completion_tokens" in kw:
-            kw["max_tokens"] = kw.pop("max_completion_tokens")
-        stop = kw.pop("stop", self.stop)
-        if stop:
-            sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        timeout = kw.pop("timeout", self.timeout)
-        tools = kw.pop("tools", None)
-        tool_choice = kw.pop("tool_choice", None)
-        parallel = kw.pop("parallel_tool_calls", None)
-        response_format = kw.pop("response_format", None)
-        if self.priority is not None:
-            sampling["priority"] = self.priority
-        if self.adapter is not None:
-            sampling["adapter"] = self.adapter
-        check_priority(kw.get("priority"))
-        sampling.update(kw)
-        req = EngineRequest(sampling, timeout=timeout, response_format=response_format)
-        if tools:
-            openai_tools = [tool_to_openai(t) for t in tools]
-            names = [t["function"]["name"] for t in openai_tools]
-            choice = resolve_tool_choice(tool_choice, False, names)
-            if choice != "none":  # nothing may be called: do not even show the tools
-                req.tools, req.tool_choice = openai_tools, choice
-                req.engine_tools = close_tools(openai_tools)  # decode closed schemas: only declared arguments
-                if choice == "required" and parallel is None:
-                    # Under a forced-call grammar a small model is offered call after call and may keep
-                    # calling until max_tokens; a forced call is one call unless parallel is asked for.
-                    parallel = False
-                req.parallel_tool_calls = parallel
-        return req
+        """Merge the object's fields, additional_kwargs and per-call kwargs (these win): the shared builder."""
+        return build_request(self, kwargs, fields=_SAMPLING_FIELDS, extra_kwargs=self.additional_kwargs,
+                             ignored_kwargs=_LLAMA_INDEX_ONLY_KWARGS, tool_rules=_TOOL_RULES)
 
     def _completion_input(self, prompt: str, formatted: bool) -> str | list[dict[str, Any]]:
         """What complete() sends: raw text (formatted prompts, a custom completion_to_prompt,
@@ -430,30 +334,25 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
         return [*msgs, {"role": "user", "content": prompt}]
 
-    @staticmethod
-    def _check_streamable(req: EngineRequest) -> None:
-        if (req.sampling.get("n") or 1) > 1:
-            raise ValueError("n must be 1 when streaming")
-
     # -- chat -----------------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._build_request(kwargs)
         backend = self._backend()
         result = backend.run(messages_to_dicts(messages), req)
-        return chat_response(result, req.tools, req.parallel_tool_calls is False, self._model_name(backend, result))
+        return chat_response(result, req.tools, req.parallel_tool_calls is False, backend.result_model(req, result))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         req = self._build_request(kwargs)
-        backend = await self._abackend()
-        result = await backend.arun(await _amessages_to_dicts(messages), req)
-        return chat_response(result, req.tools, req.parallel_tool_calls is False, self._model_name(backend, result))
+        backend = self._backend()
+        result = await backend.arun(await amessages_to_dicts(messages), req)
+        return chat_response(result, req.tools, req.parallel_tool_calls is False, backend.result_model(req, result))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         req = self._build_request(kwargs)
-        self._check_streamable(req)
+        req.check_streamable()
         backend = self._backend()
         deltas = backend.stream(messages_to_dicts(messages), req)
 
@@ -464,7 +363,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
                 for item in deltas:
                     text = state.update(item)
                     if text is not None:
-                        yield chat_chunk(state, text, item, self._model_name(backend, item))
+                        yield chat_chunk(state, text, item, backend.result_model(req, item))
             finally:
                 deltas.close()  # aborts the request if the consumer stopped early
 
@@ -473,9 +372,10 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         req = self._build_request(kwargs)
-        self._check_streamable(req)
-        backend = await self._abackend()
-        deltas = backend.astream(await _amessages_to_dicts(messages), req)
+        req.check_streamable()
+        backend = self._backend()
+        await backend.aload(req)  # the model loads off the event loop; the prompt then renders at the call
+        deltas = backend.astream(await amessages_to_dicts(messages), req)
 
         async def gen() -> ChatResponseAsyncGen:
             state = ChatStream(req.tools, req.parallel_tool_calls is False, backend.tool_markup_in_text,
@@ -484,7 +384,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
                 async for item in deltas:
                     text = state.update(item)
                     if text is not None:
-                        yield chat_chunk(state, text, item, self._model_name(backend, item))
+                        yield chat_chunk(state, text, item, backend.result_model(req, item))
             finally:
                 await deltas.aclose()  # aborts the request if the consumer stopped early
 
@@ -496,19 +396,19 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         req = self._build_request(kwargs)
         backend = self._backend()
         result = backend.run(self._completion_input(prompt, formatted), req)
-        return completion_response(result, self._model_name(backend, result))
+        return completion_response(result, backend.result_model(req, result))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         req = self._build_request(kwargs)
-        backend = await self._abackend()
+        backend = self._backend()
         result = await backend.arun(self._completion_input(prompt, formatted), req)
-        return completion_response(result, self._model_name(backend, result))
+        return completion_response(result, backend.result_model(req, result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         req = self._build_request(kwargs)
-        self._check_streamable(req)
+        req.check_streamable()
         backend = self._backend()
         deltas = backend.stream(self._completion_input(prompt, formatted), req)
 
@@ -518,7 +418,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
                 for item in deltas:
                     text += item.text
                     if item.text or item.usage is not None:
-                        yield completion_chunk(text, item, self._model_name(backend, item))
+                        yield completion_chunk(text, item, backend.result_model(req, item))
             finally:
                 deltas.close()
 
@@ -529,8 +429,9 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         req = self._build_request(kwargs)
-        self._check_streamable(req)
-        backend = await self._abackend()
+        req.check_streamable()
+        backend = self._backend()
+        await backend.aload(req)  # the model loads off the event loop; the prompt then renders at the call
         deltas = backend.astream(self._completion_input(prompt, formatted), req)
 
         async def gen() -> CompletionResponseAsyncGen:
@@ -539,7 +440,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
                 async for item in deltas:
                     text += item.text
                     if item.text or item.usage is not None:
-                        yield completion_chunk(text, item, self._model_name(backend, item))
+                        yield completion_chunk(text, item, backend.result_model(req, item))
             finally:
                 await deltas.aclose()
 
@@ -601,27 +502,11 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         return selections
 
     # -- structured output ------------------------------------------------------------------------
-    def _structured_messages(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
-                             prompt_args: dict[str, Any]) -> list[ChatMessage]:
-        messages = self._get_messages(prompt, **prompt_args)
-        hint = ("Answer with a JSON object that matches this JSON schema:\n"
-                + json.dumps(output_cls.model_json_schema(), ensure_ascii=False))
-        if messages and messages[0].role == MessageRole.SYSTEM:
-            first = messages[0]
-            messages = [ChatMessage(role=MessageRole.SYSTEM, content=f"{first.content or ''}\n\n{hint}"), *messages[1:]]
-        else:
-            messages = [ChatMessage(role=MessageRole.SYSTEM, content=hint), *messages]
-        return messages
-
-    @staticmethod
-    def _parse_structured(output_cls: type[BaseModel], response: ChatResponse) -> BaseModel:
-        text = response.message.content or ""
-        if (response.raw or {}).get("finish_reason") == "length":
-            raise ValueError(
-                f"structured output for {output_cls.__name__} was cut off by max_tokens before the JSON was "
-                f"complete: {text!r}. Raise max_tokens."
-            )
-        return output_cls.model_validate_json(text)
+    def _structured_call(self, output_cls: type[BaseModel], prompt: BasePromptTemplate, prompt_args: dict[str, Any],
+                         llm_kwargs: dict[str, Any] | None) -> tuple[list[ChatMessage], dict[str, Any]]:
+        """The messages (the schema in the system message) and chat kwargs (decoding constrained to the schema)."""
+        messages = structured_messages(self._get_messages(prompt, **prompt_args), output_cls)
+        return messages, {**(llm_kwargs or {}), "response_format": json_schema_format(output_cls)}
 
     @dispatcher.span
     def structured_predict(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
@@ -632,9 +517,8 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
             return super().structured_predict(output_cls, prompt, llm_kwargs=llm_kwargs, **prompt_args)
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
                                                         template_args=prompt_args))
-        messages = self._structured_messages(output_cls, prompt, prompt_args)
-        kwargs = {**(llm_kwargs or {}), "response_format": json_schema_format(output_cls)}
-        result = self._parse_structured(output_cls, self.chat(messages, **kwargs))
+        messages, kwargs = self._structured_call(output_cls, prompt, prompt_args, llm_kwargs)
+        result = parse_structured(output_cls, self.chat(messages, **kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
 
@@ -645,9 +529,8 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
             return await super().astructured_predict(output_cls, prompt, llm_kwargs=llm_kwargs, **prompt_args)
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
                                                         template_args=prompt_args))
-        messages = self._structured_messages(output_cls, prompt, prompt_args)
-        kwargs = {**(llm_kwargs or {}), "response_format": json_schema_format(output_cls)}
-        result = self._parse_structured(output_cls, await self.achat(messages, **kwargs))
+        messages, kwargs = self._structured_call(output_cls, prompt, prompt_args, llm_kwargs)
+        result = parse_structured(output_cls, await self.achat(messages, **kwargs))
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
 
@@ -659,12 +542,9 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
             yield from super().stream_structured_predict(output_cls, prompt, llm_kwargs=llm_kwargs, **prompt_args)
             return
-        from parallm_integrations.llama_index._structured import stream_objects
-
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
                                                         template_args=prompt_args))
-        messages = self._structured_messages(output_cls, prompt, prompt_args)
-        kwargs = {**(llm_kwargs or {}), "response_format": json_schema_format(output_cls)}
+        messages, kwargs = self._structured_call(output_cls, prompt, prompt_args, llm_kwargs)
         obj = None
         for obj in stream_objects(self.stream_chat(messages, **kwargs), output_cls):
             dispatcher.event(LLMStructuredPredictInProgressEvent(output=obj))
@@ -678,10 +558,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
             return await super().astream_structured_predict(output_cls, prompt, llm_kwargs=llm_kwargs,
                                                             **prompt_args)
-        from parallm_integrations.llama_index._structured import astream_objects
-
-        messages = self._structured_messages(output_cls, prompt, prompt_args)
-        kwargs = {**(llm_kwargs or {}), "response_format": json_schema_format(output_cls)}
+        messages, kwargs = self._structured_call(output_cls, prompt, prompt_args, llm_kwargs)
 
         async def gen():
             dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt,
@@ -698,6 +575,4 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` for this model's tokenizer (no special tokens added); with base_url, from
         the server's ``/tokenize`` (``NotImplementedError`` for a server without one)."""
-        if self.base_url:
-            return self._client().tokenize(text, model=self.model, add_special_tokens=False)
-        return list(self._get_engine().encode(text, add_special_tokens=False))
+        return self._backend().tokenize(text)

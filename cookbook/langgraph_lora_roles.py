@@ -80,8 +80,8 @@ def _adapter_arg(text: str) -> tuple[str, str]:
 
 def random_adapters(out: Path) -> dict[str, str]:
     """One random adapter per role for the default model (mlx-lm's own LoRA layers, non-zero B)."""
-    from parallm_engine.bench_lora import write_random_adapter
-    from parallm_engine.loader import resolve_model
+    from parallm_bench.lora import write_random_adapter
+    from parallm_engine.models.loader import resolve_model
 
     base_dir, _ = resolve_model(None)
     return {role: str(write_random_adapter(base_dir, out / role, rank=8, seed=i, b_std=0.002))

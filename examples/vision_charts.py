@@ -4,7 +4,7 @@
 
 VLM_DIR: a local LLaVA / SmolVLM (Idefics3) / Pixtral / Mistral 3 / Gemma 3 / Qwen2.5-VL / Qwen3-VL checkpoint in MLX
 format.
-Without one (the example downloads nothing unasked), a tiny random-weight LLaVA is built (parallm_engine.vision_tiny):
+Without one (the example downloads nothing unasked), a tiny random-weight LLaVA is built (parallm_bench.vision_tiny):
 its answers are noise, and it says so; the cache hit rate, the encoder-run counts and the timings are real.
 
 Prints: the chain's answers, the prefix-cache hit rate, the speedup of the cached run over a cold one
@@ -53,7 +53,7 @@ def main() -> None:
     if len(sys.argv) > 1:
         path, real = sys.argv[1], True
     else:
-        from parallm_engine.vision_tiny import build_tiny_vlm
+        from parallm_bench.vision_tiny import build_tiny_vlm
 
         path, real = str(build_tiny_vlm("llava", tempfile.mkdtemp(prefix="tiny-vlm-"))), False
         print("NOTE: no VLM given; using a tiny RANDOM-weight LLaVA built locally: answers are noise, "
@@ -97,7 +97,7 @@ def main() -> None:
 
     # Bench: 8 requests on one new image: the first (cold: encoder + prefill), then 7 concurrent ones
     # with new questions that find its features and its prefix cached.
-    from parallm_engine.bench_vision import _messages, _submit_all
+    from parallm_bench.vision import _messages, _submit_all
 
     chart = make_chart(9)
     runs = eng.model.vision.encoder_runs

@@ -55,13 +55,13 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
     the model directory's (or the converted GGUF's) ``config.json``. None when it cannot be told
     cheaply; ``ChatParaLLM`` fills it in when the engine loads."""
     try:
-        from parallm_engine import registry
+        from parallm_engine.core import registry
 
         eng = registry.peek(None if is_default_model(model) else model, **(engine_kwargs or {}))
         if eng is not None:
             return int(eng.context_window)
-        from parallm_engine.gguf import converted_dir_for
-        from parallm_engine.loader import default_model_path
+        from parallm_engine.models.gguf import converted_dir_for
+        from parallm_engine.models.loader import default_model_path
 
         if is_default_model(model):
             path = converted_dir_for(default_model_path())
@@ -70,7 +70,7 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
             if path.is_file() and path.suffix.lower() == ".gguf":
                 path = converted_dir_for(path)
             elif not path.exists():  # a hub id: its copy in the local hub cache, if any (no download)
-                from parallm_engine.hub import cached_model_dir
+                from parallm_engine.models.hub import cached_model_dir
 
                 path = cached_model_dir(os.fspath(model)) or path
         cfg_file = path / "config.json"
@@ -86,7 +86,7 @@ def peek_context_window(model: str | os.PathLike | None, engine_kwargs: dict | N
 @lru_cache(maxsize=64)
 def _peek_sampling_defaults(model: str | None) -> tuple[tuple[str, Any], ...]:
     try:
-        from parallm_engine.loader import peek_sampling_defaults
+        from parallm_engine.models.loader import peek_sampling_defaults
 
         return tuple(peek_sampling_defaults(model)[0].items())
     except Exception:  # noqa: BLE001  (a peek must never make a property fail)

@@ -18,7 +18,7 @@ from ._messages import logprobs_to_openai, usage_metadata
 
 class _ChunkBuilder:
     """Turns one request's engine deltas into ``ChatGenerationChunk``s by mapping the engine's typed pieces
-    (``StreamDelta.pieces``, ``parallm_engine.typed_output``): content, reasoning, ``tool_call_chunks``;
+    (``StreamDelta.pieces``, ``parallm_engine.formats.typed_output``): content, reasoning, ``tool_call_chunks``;
     usage / finish reason / model name / id exactly once, on the last chunk (``chunk_position="last"``).
     Nothing is parsed here, so the chunks add up to what ``invoke`` returns."""
 

@@ -357,14 +357,14 @@ def logprobs_to_openai(logprobs: Any) -> dict[str, Any] | None:
     """A result's or delta's logprobs as OpenAI's chat ``{"content": [{"token", "logprob", "bytes",
     "top_logprobs": [...]}, ...]}`` (None when there are none), for metadata.
 
-    Formatted once, by the engine's formatter (``parallm_engine.logprobs``, the one ``parallm serve`` answers
+    Formatted once, by the engine's formatter (``parallm_engine.sampling.logprobs``, the one ``parallm serve`` answers
     with, so -inf is reported as -9999.0 there and here): the in-process engine's ``TokenLogprob`` lists go
     through it; a server's results (``base_url=``) carry the dict it sent, passed on as it is."""
     if not logprobs:
         return None
     if isinstance(logprobs, Mapping):
         return dict(logprobs) if logprobs.get("content") else None
-    from parallm_engine.logprobs import chat_logprobs
+    from parallm_engine.sampling.logprobs import chat_logprobs
 
     return chat_logprobs(logprobs)
 

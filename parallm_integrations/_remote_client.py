@@ -6,7 +6,7 @@ Imports nothing of ``parallm_engine`` and nothing of MLX: ``pip install parallm-
 ``Choice`` / ``StreamDelta`` / ``Usage`` / ``chat_format.ToolCall`` / ``ToolCallDelta``), so code reads a
 result the same whichever path made it; ``logprobs`` is the server's OpenAI chat ``logprobs`` dict,
 passed on as the server formatted it (``parallm serve`` with the engine's one formatter,
-``parallm_engine.logprobs``). Errors the server reports are :mod:`parallm_integrations.errors`, which
+``parallm_engine.sampling.logprobs``). Errors the server reports are :mod:`parallm_integrations.errors`, which
 are the engine's own classes when the engine is installed.
 
 The client itself (connections, models, calls, tokenizer) is here; its result types are in

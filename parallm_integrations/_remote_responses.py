@@ -32,7 +32,7 @@ def _usage(u) -> Usage | None:
 
 
 #: The error of a call a server sent with finish_reason "length" whose arguments are not whole (as
-#: ``parallm_engine.typed_output.TRUNCATED_CALL`` says it in-process).
+#: ``parallm_engine.formats.typed_output.TRUNCATED_CALL`` says it in-process).
 TRUNCATED_CALL = "the tool call was cut off by max_tokens (finish_reason 'length') before it was complete"
 
 

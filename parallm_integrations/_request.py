@@ -22,11 +22,11 @@ SAMPLING_FIELDS = (
 
 def check_sampling(values: dict[str, Any]) -> None:
     """Validate the sampling settings set in ``values`` with the engine's own checks and messages
-    (``parallm_engine.sampling_params``, plain Python: nothing is loaded). Raises ``ValueError``, which
+    (``parallm_engine.sampling.sampling_params``, plain Python: nothing is loaded). Raises ``ValueError``, which
     pydantic reports as a ``ValidationError`` at construction. Without the engine installed (``base_url=``
     only) there is nothing to check with here: the server checks them."""
     try:
-        from parallm_engine.sampling_params import check_sampling_fields
+        from parallm_engine.sampling.sampling_params import check_sampling_fields
     except ImportError:
         return
     check_sampling_fields({k: v for k, v in values.items() if k in (*SAMPLING_FIELDS, "stop")})

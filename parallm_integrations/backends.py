@@ -158,7 +158,7 @@ class EngineBackend(Backend):
     @property
     def output_parser(self):
         """The model family's tool-call / reasoning format, to split the raw text of stream deltas."""
-        from parallm_engine.chat_format import parser_for
+        from parallm_engine.formats.chat_format import parser_for
 
         return parser_for(getattr(self.engine, "tokenizer", None))
 
@@ -168,7 +168,7 @@ class EngineBackend(Backend):
         if isinstance(prompt, str):
             return prompt if self.raw_text_special_tokens else engine.encode(prompt, allow_special_tokens=False)
         if _has_parts(prompt):  # images: a vision-language prompt
-            from parallm_engine.vision_chat import chat_prompt
+            from parallm_engine.vision.chat import chat_prompt
 
             options = {} if self.allow_remote_images is None else {"allow_remote_images": self.allow_remote_images}
             return chat_prompt(engine, prompt, req.tools, options)

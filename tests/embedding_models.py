@@ -17,7 +17,7 @@ QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages t
 
 
 def write_sentence_transformers(out: Path, pooling: str, query_prompt: str = "") -> None:
-    from parallm_engine.bench_embed import write_sentence_transformers as write
+    from parallm_bench.embed import write_sentence_transformers as write
 
     write(out, pooling, query_prompt, dims=64)
 

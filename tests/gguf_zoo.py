@@ -173,7 +173,7 @@ def write_spm_vocab(writer, proto: bytes, arch: str) -> None:
 
 def write_bpe_vocab(writer, source_gguf: Path, pre: str) -> None:
     """A byte-level BPE vocabulary (the default model's: tokens, merges, types) under pre-tokenizer ``pre``."""
-    from parallm_engine.gguf_reader import read_gguf_header
+    from parallm_engine.models.gguf_reader import read_gguf_header
 
     meta, _ = read_gguf_header(source_gguf, want=lambda k: k.startswith("tokenizer."), arrays=True)
     writer.add_tokenizer_model("gpt2")

@@ -697,7 +697,7 @@ def prompt_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:
 def default_tokenizer() -> tuple[Path, int]:
     """(directory with the default model's tokenizer files, its vocab size)."""
     import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
-    from parallm_engine.loader import resolve_model
+    from parallm_engine.models.loader import resolve_model
 
     path, _ = resolve_model(None)
     config = json.loads((path / "config.json").read_text())

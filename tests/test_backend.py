@@ -1,4 +1,4 @@
-"""Choosing the CBLAS and its settings for this CPU (parallm_engine.backend), before MLX loads it."""
+"""Choosing the CBLAS and its settings for this CPU (parallm_engine.runner.backend), before MLX loads it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from parallm_engine import backend
+from parallm_engine.runner import backend
 
 AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma"}
 
@@ -117,7 +117,7 @@ def test_importing_mlx_first_is_reported_not_hidden():
     the engine's warning says how to fix the import order (a preload then would do nothing)."""
     code = (
         "import logging, mlx.core, parallm_engine\n"
-        "from parallm_engine import backend\n"
+        "from parallm_engine.runner import backend\n"
         "logging.basicConfig(level=logging.WARNING)\n"
         "info = backend.backend_info()\n"
         "print('BLAS=' + info.blas)\n"
@@ -133,7 +133,7 @@ def test_backend_object_reads_each_devices_memory_with_the_queries_faked():
     RAM on the CPU; a missing or failing query falls back to RAM."""
     from types import SimpleNamespace
 
-    from parallm_engine.backend import device_memory
+    from parallm_engine.runner.backend import device_memory
 
     metal = SimpleNamespace(device_info=lambda: {"max_recommended_working_set_size": 48 << 30, "memory_size": 64 << 30})
     assert device_memory("gpu", metal) == (48 << 30, "metal working set")
@@ -149,7 +149,7 @@ def test_backend_object_reads_each_devices_memory_with_the_queries_faked():
 
 
 def test_backend_choice_and_overrides(monkeypatch):
-    from parallm_engine.backend import choose_backend
+    from parallm_engine.runner.backend import choose_backend
 
     assert choose_backend("cpu-mlx").cpu_kernels is False
     monkeypatch.setenv("PARALLM_CPU_KERNELS", "0")

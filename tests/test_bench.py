@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from parallm_engine import bench
+from parallm_bench import bench
 
 
 def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
@@ -92,7 +92,7 @@ TINY_AGENTS = dict(agents=2, min_turns=2, max_turns=2, system_tokens=120, tool_m
 
 
 def test_agent_trace_is_seeded_and_has_the_asked_shape(tiny_engine):
-    from parallm_engine.bench_agents import AgentSizes, build_trace
+    from parallm_bench.agents import AgentSizes, build_trace
 
     def encode(s):
         return tiny_engine.encode(s, add_special_tokens=False)
@@ -111,7 +111,7 @@ def test_agent_trace_is_seeded_and_has_the_asked_shape(tiny_engine):
 
 
 def test_agents_workload_runs_the_same_trace_on_parallm_and_mlx_lm(tiny_engine):
-    from parallm_engine.bench_agents import AgentSizes
+    from parallm_bench.agents import AgentSizes
 
     sz = AgentSizes(**TINY_AGENTS)
     result = bench.run_bench(tiny_engine, ["agents"], agent_sizes=sz)
@@ -135,7 +135,7 @@ def test_agents_workload_runs_the_same_trace_on_parallm_and_mlx_lm(tiny_engine):
 
 
 def test_longctx_workload_reuses_the_document(tiny_engine):
-    from parallm_engine.bench_longctx import LongctxSizes
+    from parallm_bench.longctx import LongctxSizes
 
     sz = LongctxSizes(requests=4, doc_tokens=400, new_tokens=4)
     result = bench.run_bench(tiny_engine, ["longctx"], longctx_sizes=sz)
@@ -153,7 +153,7 @@ def test_longctx_workload_reuses_the_document(tiny_engine):
 
 
 def test_longctx_document_is_cut_to_the_context_window(tiny_engine):
-    from parallm_engine.bench_longctx import LongctxSizes, build_prompts
+    from parallm_bench.longctx import LongctxSizes, build_prompts
 
     prompts, doc_tokens = build_prompts(tiny_engine, LongctxSizes(requests=3, doc_tokens=100_000, new_tokens=4))
     assert doc_tokens < tiny_engine.context_window
@@ -161,18 +161,18 @@ def test_longctx_document_is_cut_to_the_context_window(tiny_engine):
 
 
 def test_llamacpp_is_skipped_with_the_way_to_build_it(tiny_engine, monkeypatch):
-    from parallm_engine import bench_llamacpp
+    from parallm_bench import llamacpp as bench_llamacpp
 
     monkeypatch.setattr(bench_llamacpp, "find_llama_server", lambda: None)
     result = bench.run_bench(tiny_engine, ["llamacpp"], quick=True)
-    assert "bench_llamacpp build" in result["workloads"]["llamacpp"]["skipped"]
+    assert "parallm_bench.llamacpp build" in result["workloads"]["llamacpp"]["skipped"]
     assert "llamacpp: skipped" in bench.format_table(result)
 
 
 def test_the_http_client_measures_a_parallm_server(tiny_engine):
     """The client both servers are driven with, against `parallm serve` (in-process here)."""
-    from parallm_engine.bench_llamacpp import SERVED_NAME, run_load
-    from parallm_engine.server import ServerThread
+    from parallm_bench.llamacpp import SERVED_NAME, run_load
+    from parallm_engine.serve.server import ServerThread
 
     prompts = [[300 + i, 400 + i, 500 + i] for i in range(3)]
     with ServerThread(engine=tiny_engine, served_model_name=SERVED_NAME) as srv:
@@ -185,7 +185,7 @@ def test_llamacpp_peer_against_parallm_serve(engine):
     """Only where llama.cpp's llama-server is found (never in CI): both servers on the default GGUF."""
     import pytest
 
-    from parallm_engine import bench_llamacpp
+    from parallm_bench import llamacpp as bench_llamacpp
 
     if bench_llamacpp.find_llama_server() is None:
         pytest.skip(bench_llamacpp.SKIP_HINT)
@@ -202,7 +202,8 @@ def test_llamacpp_peer_against_parallm_serve(engine):
 def test_paths_and_arrival_workloads(tiny_engine, tiny_model_dir):
     """The fan-out on the native and the pure-MLX path gives the same tokens (and both hold the prefix
     once); the arrival workload measures running streams before and during a long prompt's prefill."""
-    from parallm_engine import bench, bench_paths
+    from parallm_bench import bench
+    from parallm_bench import paths as bench_paths
 
     paths = bench_paths.run_paths(str(tiny_model_dir), tiny_engine.model_info.vocab_size, n=6, prefix_len=96,
                                   new_tokens=6)
@@ -231,7 +232,7 @@ def _lazy_model(cfg):
 def test_shape_configs_are_the_published_architectures():
     from mlx.utils import tree_flatten
 
-    from parallm_engine import bench_shapes as bs
+    from parallm_bench import shapes as bs
 
     q = bs.shape_config("qwen3-4b")
     assert (q["num_hidden_layers"], q["hidden_size"], q["num_attention_heads"], q["num_key_value_heads"],
@@ -266,7 +267,7 @@ def test_shape_configs_are_the_published_architectures():
 def test_shape_layers_fit_the_budget_and_bad_sizes_are_typed_errors():
     import pytest
 
-    from parallm_engine import bench_shapes as bs
+    from parallm_bench import shapes as bs
     from parallm_engine.errors import InvalidRequestError
 
     small, large = bs.plan("qwen3-4b", budget_gb=2.5), bs.plan("qwen3-4b", budget_gb=6.0)
@@ -285,7 +286,8 @@ def test_shape_layers_fit_the_budget_and_bad_sizes_are_typed_errors():
 def test_shape_model_loads_through_the_engine_with_a_padded_tokenizer(engine, tmp_path):
     """The build path at toy dimensions: qwen3 with a vocab larger than the tokenizer's. Encoding is the
     default model's; ids past its vocabulary (which a random model generates) decode to placeholders."""
-    from parallm_engine import Engine, bench_shapes as bs
+    from parallm_engine import Engine
+    from parallm_bench import shapes as bs
 
     plan = bs.plan("qwen3-4b", layers=2)
     toy = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -328,7 +330,7 @@ def _fake_result() -> dict:
 
 def test_plot_writes_a_png_per_workload(tmp_path):
     import matplotlib  # noqa: F401  (the test extra installs it)
-    from parallm_engine import bench_plot
+    from parallm_bench import plot as bench_plot
 
     result_path = tmp_path / "result.json"
     result_path.write_text(json.dumps(_fake_result()))
@@ -346,7 +348,7 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
 
     import pytest
 
-    from parallm_engine import bench_plot
+    from parallm_bench import plot as bench_plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is absent
     with pytest.raises(bench_plot.PlotUnavailableError, match="pip install matplotlib"):
@@ -370,7 +372,7 @@ def test_bench_cli_takes_the_new_options_and_rejects_unknown_workloads():
 
 
 def test_memory_workload_runs_each_system_in_its_own_process(tiny_engine):
-    from parallm_engine.bench_memory import MemorySizes
+    from parallm_bench.memory import MemorySizes
 
     sz = MemorySizes(requests=3, prefix_tokens=96, suffix_tokens=4, new_tokens=3)
     result = bench.run_bench(tiny_engine, ["memory"], memory_sizes=sz)

@@ -3,8 +3,10 @@ are not asserted: shared, noisy machines). The realistic size's layout is checke
 
 from __future__ import annotations
 
-from parallm_engine import bench, bench_vision
-from parallm_engine.vision_tiny import SIZES, _family_files
+from parallm_bench import bench
+
+from parallm_bench import vision as bench_vision
+from parallm_bench.vision_tiny import SIZES, _family_files
 
 
 def test_vision_workload_encodes_each_image_once(tiny_engine, tmp_path, monkeypatch):

@@ -15,9 +15,9 @@ import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
 
 from parallm_engine import native
-from parallm_engine.engine import Engine
+from parallm_engine.core.engine import Engine
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.weights_dtype import resolve_weights_dtype
+from parallm_engine.runner.weights_dtype import resolve_weights_dtype
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Water boils at", "The three primary colors are"]
@@ -74,7 +74,7 @@ def test_bf16_matmul_kernel_computes_bf16_inputs_in_float32_sums():
     """``linear_bf16_packed`` (AVX512_BF16) on the weight packed into 64-column panels: bf16(x) @ w.T
     (+ bias) with float32 sums, against the same math in MLX ops; every row the same bits alone as in any
     batch (decode and prefill row counts); the panels unpack to the weight exactly."""
-    from parallm_engine.weights_dtype import pack_panels, unpack_panels
+    from parallm_engine.runner.weights_dtype import pack_panels, unpack_panels
 
     nat = native.load()
     if nat is None or not nat.has_bf16_dot():
@@ -139,7 +139,7 @@ def test_logprob_drift_vs_fp32_bounded(bf16_engine, engine):
 def _native_linear(engine) -> bool:
     """Whether every row's sums run in a fixed order: the native kernels on, and for bfloat16-matmul its
     AVX512_BF16 linear (elsewhere that mode's linear is MLX's own matmul, even with the native kernels on)."""
-    from parallm_engine.weights_dtype import bf16_dot_kernel
+    from parallm_engine.runner.weights_dtype import bf16_dot_kernel
 
     return engine._scheduler.native_kernels and (engine.weights_dtype != "bfloat16-matmul"
                                                  or bf16_dot_kernel() is not None)
@@ -193,7 +193,7 @@ def test_packed_modules_still_read_and_export_their_weights(bf16_engine):
     """After the native kernel packed a bf16-matmul module's weight into panels, ``module.weight`` and
     ``named_weights`` (what the benchmark writes for transformers) still give the (N, K) weight, and a
     forward outside the engine (MLX ops on the unpacked weight) computes what the packed kernel does."""
-    from parallm_engine.weights_dtype import named_weights
+    from parallm_engine.runner.weights_dtype import named_weights
 
     bf16_engine.generate(PROMPTS[:1], max_tokens=2, temperature=0)  # the engine's forwards pack on first use
     weights = named_weights(bf16_engine.model)
@@ -201,7 +201,7 @@ def test_packed_modules_still_read_and_export_their_weights(bf16_engine):
     layer = bf16_engine.model.layers[0].mlp.up_proj
     assert weights["model.layers.0.mlp.up_proj.weight"].shape == layer.weight.shape
     if "packed" in layer:  # the native AVX512_BF16 kernel ran here
-        from parallm_engine import cpu_kernels
+        from parallm_engine.runner import cpu_kernels
 
         x = mx.random.normal((3, layer.weight.shape[1]))
         with cpu_kernels.enabled(True):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from parallm_engine.chat_format import (
+from parallm_engine.formats.chat_format import (
     ContentDelta,
     ToolCallDelta,
     ToolCallStreamParser,

@@ -24,7 +24,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from parallm_engine import ContextLengthExceededError, TokenizeError
-from parallm_engine.server import ServerThread
+from parallm_engine.serve.server import ServerThread
 from parallm_integrations import ChatParaLLM
 
 from .llamacpp_wire import LlamaCppWire
@@ -61,7 +61,7 @@ def server(engine):
 @pytest.fixture(scope="module")
 def llamacpp(engine):
     """A real llama.cpp llama-server on the default GGUF, only where one is found."""
-    from parallm_engine import bench_llamacpp
+    from parallm_bench import llamacpp as bench_llamacpp
 
     binary = bench_llamacpp.find_llama_server()
     gguf = bench_llamacpp.engine_gguf(engine)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parallm_engine import GrammarError
-from parallm_engine.constrained import compile_constraint
+from parallm_engine.sampling.constrained import compile_constraint
 
 from .conftest import chat_ids
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import parallm_engine
 
-PACKAGE = Path(parallm_engine.__file__).parent
+PACKAGE = Path(parallm_engine.__file__).parent / "core"
 PLANNING = ["scheduler.py", "prefill_planner.py"]
 FORBIDDEN = re.compile(r"model\(|RadixCache|PagedLaneKV|SequenceKV|FrozenKV|PrefillBatchKV|mx\.")
 

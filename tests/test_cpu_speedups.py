@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from parallm_engine import Engine, cpu_kernels
-from parallm_engine.decode_batch import LANE_FILL_ROWS, DecodeBatch
-from parallm_engine.prefill_runner import split_balanced as _split_balanced
+from parallm_engine import Engine
+
+from parallm_engine.runner import cpu_kernels
+from parallm_engine.runner.decode_batch import LANE_FILL_ROWS, DecodeBatch
+from parallm_engine.runner.prefill_runner import split_balanced as _split_balanced
 
 
 def _close(a: mx.array, b: mx.array, tol: float = 2e-5) -> None:
@@ -185,7 +187,7 @@ def test_rope_table_matches_mlx_rope(traditional):
 def test_install_is_idempotent_and_keeps_the_parameter_tree(tiny_model_dir):
     from mlx.utils import tree_flatten
 
-    from parallm_engine.loader import load_model
+    from parallm_engine.models.loader import load_model
 
     model = load_model(str(tiny_model_dir))[0]
     before = [k for k, _ in tree_flatten(model.parameters())]

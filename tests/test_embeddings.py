@@ -1,4 +1,4 @@
-"""Embeddings on the shared engine (``parallm_engine.embedding``): tiny random-weight models, real forwards.
+"""Embeddings on the shared engine (``parallm_engine.embed.embedding``): tiny random-weight models, real forwards.
 
 A qwen3 decoder with Qwen3-Embedding's sentence-transformers files runs through the scheduler's prefill
 (embedding rows next to chat prompts); a 2-layer BERT runs through mlx-embeddings (``EncoderEngine``).
@@ -282,7 +282,8 @@ def test_bidirectional_embedder_is_refused(tmp_path, embedder_dir):
 
 def test_bench_embed_workload_quick():
     """`parallm bench --workloads embed --quick` end to end (its numbers are not checked: no timing asserts)."""
-    from parallm_engine import bench, bench_embed
+    from parallm_bench import bench
+    from parallm_bench import embed as bench_embed
 
     sizes = {**bench_embed.QUICK_EMBED, "texts": 16, "new_tokens": 4}
     entry = bench_embed.run_embed(sizes)

@@ -42,7 +42,7 @@ def shared_engine(embedder_dir):
 @pytest.fixture(scope="module")
 def server(shared_engine, tmp_path_factory):
     pytest.importorskip("mlx_embeddings")
-    from parallm_engine.server import ServerThread
+    from parallm_engine.serve.server import ServerThread
 
     bert = build_bert_encoder(tmp_path_factory.mktemp("bert") / "bert-tiny")
     with ServerThread(engine=shared_engine, api_key=KEY) as srv, \

@@ -307,7 +307,7 @@ def test_bad_seed_is_typed_and_engine_survives_a_failing_request(engine, monkeyp
     with pytest.raises(InvalidRequestError):
         engine.submit("hi", seed=2**64 - 1, n=2)
     # A request that fails while the engine thread starts it fails alone.
-    import parallm_engine.sequence as seq_mod
+    import parallm_engine.core.sequence as seq_mod
 
     def boom(*a, **k):
         raise RuntimeError("sampler exploded")

@@ -13,7 +13,7 @@ from parallm_engine import EngineDeadError
 
 
 def test_engine_thread_death_raises_in_every_waiting_caller(tiny_model_dir):
-    from parallm_engine.engine import Engine
+    from parallm_engine.core.engine import Engine
 
     eng = Engine(str(tiny_model_dir))
     try:

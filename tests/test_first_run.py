@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from parallm_engine import ContextLengthExceededError
-from parallm_engine.demo import DemoResult, RunStats, comparison, results_table, run_demo
+from parallm_bench.demo import DemoResult, RunStats, comparison, results_table, run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -50,7 +50,7 @@ def _vocab_writer(family: str, default_gguf):
 
 def _pair(family, tmp_path, default_tok, qtype=None, embed_qtype=None, float_type=None, overrides=None):
     """(HF/MLX directory, GGUF file) holding the same weights."""
-    from parallm_engine.loader import default_model_path
+    from parallm_engine.models.loader import default_model_path
 
     tok_dir, bpe_vocab = default_tok
     vocab = bpe_vocab if TOKENIZER[family] == "bpe" else SPM_VOCAB
@@ -101,8 +101,8 @@ def _check_same_model(hf, gguf_file, vocab, mx_quantized=False, weights_rtol=0.0
     from mlx_lm.utils import load as mlx_load
 
     from parallm_engine import Engine
-    from parallm_engine.gguf import ensure_converted
-    from parallm_engine.loader import load_model
+    from parallm_engine.models.gguf import ensure_converted
+    from parallm_engine.models.loader import load_model
 
     net, tokenizer, info = load_model(str(gguf_file), dtype="float32")
     assert info.config["gguf_source"]["file"] == str(gguf_file)
@@ -167,7 +167,7 @@ def test_gguf_llama3_rope_freqs(tmp_path, default_tok):
     scaling back (every band crossed: original context 64, head_dim 16)."""
     import json
 
-    from parallm_engine.gguf import ensure_converted
+    from parallm_engine.models.gguf import ensure_converted
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
@@ -183,7 +183,7 @@ def test_gguf_k_quants(tmp_path, default_tok):
 
     from gguf.constants import GGMLQuantizationType as Q
 
-    from parallm_engine.gguf import ensure_converted
+    from parallm_engine.models.gguf import ensure_converted
 
     dims = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # K-quant blocks are 256 wide
     for family in ("qwen2", "llama"):  # llama: the Q/K permutation moves Q4_K rows with their scales
@@ -200,8 +200,8 @@ def test_spm_tokenizers_match_sentencepiece(tmp_path):
     import gguf
     import sentencepiece as spm
 
-    from parallm_engine.gguf_reader import read_gguf_header
-    from parallm_engine.gguf_tokenizer import build_gguf_tokenizer
+    from parallm_engine.models.gguf_reader import read_gguf_header
+    from parallm_engine.models.gguf_tokenizer import build_gguf_tokenizer
 
     texts = ["The quick brown fox jumps over the lazy dog.", "Hello world, 12345 and 3.14!", "café résumé 😀",
              "Paris is the capital of France."]
@@ -230,7 +230,7 @@ def test_bpe_tokenizer_qwen2_split_and_specials(tmp_path, default_tok):
     from transformers import AutoTokenizer
 
     hf, gguf_file, _ = _pair("qwen3", tmp_path, default_tok)
-    from parallm_engine.gguf import ensure_converted
+    from parallm_engine.models.gguf import ensure_converted
 
     tok = AutoTokenizer.from_pretrained(str(ensure_converted(gguf_file)))
     text = "<|im_start|>user\nIt costs 12345 dollars, café 😀<|im_end|>"
@@ -245,8 +245,8 @@ def test_unsupported_architecture_is_a_typed_error(tmp_path):
     import gguf
     import numpy as np
 
-    from parallm_engine.gguf import ensure_converted, gguf_architecture
-    from parallm_engine.loader import default_model_path, load_model
+    from parallm_engine.models.gguf import ensure_converted, gguf_architecture
+    from parallm_engine.models.loader import default_model_path, load_model
 
     assert gguf_architecture(default_model_path()) == ("llama", True)
     path = tmp_path / "tiny-mamba.gguf"

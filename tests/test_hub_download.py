@@ -1,4 +1,4 @@
-"""Models by name (``parallm_engine.hub``) against a real HTTP server that speaks the hub's file API
+"""Models by name (``parallm_engine.models.hub``) against a real HTTP server that speaks the hub's file API
 (``tests/hub_server.py``), not a mock of huggingface_hub. Each download runs in a fresh Python process with
 its own ``HF_HOME`` and ``HF_ENDPOINT`` (huggingface_hub reads some of its settings once, at import)."""
 
@@ -23,8 +23,8 @@ FAILED = "FAILED "  # what the child prints before an exception's class name and
 @pytest.fixture(scope="module")
 def default_model_dir() -> Path:
     """The embedded default model as an HF/MLX directory (its GGUF converted once, cached)."""
-    from parallm_engine.gguf import ensure_converted
-    from parallm_engine.loader import default_model_path
+    from parallm_engine.models.gguf import ensure_converted
+    from parallm_engine.models.loader import default_model_path
 
     return ensure_converted(default_model_path())
 
@@ -81,7 +81,7 @@ def run_child(code: str, hf_home: Path, endpoint: str | None, **env) -> tuple[di
     return json.loads(lines[-1]), took
 
 
-FETCH = "from parallm_engine.hub import fetch_model\nreport(path=str(fetch_model({spec!r})))"
+FETCH = "from parallm_engine.models.hub import fetch_model\nreport(path=str(fetch_model({spec!r})))"
 
 ASK_PARIS = """
 from parallm_engine import get_engine
@@ -98,13 +98,13 @@ def test_allow_patterns_are_mlx_lms():
     """The same patterns as mlx-lm's download: what mlx-lm downloaded opens here offline and back."""
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    from parallm_engine.hub import TEXT_ALLOW_PATTERNS
+    from parallm_engine.models.hub import TEXT_ALLOW_PATTERNS
 
     assert TEXT_ALLOW_PATTERNS == DEFAULT_ALLOW_PATTERNS
 
 
 def test_parse_repo_spec(tmp_path):
-    from parallm_engine.hub import parse_repo_spec
+    from parallm_engine.models.hub import parse_repo_spec
 
     assert parse_repo_spec("mlx-community/Qwen3-4B-Instruct-2507-4bit") == (
         "mlx-community/Qwen3-4B-Instruct-2507-4bit", None)

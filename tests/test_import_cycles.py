@@ -4,7 +4,8 @@ The graph is read statically (``ast``) from every ``from .x import``, ``from . i
 ``from parallm_engine.x import``, ``import parallm_engine.x`` and ``importlib.import_module("...")`` with a
 literal name, at module level or inside a function (a function-level import is still a dependency; hiding
 one in a function does not break a cycle).
-The benchmark / demo tooling modules are left out: they are not runtime code and will leave the package.
+The benchmark / demo tooling lives outside the package (``parallm_bench``); the runtime never imports it
+(the CLI's ``bench`` and ``demo`` commands excepted).
 """
 
 from __future__ import annotations
@@ -16,15 +17,6 @@ import parallm_engine
 
 PACKAGE = "parallm_engine"
 ROOT = Path(parallm_engine.__file__).resolve().parent
-
-#: Tooling, not runtime: benchmarks, the demo, the llama.cpp check, the soak's peer and traffic, test models.
-TOOLING = ("bench", "demo", "llamacpp_check", "peer_worker", "soak_traffic", "vision_tiny")
-
-
-def _is_tooling(module: str) -> bool:
-    leaf = module.rsplit(".", 1)[-1]
-    return any(leaf == name or leaf.startswith(name + "_") for name in TOOLING)
-
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
@@ -114,20 +106,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def runtime_graph() -> dict[str, set[str]]:
-    graph = import_graph()
-    return {m: {d for d in deps if not _is_tooling(d)} for m, deps in graph.items() if not _is_tooling(m)}
+    return import_graph()
 
 
 def test_the_graph_sees_the_package():
     graph = runtime_graph()
-    assert f"{PACKAGE}.engine" in graph and f"{PACKAGE}.native" in graph
-    assert f"{PACKAGE}.scheduler" in graph[f"{PACKAGE}.engine"]  # a module-level import is an edge
-    assert not any(_is_tooling(m) for m in graph)
+    assert f"{PACKAGE}.core.engine" in graph and f"{PACKAGE}.native" in graph
+    assert f"{PACKAGE}.core.scheduler" in graph[f"{PACKAGE}.core.engine"]  # a module-level import is an edge
+    assert not any(m.rsplit(".", 1)[-1].startswith("bench") for m in graph)  # the tooling left the package
 
 
 def test_a_function_level_import_is_an_edge():
     graph = import_graph()
-    assert f"{PACKAGE}.registry" in graph[f"{PACKAGE}.server"]  # imported inside serve()
+    assert f"{PACKAGE}.core.registry" in graph[f"{PACKAGE}.serve.server"]  # imported inside serve()
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -138,3 +129,17 @@ def test_the_cycle_finder_finds_cycles():
 def test_no_import_cycles_among_runtime_modules():
     found = cycles(runtime_graph())
     assert found == [], "import cycles among runtime modules:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_runtime_never_imports_the_benchmark_tooling():
+    """``parallm_bench`` (benchmarks, demo, peers, fixtures) is imported only by the CLI's ``bench`` and
+    ``demo`` commands, inside them."""
+    importers = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "parallm_bench" for n in names):
+                importers.append(_module_name(path))
+    assert set(importers) <= {f"{PACKAGE}.cli"}, importers

@@ -11,8 +11,9 @@ import sys
 import threading
 
 import pytest
-from parallm_engine import Choice, TokenLogprob, Usage, registry
-from parallm_engine.chat_format import ToolCall
+from parallm_engine import Choice, TokenLogprob, Usage
+from parallm_engine.core import registry
+from parallm_engine.formats.chat_format import ToolCall
 
 from parallm_integrations import _remote_client
 from parallm_integrations._common import chat_generation, chat_result
@@ -27,8 +28,8 @@ def test_importing_the_integrations_imports_no_engine_and_the_plain_engine_modul
         "ChatParaLLM(base_url='http://127.0.0.1:9/v1'); ParaLLM(base_url='http://127.0.0.1:9/v1')\n"
         "ParaLLMLlamaIndex(base_url='http://127.0.0.1:9/v1')\n"
         "engine_mods = sorted(m for m in sys.modules if m.startswith('parallm_engine'))\n"
-        "import parallm_engine.errors, parallm_engine.logprobs, parallm_engine.chat_format\n"
-        "import parallm_engine.sampling_params, parallm_engine.registry\n"
+        "import parallm_engine.errors, parallm_engine.sampling.logprobs, parallm_engine.formats.chat_format\n"
+        "import parallm_engine.sampling.sampling_params, parallm_engine.core.registry\n"
         "import parallm_integrations.errors\n"
         "import json\n"
         "print(json.dumps([engine_mods, sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm'))]))\n"
@@ -37,8 +38,9 @@ def test_importing_the_integrations_imports_no_engine_and_the_plain_engine_modul
     assert out.returncode == 0, out.stderr[-3000:]
     engine_mods, mlx_mods = json.loads(out.stdout.strip().splitlines()[-1])
     # Constructing with base_url checks the sampling settings with the engine's plain-Python checks.
-    assert set(engine_mods) <= {"parallm_engine", "parallm_engine.backend", "parallm_engine.errors", "parallm_engine.import_notices",
-                                "parallm_engine.sampling_params", "parallm_engine.spec_config"}
+    assert set(engine_mods) <= {"parallm_engine", "parallm_engine.runner", "parallm_engine.models",  # (empty package inits)
+                                "parallm_engine.sampling", "parallm_engine.spec", "parallm_engine.runner.backend", "parallm_engine.errors", "parallm_engine.models.import_notices",
+                                "parallm_engine.sampling.sampling_params", "parallm_engine.spec.spec_config"}
     assert mlx_mods == [], "MLX was imported"
 
 
@@ -98,7 +100,7 @@ def test_stats_never_walks_the_prefix_tree_off_the_engine_thread(tiny_engine):
 
 
 def test_one_logprob_formatter_reports_minus_inf_as_the_floor():
-    from parallm_engine.logprobs import LOGPROB_FLOOR, chat_logprobs
+    from parallm_engine.sampling.logprobs import LOGPROB_FLOOR, chat_logprobs
 
     from parallm_integrations._messages import logprobs_to_openai
     from parallm_integrations.llama_index._responses import logprobs_lists

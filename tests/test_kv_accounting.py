@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
 
-from parallm_engine.kv_pages import PagedSegment
+from parallm_engine.kv.kv_pages import PagedSegment
 
 from .model_zoo import prompt_ids
 from .test_kv_pages import check_pages
@@ -73,10 +73,10 @@ def _direct_pins(radix) -> int:
 
 
 def _make_machine(engine, lanes: int):
-    from parallm_engine.request import Channel, Request
-    from parallm_engine.sampling_params import SamplingParams
-    from parallm_engine.scheduler import Scheduler, SchedulerConfig
-    from parallm_engine.stats import EngineStats
+    from parallm_engine.core.request import Channel, Request
+    from parallm_engine.sampling.sampling_params import SamplingParams
+    from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
+    from parallm_engine.core.stats import EngineStats
 
     vocab = engine.model_info.vocab_size
     per_token = engine.model_info.kv_bytes_per_token()
@@ -206,7 +206,7 @@ def _make_machine(engine, lanes: int):
 
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_kv_accounting_holds_under_any_sequence_of_operations(tiny_engine, lanes, monkeypatch):
-    from parallm_engine import decode_batch
+    from parallm_engine.runner import decode_batch
 
     monkeypatch.setattr(decode_batch, "LANE_FILL_ROWS", 1)  # with 2 lanes, rows over both
     machine, seen = _make_machine(tiny_engine, lanes)

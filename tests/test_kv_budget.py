@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
-from parallm_engine import memory_budget
+from parallm_engine.core import memory_budget
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
+from parallm_engine.core.memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
 
 from .model_zoo import prompt_ids
 from .test_memory import _wait
@@ -121,7 +121,7 @@ def test_prefix_cache_gives_way_before_any_preemption(tiny_engine, tiny_model_di
 
 
 def test_memory_gauges_on_metrics(tiny_engine):
-    from parallm_engine.metrics import render_engine_stats
+    from parallm_engine.serve.metrics import render_engine_stats
 
     tiny_engine.generate(["hello"], max_tokens=2)
     assert _wait(lambda: "memory" in tiny_engine.stats())

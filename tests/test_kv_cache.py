@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallm_engine.kv_cache import PrefillBatchKV
+from parallm_engine.kv.kv_cache import PrefillBatchKV
 
 
 @settings(max_examples=60, deadline=None)

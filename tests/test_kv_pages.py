@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
-from parallm_engine.kv_pages import PAGE, PagedLaneKV, PagedSegment, PagePool
+from parallm_engine.kv.kv_pages import PAGE, PagedLaneKV, PagedSegment, PagePool
 
 H, D = 2, 8
 
@@ -263,7 +263,7 @@ def test_page_pool_accounting():
 def test_engine_stats_and_metrics_report_the_pages(tiny_engine):
     """While rows decode, ``Engine.stats()`` and ``/metrics`` report the pages they hold (each row its own
     length rounded up to a page); when they finish, their pages are the prefix cache's."""
-    from parallm_engine import metrics
+    from parallm_engine.serve import metrics
 
     vocab = tiny_engine.model_info.vocab_size
     prompts = [[(7 * i + j) % (vocab - 10) + 5 for j in range(20 + 9 * i)] for i in range(3)]
@@ -295,10 +295,10 @@ def test_a_row_joins_the_running_lane_that_holds_its_prefix(tiny_engine):
     """With two decode lanes, a request whose prefix the prefix cache holds in lane 1's pool joins lane 1
     (which has room) rather than the first lane with room, and borrows those pages instead of storing a
     copy; its tokens equal the same request alone."""
-    from parallm_engine.request import Channel, Request
-    from parallm_engine.sampling_params import SamplingParams
-    from parallm_engine.scheduler import Scheduler, SchedulerConfig
-    from parallm_engine.stats import EngineStats
+    from parallm_engine.core.request import Channel, Request
+    from parallm_engine.sampling.sampling_params import SamplingParams
+    from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
+    from parallm_engine.core.stats import EngineStats
 
     from .model_zoo import prompt_ids
 

@@ -11,9 +11,9 @@ import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
 from hypothesis import given, settings, strategies as st
 
-from parallm_engine import kv_quant as kvq
+from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.kv_quant import KVFormat, KVQuantizationError
+from parallm_engine.kv.kv_quant import KVFormat, KVQuantizationError
 
 from .model_zoo import greedy_sampler
 
@@ -252,7 +252,7 @@ def test_mixed_layout_is_refused(tmp_path):
 def test_q8_logprob_drift_is_bounded(engine):
     """The accuracy cost README states, on the default model, teacher-forced over prose, a list, code and
     a table (measured 0.0125 mean, 0.136 max, 98.2% top-1 agreement; the bound leaves room for BLAS)."""
-    from parallm_engine.bench_kv_quant import logprob_drift
+    from parallm_bench.kv_quant import logprob_drift
 
     sched = engine._scheduler
     fmt = kvq.format_for_model(8, engine.model, sched.n_layers, sched.layout)

@@ -70,7 +70,7 @@ TWO_CALLS = (
 
 
 def test_several_calls_in_one_message_get_unique_ids():
-    from parallm_engine.chat_format import parse_tool_calls
+    from parallm_engine.formats.chat_format import parse_tool_calls
 
     from parallm_integrations._common import chat_generation
 
@@ -87,7 +87,7 @@ def test_several_calls_in_one_message_get_unique_ids():
 
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_streamed_tool_calls_become_tool_call_chunks(piece):
-    from parallm_engine.typed_output import TypedOutput
+    from parallm_engine.formats.typed_output import TypedOutput
 
     builder = _ChunkBuilder("m", None)
     typed = TypedOutput(None, [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}])

@@ -17,7 +17,7 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from pydantic import BaseModel
 
 from parallm_engine import ContextLengthExceededError, InvalidRequestError
-from parallm_engine.server import ServerThread
+from parallm_engine.serve.server import ServerThread
 from parallm_integrations.llama_index import ParaLLMLlamaIndex
 
 from .llama_index_common import (  # noqa: F401 (tools: a fixture)

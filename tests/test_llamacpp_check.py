@@ -1,4 +1,4 @@
-"""The default model against llama.cpp on the same GGUF (``parallm_engine.llamacpp_check``).
+"""The default model against llama.cpp on the same GGUF (``parallm_bench.llamacpp_check``).
 
 The comparison itself runs only where llama-cpp-python is importable, or ``PARALLM_LLAMA_CPP_PYTHON`` names
 an interpreter that has it (it compiles llama.cpp; it is never a ParaLLM dependency). Its numbers are in
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallm_engine import llamacpp_check
+from parallm_bench import llamacpp_check
 
 
 def _log_softmax(x):

@@ -32,7 +32,7 @@ def base_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapter_dirs(base_dir, tmp_path_factory):
-    from parallm_engine.bench_lora import write_random_adapter
+    from parallm_bench.lora import write_random_adapter
 
     root = tmp_path_factory.mktemp("adapters")
     return {name: write_random_adapter(base_dir, root / name, **kw) for name, kw in ADAPTERS.items()}
@@ -200,7 +200,7 @@ def test_adapter_by_hf_repo_id(base_dir, adapter_dirs, references, tmp_path, mon
 
 def test_bad_adapters_are_refused(base_dir, adapter_dirs, tmp_path, vocab):
     from parallm_engine import Engine
-    from parallm_engine.bench_lora import write_random_adapter
+    from parallm_bench.lora import write_random_adapter
     from parallm_engine.errors import AdapterLoadError, AdapterNotFoundError, InvalidRequestError
 
     tok_dir, _ = default_tokenizer()
@@ -234,7 +234,7 @@ def test_server_and_integrations_pick_adapters(base_dir, adapter_dirs, vocab):
     from langchain_core.runnables import RunnableParallel
 
     from parallm_engine import get_engine
-    from parallm_engine.server import ServerThread
+    from parallm_engine.serve.server import ServerThread
     from parallm_integrations import ChatParaLLM, ParaLLM
     from parallm_integrations.llama_index import ParaLLMLlamaIndex
 
@@ -303,7 +303,7 @@ def test_mixed_cache_layout_family(tmp_path, vocab):
     from mlx_lm import load
 
     from parallm_engine import Engine
-    from parallm_engine.bench_lora import write_random_adapter
+    from parallm_bench.lora import write_random_adapter
 
     tok_dir, _ = default_tokenizer()
     base = build("gemma3_text", tmp_path / "g3", tok_dir, vocab)
@@ -327,7 +327,7 @@ def test_mixed_cache_layout_family(tmp_path, vocab):
 def test_bench_lora_workload(base_dir):
     """`parallm bench --workloads lora` on a tiny model: the mixed requests decode as one batch."""
     from parallm_engine import Engine
-    from parallm_engine.bench_lora import LoraSizes, format_lines, run_lora
+    from parallm_bench.lora import LoraSizes, format_lines, run_lora
 
     eng = Engine(str(base_dir), decode_lanes=1)
     try:

@@ -175,7 +175,7 @@ def test_snapshot_cache_accounting_under_any_operation_sequence(ops, budget):
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, KVCache
 
-    from parallm_engine.snapshot_cache import SnapshotCache
+    from parallm_engine.kv.snapshot_cache import SnapshotCache
 
     def state(n):
         kv, arr = KVCache(), ArraysCache(1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from parallm_engine import Engine, OutOfMemoryError
-from parallm_engine.memory_recovery import MAX_STREAK, is_allocation_failure
+from parallm_engine.core.memory_recovery import MAX_STREAK, is_allocation_failure
 
 METAL_OOM = "[metal::malloc] Unable to allocate 4294967296 bytes which is greater than the maximum allowed"
 

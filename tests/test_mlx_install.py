@@ -1,4 +1,4 @@
-"""Which MLX backend library is installed (parallm_engine/mlx_install.py), on real dist-info layouts.
+"""Which MLX backend library is installed (parallm_engine/models/mlx_install.py), on real dist-info layouts.
 
 Each case writes an ``mlx`` package and backend wheels' dist-info (METADATA + RECORD with the sha256 pip
 records) into a directory and inspects it in a Python started without site-packages, so only those
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="the backen
 PROBE = """
 import json
 from parallm_engine.errors import ParaLLMError
-from parallm_engine.mlx_install import MLXBackendMissingError, inspect_install, require_backend_library
+from parallm_engine.models.mlx_install import MLXBackendMissingError, inspect_install, require_backend_library
 info = inspect_install()
 try:
     require_backend_library()
@@ -89,7 +89,7 @@ def test_no_backend_is_a_typed_error_naming_the_extras(tmp_path):
 
 
 def test_this_environment_is_sound():
-    from parallm_engine.mlx_install import inspect_install
+    from parallm_engine.models.mlx_install import inspect_install
 
     info = inspect_install()
     assert info.problem is None and info.owner in ("mlx-cpu", "mlx-cuda-12", "mlx-cuda-13")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from parallm_engine import ModelLoadError
-from parallm_engine.gguf import converted_dir_for, ensure_converted
-from parallm_engine.loader import default_model_path, resolve_model
+from parallm_engine.models.gguf import converted_dir_for, ensure_converted
+from parallm_engine.models.loader import default_model_path, resolve_model
 
 
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -154,7 +154,7 @@ def test_resolve_model_paths(tmp_path, tiny_model_dir):
 
 
 def test_backend_reports_fast_path():
-    from parallm_engine.backend import backend_info
+    from parallm_engine.runner.backend import backend_info
 
     info = backend_info()
     assert info.device in ("cpu", "gpu", "cuda")

@@ -70,7 +70,7 @@ def ollama_store(root: Path, name: str, tag: str, gguf_file: Path) -> Path:
 @pytest.fixture(scope="module")
 def machine(tmp_path_factory, tiny_repo_dir, default_model_dir):  # noqa: F811
     """A home directory with all three stores; the hub cache filled by ``parallm pull``."""
-    from parallm_engine.loader import default_model_path
+    from parallm_engine.models.loader import default_model_path
 
     home = tmp_path_factory.mktemp("home")
     lms = home / ".lmstudio" / "models"
@@ -133,7 +133,7 @@ def test_models_lists_every_store(machine):
 
 def test_an_ollama_blob_is_a_model_path(machine, tmp_path, monkeypatch):
     """What ``parallm models`` lists is what ``model=`` takes: an Ollama blob has no .gguf suffix."""
-    from parallm_engine.loader import resolve_model
+    from parallm_engine.models.loader import resolve_model
 
     monkeypatch.setenv("PARALLM_CACHE_DIR", str(tmp_path))  # its conversion is this test's, not the user's
 

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from mlx_lm.models.base import create_causal_mask
 
-from parallm_engine import cpu_kernels, native
+from parallm_engine import native
+
+from parallm_engine.runner import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not native.supported_platform(), reason="native kernels are built on Linux only")
 
@@ -165,7 +167,7 @@ def test_prefill_group_attention_matches_mlx_with_and_without_a_shared_prefix(na
     """The scheduler's grouped prefill: rows with different cached prefixes and chunk lengths, padded
     (kv_cache.prefill_layout's mask); and rows continuing one prefix held once (its mask covers the
     chunk only)."""
-    from parallm_engine.kv_cache import prefill_layout
+    from parallm_engine.kv.kv_cache import prefill_layout
 
     mx.random.seed(11)
     H, KH, D = 9, 3, 64

@@ -16,7 +16,7 @@ from llama_index.core.llms import ChatMessage
 from openai import OpenAI
 from pydantic import ValidationError
 
-from parallm_engine.server import ServerThread
+from parallm_engine.serve.server import ServerThread
 from parallm_integrations import ChatParaLLM
 from parallm_integrations.llama_index import ParaLLMLlamaIndex
 

@@ -23,8 +23,8 @@ from parallm_engine import (
     StreamDelta,
     Usage,
 )
-from parallm_engine.chat_format import ToolCall, ToolCallDelta
-from parallm_engine.server import ServerThread
+from parallm_engine.formats.chat_format import ToolCall, ToolCallDelta
+from parallm_engine.serve.server import ServerThread
 from parallm_integrations import _remote
 from parallm_integrations._remote import (
     RemoteChoice,

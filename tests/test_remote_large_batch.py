@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from parallm_engine.server import ServerThread
+from parallm_engine.serve.server import ServerThread
 from parallm_integrations import ParaLLM
 from parallm_integrations._remote_client import MAX_SEQUENCES_PER_REQUEST
 

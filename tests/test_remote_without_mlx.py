@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from parallm_engine import errors as engine_errors
-from parallm_engine.server import ServerThread
+from parallm_engine.serve.server import ServerThread
 
 HERE = Path(__file__).parent
 KEY = "no-mlx-key"

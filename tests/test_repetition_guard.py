@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from parallm_engine.repetition_guard import MAX_PERIOD, MIN_SPAN, CycleGuard
+from parallm_engine.sampling.repetition_guard import MAX_PERIOD, MIN_SPAN, CycleGuard
 
 from .conftest import chat_ids
 

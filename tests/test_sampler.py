@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from parallm_engine.sampling import SeqSampler, sample_batch
-from parallm_engine.sampling_params import SamplingParams
+from parallm_engine.sampling.sampler import SeqSampler, sample_batch
+from parallm_engine.sampling.sampling_params import SamplingParams
 
 V = 4096
 

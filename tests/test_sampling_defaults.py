@@ -14,9 +14,9 @@ from openai import OpenAI
 from pydantic import ValidationError
 
 from parallm_engine import InvalidRequestError, SamplingParams
-from parallm_engine.gguf import gguf_sampling_defaults, read_gguf_metadata
-from parallm_engine.loader import RECOMMENDED_SAMPLING, peek_sampling_defaults, sampling_defaults
-from parallm_engine.sampling_params import MODEL_DEFAULT_FIELDS, apply_model_defaults
+from parallm_engine.models.gguf import gguf_sampling_defaults, read_gguf_metadata
+from parallm_engine.models.loader import RECOMMENDED_SAMPLING, peek_sampling_defaults, sampling_defaults
+from parallm_engine.sampling.sampling_params import MODEL_DEFAULT_FIELDS, apply_model_defaults
 from parallm_integrations import ChatParaLLM, ParaLLM
 from parallm_integrations.llama_index import ParaLLMLlamaIndex
 
@@ -187,7 +187,7 @@ def test_invalid_recommendations_are_ignored_with_a_warning(tmp_path, caplog):
 
 
 def test_server_applies_the_model_defaults_when_a_request_omits_them(engine_03, monkeypatch):
-    from parallm_engine.server import ServerThread
+    from parallm_engine.serve.server import ServerThread
 
     submitted = []
     real_submit = engine_03.submit

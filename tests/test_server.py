@@ -20,7 +20,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from parallm_engine.server import ServerThread, create_app
+from parallm_engine.serve.server import ServerThread, create_app
 
 from .conftest import chat_ids
 

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from parallm_engine.server import ServerThread
+from parallm_engine.serve.server import ServerThread
 
 anthropic = pytest.importorskip("anthropic")
 

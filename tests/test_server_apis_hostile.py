@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from parallm_engine.server import ServerThread, create_app
+from parallm_engine.serve.server import ServerThread, create_app
 
 from .test_server import (  # noqa: F401  (fuzz_engine is a fixture)
     KEY, _bound_generation, _string_paths, _with_surrogate, assert_error_body, fuzz_engine, wait_idle)

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from parallm_engine.server import ServerThread, create_app
+from parallm_engine.serve.server import ServerThread, create_app
 
 from .test_server import assert_error_body, wait_idle
 
@@ -196,7 +196,7 @@ def test_huge_max_tokens_is_clamped_to_the_context(two_keys, tiny64):
     assert c.choices[0].finish_reason == "length"
     assert c.usage.prompt_tokens + c.usage.completion_tokens == ctx
     # In the engine: an explicit max_tokens is clamped at submit, on a copy of a caller's params.
-    from parallm_engine.sampling import SamplingParams
+    from parallm_engine.sampling.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=10**9, temperature=0.0)
     ids = tiny64.encode("Once upon a time")
@@ -288,7 +288,7 @@ async def test_refused_request_frees_its_slots_at_once(tiny64):
 
 def test_several_keys_from_cli_and_environment(monkeypatch, capsys):
     from parallm_engine.cli import build_parser
-    from parallm_engine.server import api_keys_from_env
+    from parallm_engine.serve.server import api_keys_from_env
 
     args = build_parser().parse_args(["serve", "--api-key", "k1", "--api-key", "k2", "--expose-docs",
                                       "--max-request-share", "0.5", "--max-key-share", "0.25"])
@@ -379,7 +379,7 @@ def test_benign_chats_tokenize_as_before(engine):
          {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}],
         [{"role": "user", "content": "émoji 🎉 and 中文 and \ue000 private use"}],
     ]
-    from parallm_engine.chat_tokens import ChatTokenizer
+    from parallm_engine.formats.chat_tokens import ChatTokenizer
 
     ct = ChatTokenizer(engine.tokenizer)
     for msgs in chats:
@@ -413,7 +413,7 @@ def test_special_text_is_plain_wherever_the_caller_put_it(engine):
              {"role": "tool", "tool_call_id": "1", "content": "<|im_start|>system"}]
     assert starts(calls) == starts(calls, allow_special_tokens=True) - 3
     # Split over two strings the template writes side by side cannot join into one token either.
-    from parallm_engine.chat_tokens import ChatTokenizer
+    from parallm_engine.formats.chat_tokens import ChatTokenizer
 
     ct = ChatTokenizer(engine.tokenizer)
     assert ct._edges("text ending in <|im_") == (False, True)
@@ -429,7 +429,7 @@ def test_markers_survive_ascii_json_templates(engine):
     still recognised, and the escapes dropped."""
     import copy
 
-    from parallm_engine.chat_tokens import ChatTokenizer
+    from parallm_engine.formats.chat_tokens import ChatTokenizer
 
     hf = copy.deepcopy(engine.tokenizer._tokenizer)
     hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"

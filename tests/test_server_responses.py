@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from parallm_engine.server import ServerThread
+from parallm_engine.serve.server import ServerThread
 
 from .test_server import assert_error_body
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from parallm_engine.server_process import free_port, wait_healthy
+from parallm_bench.server_process import free_port, wait_healthy
 from parallm_integrations import ChatParaLLM
 from parallm_integrations.errors import EngineDeadError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallm_engine.bench_soak import SoakConfig, format_lines, run_soak
+from parallm_bench.soak import SoakConfig, format_lines, run_soak
 
 
 @pytest.mark.timeout(900)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallm_engine.spec_policy import (BACKOFF, GROWTH, MIN_GAIN, SPAN, WINDOW, RealizedGain, StepCost,
+from parallm_engine.spec.spec_policy import (BACKOFF, GROWTH, MIN_GAIN, SPAN, WINDOW, RealizedGain, StepCost,
                                         batch_positions, batch_tokens, choose_width, expected_tokens, run_odds)
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -168,7 +168,7 @@ class GivenCosts(StepCost):
 
 
 def _copy_prompts(engine, n):
-    from parallm_engine.bench_spec import copy_prompts
+    from parallm_bench.spec import copy_prompts
 
     return copy_prompts(engine, n, seed=5)  # JSON edits and quoted tool results: most drafts are accepted
 

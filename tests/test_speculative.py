@@ -11,10 +11,10 @@ import pytest
 
 from parallm_engine import Engine
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.kv_pages import PagedLaneKV
-from parallm_engine.sampling_params import SamplingParams
-from parallm_engine.spec_config import OFF, SpeculativeConfig, parse_speculative
-from parallm_engine.speculative import NgramIndex
+from parallm_engine.kv.kv_pages import PagedLaneKV
+from parallm_engine.sampling.sampling_params import SamplingParams
+from parallm_engine.spec.spec_config import OFF, SpeculativeConfig, parse_speculative
+from parallm_engine.spec.speculative import NgramIndex
 
 # Not adaptive: these tests need every step to speculate, whatever this machine's step costs say (the
 # adaptive width is tested with given costs in test_spec_policy.py).
@@ -295,7 +295,7 @@ def test_integrations_validate_and_pass_speculative(tiny_model_dir):
 def test_server_speculative_field_and_usage_extension(engine):
     import httpx
 
-    from parallm_engine.server import ServerThread
+    from parallm_engine.serve.server import ServerThread
 
     body = {"model": "default", "max_tokens": 40, "temperature": 0,
             "messages": [{"role": "user", "content": "Repeat exactly:\n" + JSON_BLOCK}]}
@@ -319,7 +319,7 @@ def test_a_ragged_step_computes_what_the_rectangle_does(kernels):
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
-    from parallm_engine import cpu_kernels
+    from parallm_engine.runner import cpu_kernels
 
     config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,

@@ -14,8 +14,8 @@ import pytest
 
 from parallm_engine import Engine
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.sampling_params import SamplingParams
-from parallm_engine.spec_config import parse_speculative
+from parallm_engine.sampling.sampling_params import SamplingParams
+from parallm_engine.spec.spec_config import parse_speculative
 from tests.model_zoo import build, default_tokenizer, prompt_ids
 
 NEW = 28
@@ -77,7 +77,7 @@ def test_draft_kv_follows_the_context_through_rejections(models):
 
     from mlx_lm.utils import load
 
-    from parallm_engine.draft_model import DraftModel, DraftRows
+    from parallm_engine.spec.draft_model import DraftModel, DraftRows
     from tests.model_zoo import reference_greedy
 
     _, draft, vocab = models
@@ -136,7 +136,7 @@ def test_greedy_equals_plain_alone_and_in_a_mixed_batch(eng, models):
 def test_greedy_equals_plain_on_the_default_model(engine):
     """The default model with a draft cut from it (its first 24 of 30 layers, built in memory as the
     bench does), alone and next to a plain row."""
-    from parallm_engine.bench_spec import copy_prompts, truncated_draft
+    from parallm_bench.spec import copy_prompts, truncated_draft
 
     spec = {"method": "draft", "model": truncated_draft(engine, 24), "num_tokens": 3, "adaptive": False}
     prompts = copy_prompts(engine, 2, seed=3)
@@ -236,7 +236,7 @@ def test_cancelled_request_frees_its_draft_kv(eng, models):
 def test_integrations_and_server_pass_draft_settings(eng, models, tmp_path):
     import httpx
 
-    from parallm_engine.server import ServerThread
+    from parallm_engine.serve.server import ServerThread
     from parallm_integrations import ChatParaLLM
     from parallm_integrations.llama_index import ParaLLMLlamaIndex
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parallm_engine.chat_format import (
+from parallm_engine.formats.chat_format import (
     ContentDelta,
     OutputParser,
     ReasoningDelta,
@@ -27,8 +27,8 @@ from parallm_engine.chat_format import (
     parse_tool_calls,
     parser_for,
 )
-from parallm_engine.harmony import HarmonyFormat
-from parallm_engine.tool_formats import HermesFormat, Llama3JsonFormat, MlxLmFormat
+from parallm_engine.formats.harmony import HarmonyFormat
+from parallm_engine.formats.tool_formats import HermesFormat, Llama3JsonFormat, MlxLmFormat
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -315,7 +315,7 @@ def marker_tokenizer(tmp_path_factory, default_src):
 def _matcher(fmt, tokenizer, size, tool_choice, parallel=None):
     from llguidance import LLMatcher
 
-    from parallm_engine.constrained import _special_markers, ll_tokenizer, tool_call_grammar
+    from parallm_engine.sampling.constrained import _special_markers, ll_tokenizer, tool_call_grammar
 
     vocab = tokenizer.get_vocab()
     fmt.marker_ids = {m: vocab[m] for m in fmt.markers if m in vocab}
@@ -404,7 +404,7 @@ def test_parallel_calls_grammar(marker_tokenizer):
 
 def test_formats_without_a_grammar_refuse_forced_calls_clearly():
     from parallm_engine import GrammarError
-    from parallm_engine.constrained import tool_call_grammar
+    from parallm_engine.sampling.constrained import tool_call_grammar
 
     fmt = MlxLmFormat("minimax_m2")
     with pytest.raises(GrammarError, match="minimax_m2"):
@@ -528,7 +528,7 @@ def test_llama_index_and_server_paths_split_harmony(harmony_dir):
     from llama_index.core.base.llms.types import ChatMessage, ThinkingBlock
 
     from parallm_engine import get_engine
-    from parallm_engine.openai_format import chat_response
+    from parallm_engine.serve.openai_format import chat_response
     from parallm_integrations.llama_index import ParaLLMLlamaIndex
 
     grammar = ('start: <|channel|> "analysis" <|message|> "Hmm." <|end|> <|start|> "assistant" <|channel|> '

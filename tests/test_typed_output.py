@@ -1,4 +1,4 @@
-"""The one output parser (``parallm_engine.typed_output.TypedOutput``), without a model: streamed pieces
+"""The one output parser (``parallm_engine.formats.typed_output.TypedOutput``), without a model: streamed pieces
 concatenate exactly to the finished message at every cut and in every delta size, calls cut off by
 max_tokens are calls flagged incomplete, markup never reaches the content, and no whitespace appears
 between parallel calls. Plus LlamaIndex's partial-JSON reader for streamed structured output."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallm_engine.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
-from parallm_engine.typed_output import TRUNCATED_CALL, Finish, TypedOutput
+from parallm_engine.formats.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
+from parallm_engine.formats.typed_output import TRUNCATED_CALL, Finish, TypedOutput
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -103,7 +103,7 @@ def test_invalid_arguments_are_an_invalid_call_in_stream_and_result_alike():
 
 
 def test_reasoning_pieces_concatenate_to_the_reasoning():
-    from parallm_engine.chat_format import OutputParser
+    from parallm_engine.formats.chat_format import OutputParser
 
     parser = OutputParser(think=("<think>", "</think>"))
     text = "<think>\nFirst, \n\nsecond. \n</think>\n\nThe answer."

@@ -18,8 +18,8 @@ from PIL import Image, ImageDraw
 
 from parallm_engine import Engine  # noqa: F401
 from parallm_engine.errors import ImageInputError, InvalidRequestError
-from parallm_engine.vision_inputs import decode_image
-from parallm_engine.vision_tiny import build_tiny_vlm
+from parallm_engine.vision.inputs import decode_image
+from parallm_bench.vision_tiny import build_tiny_vlm
 
 FAMILIES = ["llava", "idefics3", "mistral3", "gemma3", "qwen2_5_vl", "qwen3_vl"]
 MROPE_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"]
@@ -80,7 +80,7 @@ def reference(eng: Engine, messages: list[dict], n: int = N_TOKENS) -> list[int]
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
 
-    from parallm_engine.vision_inputs import extract_images
+    from parallm_engine.vision.inputs import extract_images
 
     enc = eng.model.vision
     stripped, images = extract_images(messages)
@@ -129,7 +129,7 @@ def test_16_concurrent_over_4_images_equal_alone(vlm_engine):
     images = [chart(20 + i) for i in range(4)]
     questions = ["What is the max?", "What is the min?", "How many bars?", "Which colour?"]
     convs = [ask(q, im) for im in images for q in questions]
-    from parallm_engine.vision_chat import chat_prompt
+    from parallm_engine.vision.chat import chat_prompt
 
     prompts = [chat_prompt(vlm_engine, m, None, {}) for m in convs]
     results = vlm_engine.generate(prompts, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
@@ -190,7 +190,7 @@ def test_known_image_skips_the_processor_even_after_eviction(vlm_engine):
     the time it prefills, the engine makes its pixel inputs then, and the tokens are still mlx-vlm's."""
     import numpy as np
 
-    from parallm_engine.vision_inputs import extract_images
+    from parallm_engine.vision.inputs import extract_images
 
     enc = vlm_engine.model.vision
     image = chart(90)
@@ -215,7 +215,7 @@ def test_known_image_skips_the_processor_even_after_eviction(vlm_engine):
 
 
 def test_8_concurrent_on_one_image_encode_once(vlm_engine):
-    from parallm_engine.vision_chat import chat_prompt
+    from parallm_engine.vision.chat import chat_prompt
 
     enc = vlm_engine.model.vision
     image = chart(60)
@@ -237,7 +237,7 @@ def test_running_stream_decodes_while_an_image_is_encoded(vlm_engine):
     import time
 
     from parallm_engine.errors import RequestCancelledError
-    from parallm_engine.vision_chat import chat_prompt
+    from parallm_engine.vision.chat import chat_prompt
 
     enc = vlm_engine.model.vision
     msgs = ask("What is the middle bar?", chart(110))
@@ -280,7 +280,7 @@ def test_abort_while_the_image_is_encoded(vlm_engine):
     import numpy as np
 
     from parallm_engine.errors import RequestCancelledError
-    from parallm_engine.vision_chat import chat_prompt
+    from parallm_engine.vision.chat import chat_prompt
 
     enc = vlm_engine.model.vision
     prompt = chat_prompt(vlm_engine, ask("Which bar?", chart(120)), None, {})
@@ -462,7 +462,7 @@ def test_mrope_batch_of_different_grids_and_text_equals_alone(mrope_engine):
     """One batch: images of different grids (so different rope deltas), two images in one prompt, and a
     text-only request; each answer equals that request alone through mlx-vlm (whose model object keeps
     one rope delta for the whole batch)."""
-    from parallm_engine.vision_chat import chat_prompt
+    from parallm_engine.vision.chat import chat_prompt
 
     convs = [ask("What is the max?", chart(140)),
              ask("What is the max?", chart(141, size=(64, 24))),
@@ -485,7 +485,7 @@ def test_mrope_positions_of_any_window_are_the_prompts(mrope_engine):
 
     import numpy as np
 
-    from parallm_engine.vision_mrope import decode_positions, image_grid, prefill_positions, prompt_positions
+    from parallm_engine.vision.mrope import decode_positions, image_grid, prefill_positions, prompt_positions
 
     enc = mrope_engine.model.vision
     prompt = enc.build_prompt(ask("Compare them.", chart(170, size=(64, 24)), chart(171)))
@@ -527,7 +527,7 @@ def test_mrope_chunked_prefill_and_prefix_hit_equal_cold(mrope_engine):
 def test_mrope_speculative_verification_equals_plain(mrope_engine):
     """n-gram speculation verifies W > 1 positions per row in one forward: each row's block continues
     its own positions (its rope delta included), so greedy output is unchanged."""
-    from parallm_engine.vision_chat import chat_prompt
+    from parallm_engine.vision.chat import chat_prompt
 
     convs = [ask("Repeat: red blue red blue red blue red blue", chart(160, size=(64, 24))),
              ask("Repeat: one two one two one two", chart(161))]
@@ -575,7 +575,7 @@ def test_llama_index_image_block(vlm_engine):
 def test_server_image_url_parts(vlm_engine):
     import httpx
 
-    from parallm_engine.server import ServerThread, create_app
+    from parallm_engine.serve.server import ServerThread, create_app
 
     msgs = ask("What colour dominates?", chart(102))
     want = vlm_engine.chat(msgs, max_tokens=N_TOKENS, temperature=0.0).text

@@ -12,15 +12,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .backend import preload_blas as _preload_blas
+from parallm_engine.runner.backend import preload_blas as _preload_blas
 
 _preload_blas()  # must happen before anything imports mlx.core
 
-from .import_notices import drop_unactionable_notices as _drop_unactionable_notices  # noqa: E402
+from parallm_engine.models.import_notices import drop_unactionable_notices as _drop_unactionable_notices  # noqa: E402
 
 _drop_unactionable_notices()  # before anything imports transformers (its no-PyTorch notice)
 
-from .errors import (  # noqa: E402  (plain Python: no MLX)
+from parallm_engine.errors import (  # noqa: E402  (plain Python: no MLX)
     AdapterLoadError,
     AdapterNotFoundError,
     ContextLengthExceededError,
@@ -43,36 +43,36 @@ __version__ = "0.1.0"
 
 #: Public names imported on first access (these modules import MLX), and where each lives.
 _LAZY = {
-    "Engine": "engine",
-    "get_engine": "registry",
-    "get_embedding_engine": "registry",
-    "shutdown_all": "registry",
-    "EncoderEngine": "encoder_engine",
-    "EmbeddingResult": "embedding",
-    "EmbeddingHandle": "embedding",
-    "SamplingParams": "sampling_params",
-    "Choice": "request",
-    "GenerationResult": "request",
-    "RequestHandle": "request",
-    "StreamDelta": "request",
-    "TokenLogprob": "request",
-    "Usage": "request",
+    "Engine": "core.engine",
+    "get_engine": "core.registry",
+    "get_embedding_engine": "core.registry",
+    "shutdown_all": "core.registry",
+    "EncoderEngine": "embed.encoder_engine",
+    "EmbeddingResult": "embed.embedding",
+    "EmbeddingHandle": "embed.embedding",
+    "SamplingParams": "sampling.sampling_params",
+    "Choice": "core.request",
+    "GenerationResult": "core.request",
+    "RequestHandle": "core.request",
+    "StreamDelta": "core.request",
+    "TokenLogprob": "core.request",
+    "Usage": "core.request",
 }
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .embedding import EmbeddingHandle, EmbeddingResult
-    from .encoder_engine import EncoderEngine
-    from .registry import get_embedding_engine, get_engine, shutdown_all
-    from .request import Choice, GenerationResult, RequestHandle, StreamDelta, TokenLogprob, Usage
-    from .sampling_params import SamplingParams
+    from parallm_engine.core.engine import Engine
+    from parallm_engine.embed.embedding import EmbeddingHandle, EmbeddingResult
+    from parallm_engine.embed.encoder_engine import EncoderEngine
+    from parallm_engine.core.registry import get_embedding_engine, get_engine, shutdown_all
+    from parallm_engine.core.request import Choice, GenerationResult, RequestHandle, StreamDelta, TokenLogprob, Usage
+    from parallm_engine.sampling.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .mlx_install import require_backend_library
+    from parallm_engine.models.mlx_install import require_backend_library
 
     require_backend_library()  # a typed error, not a linker error, where no MLX backend is installed
     value = getattr(importlib.import_module(f".{module}", __name__), name)

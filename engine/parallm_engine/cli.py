@@ -8,9 +8,8 @@ import logging
 import sys
 import time
 
-from . import backend as _backend  # noqa: F401  (importing the package preloads BLAS first)
-from .demo import DEMO_QUESTIONS  # noqa: F401  (the demo's prompts; re-exported)
-from .weights_dtype import WEIGHTS_DTYPES
+from parallm_engine.runner import backend as _backend  # noqa: F401  (importing the package preloads BLAS first)
+from parallm_engine.runner.weights_dtype import WEIGHTS_DTYPES
 
 
 def _engine_config(args) -> dict:
@@ -51,13 +50,13 @@ def _kv_memory(text: str):
 
 
 def cmd_info(args) -> int:
-    from .backend import backend_info
-    from .loader import DEFAULT_MODEL_NAME, default_model_path, peek_sampling_defaults
+    from parallm_engine.runner.backend import backend_info
+    from parallm_engine.models.loader import DEFAULT_MODEL_NAME, default_model_path, peek_sampling_defaults
 
-    from .backend import choose_backend
-    from .memory_budget import mlx_limits
+    from parallm_engine.runner.backend import choose_backend
+    from parallm_engine.core.memory_budget import mlx_limits
 
-    from .mlx_install import inspect_install
+    from parallm_engine.models.mlx_install import inspect_install
 
     install = inspect_install()
     info = backend_info()
@@ -65,27 +64,27 @@ def cmd_info(args) -> int:
     out = {"backend": info.as_dict(), "mlx_install": install.as_dict(),
            "gpu_visible": info.device in ("gpu", "cuda"), "engine_backend": engine_backend.as_dict(),
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
-    from .errors import ParaLLMError
-    from .weights_dtype import resolve_weights_dtype
+    from parallm_engine.errors import ParaLLMError
+    from parallm_engine.runner.weights_dtype import resolve_weights_dtype
 
     try:
         out["weights_dtype"] = resolve_weights_dtype(None, info.device) or "the model's"
     except ParaLLMError as exc:
         out["weights_dtype"] = f"error: {exc}"
     kv_budget = engine_backend.kv_budget(getattr(args, "kv_memory", None))
-    from .kv_quant import resolve_kv_bits
+    from parallm_engine.kv.kv_quant import resolve_kv_bits
 
     try:
         kv_bits = resolve_kv_bits(None)
     except ParaLLMError as exc:
         kv_bits = f"error: {exc}"
-    from .kv_pages import PAGE
+    from parallm_engine.kv.kv_pages import PAGE
 
     out["memory"] = {"device_bytes": engine_backend.memory_bytes, "source": engine_backend.memory_source,
                      "kv_budget_bytes": kv_budget, "kv_bits": kv_bits, "kv_page_tokens": PAGE,
                      "mlx_limits": mlx_limits(engine_backend.device, engine_backend.memory_bytes, kv_budget, 0)}
     if out["cpu_kernels"]:
-        from . import native
+        from parallm_engine import native
 
         out["native_kernels"] = native.status()
     try:
@@ -97,7 +96,7 @@ def cmd_info(args) -> int:
     out["sampling_defaults"] = {"values": values, "source": source}
     out["cycle_guard"] = _CYCLE_GUARD
     if args.model is not None or args.load:
-        from .loader import load_model
+        from parallm_engine.models.loader import load_model
 
         _, _, minfo = load_model(args.model)
         out["model"] = {
@@ -118,7 +117,7 @@ def cmd_info(args) -> int:
     if b.device == "cpu":
         print(f"weights : stored {out['weights_dtype']} (Engine(weights_dtype=\"bfloat16\") or "
               "PARALLM_WEIGHTS_DTYPE=bfloat16: half the bytes per decode step; activations and KV stay float32)")
-        from .weights_dtype import bf16_dot_kernel
+        from parallm_engine.runner.weights_dtype import bf16_dot_kernel
 
         print("          bfloat16-matmul (bf16 matmul inputs, float32 sums): "
               + ("AVX512_BF16 kernel" if bf16_dot_kernel() is not None else "MLX ops (no AVX512_BF16 kernel here)"))
@@ -153,12 +152,12 @@ def cmd_info(args) -> int:
 
 
 _CYCLE_GUARD = ("a request that sets no max_tokens stops when it repeats one block of tokens over and over "
-                "(finish_reason length; see parallm_engine/repetition_guard.py)")
+                "(finish_reason length; see parallm_engine/sampling/repetition_guard.py)")
 
 
 def _describe_sampling(defaults: dict) -> str:
     """One line: what requests that set no sampling settings use, and where it comes from."""
-    from .sampling_params import SamplingParams
+    from parallm_engine.sampling.sampling_params import SamplingParams
 
     values = defaults["values"]
     if not values:
@@ -183,7 +182,7 @@ def _read_prompts(args) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from .registry import get_engine
+    from parallm_engine.core.registry import get_engine
 
     eng = get_engine(args.model, **_engine_config(args))
     prompts = _read_prompts(args)
@@ -212,14 +211,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import main as demo_main
+    from parallm_bench.demo import main as demo_main
 
     args.engine_config = _engine_config(args)
     return demo_main(args)
 
 
 def cmd_serve(args) -> int:
-    from .server import serve
+    from parallm_engine.serve.server import serve
 
     cfg = _engine_config(args)
     if args.max_queue:
@@ -232,8 +231,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .hub import fetch_model
-    from .model_store import describe_model_dir, pull_report
+    from parallm_engine.models.hub import fetch_model
+    from parallm_engine.models.model_store import describe_model_dir, pull_report
 
     path = fetch_model(args.model_id)  # huggingface_hub's progress bars on stderr
     entry = describe_model_dir(path, args.model_id, "hf-cache")
@@ -242,7 +241,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from .model_store import all_models, table
+    from parallm_engine.models.model_store import all_models, table
 
     entries = all_models()
     print(json.dumps([e.as_dict() for e in entries], indent=2) if args.json else table(entries))
@@ -250,7 +249,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
+    from parallm_bench.bench import main as bench_main
 
     return bench_main(args)
 
@@ -367,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "embed (texts/s at 1/16/64 concurrent vs one at a time, and beside generation), "
                          "soak (alone: a server under mixed traffic and faults for --minutes; bench_soak.py). "
                          "llamacpp (and agents' llama.cpp system) need llama-server: "
-                         "python -m parallm_engine.bench_llamacpp build")
+                         "python -m parallm_bench.llamacpp build")
     sp.add_argument("--path", choices=("native", "mlx"), default="native",
                     help="mlx: run on MLX's own ops (backend cpu-mlx, the path Metal and CUDA take) and "
                          "compare the fan-out with the native path (the 'paths' workload)")
@@ -392,13 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--longctx-tokens", type=int, default=None, help="longctx: document tokens (default 8000)")
     sp.add_argument("--shape", choices=("qwen3-4b", "llama3-8b", "gemma3-4b"), default=None,
                     help="run on a random-weight model with this architecture's exact config (layers cut to "
-                         "fit --shape-budget-gb; see parallm_engine/bench_shapes.py)")
+                         "fit --shape-budget-gb; see parallm_bench/shapes.py)")
     sp.add_argument("--shape-layers", type=int, default=None, help="--shape: keep this many layers")
     sp.add_argument("--shape-budget-gb", type=float, default=None,
                     help="--shape: fp32 weight GB a decode step may read, which sets the layers kept (default 3)")
     sp.add_argument("--plot", default=None, metavar="DIR",
                     help="write matplotlib PNGs of the results here (pip install matplotlib)")
-    from .bench_soak import add_arguments as add_soak_arguments
+    from parallm_bench.soak import add_arguments as add_soak_arguments
 
     add_soak_arguments(sp)  # --workloads soak: --minutes, --interval, --soak-target, --soak-kv-memory
     sp.set_defaults(fn=cmd_bench)
@@ -409,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .errors import ParaLLMError
+    from parallm_engine.errors import ParaLLMError
 
     try:
         return args.fn(args) or 0

@@ -97,7 +97,7 @@ class ChatStream:
     """Turns stream deltas into cumulative chat state: content, and tool calls as they stream.
 
     ``parse_markup`` (in-process): the deltas carry the engine's typed pieces (``StreamDelta.pieces``,
-    ``parallm_engine.typed_output``), mapped here; otherwise the deltas' own ``text`` / ``reasoning`` /
+    ``parallm_engine.formats.typed_output``), mapped here; otherwise the deltas' own ``text`` / ``reasoning`` /
     ``tool_calls`` (a server split them). Nothing is parsed here."""
 
     def __init__(self, tools: list[dict[str, Any]] | None, single_call: bool, parse_markup: bool = True,

@@ -33,7 +33,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from ..cpu_info import cpu_features
+from parallm_engine.runner.cpu_info import cpu_features
 
 logger = logging.getLogger("parallm_engine")
 

@@ -1,0 +1,1 @@
+"""The request lifecycle: the engine thread, the scheduler's plan, sequences, results, stats."""

@@ -1,0 +1,388 @@
+"""The engine: one thread owns all MLX work; callers submit from any thread or event loop.
+
+Public surface::
+
+    eng = get_engine()                       # the shared engine for the default model
+    eng.generate(["a", "b"], max_tokens=32)  # list in, list of GenerationResult out (all in flight at once)
+    await eng.agenerate([...])
+    for d in eng.stream("prompt"): ...       # StreamDelta; closing the iterator aborts the request
+    async for d in eng.astream("prompt"): ...
+    eng.chat(messages, tools=...) / achat / chat_stream / achat_stream
+    eng.stats()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import weakref
+from typing import Any
+
+from parallm_engine.errors import (
+    ContextLengthExceededError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from parallm_engine.sampling.constrained import compile_constraint
+from parallm_engine.core.request import Channel, Request, RequestHandle
+from parallm_engine.sampling.sampler import SamplingParams
+from parallm_engine.sampling.sampling_params import apply_model_defaults
+from parallm_engine.spec.spec_config import parse_speculative
+from parallm_engine.kv.kv_quant import resolve_kv_bits
+from parallm_engine.core.memory_budget import apply_mlx_limits, mlx_limits
+from parallm_engine.embed.embedding_api import EmbeddingAPI
+from parallm_engine.core.engine_api import EngineConvenienceAPI, Prompt
+from parallm_engine.core.engine_base import EngineBase
+from parallm_engine.core.engine_loop import EngineLoop
+from parallm_engine.runner import lora
+from parallm_engine.models.lora_adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, linear_dims
+from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
+from parallm_engine.core.stats import EngineStats
+from parallm_engine.core.validation import check_text
+from parallm_engine.vision.vlm import VisionPrompt
+from parallm_engine.vision.worker import note_abort, submit_after_encoding
+
+logger = logging.getLogger("parallm_engine")
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    # Stop engine threads before the interpreter tears down MLX; a daemon thread still inside an
+    # MLX call at exit aborts the process ("terminate called without an active exception").
+    for eng in list(_live_engines):
+        eng.shutdown(timeout=30.0)
+
+
+#: Above this many bytes of weights, a decode step is bound by reading them: every CPU lane streams all of
+#: them, so parallel lanes slow it down. Measured on the 2-core CI machine (MKL): the 0.54 GB default model
+#: decodes 1.4x faster on 2 lanes; a 3 GB qwen3-4b-shaped model 1.9x faster on 1 (9.7 vs 5.2 tok/s).
+LANE_WEIGHT_LIMIT = 1536 << 20
+
+
+def _lanes_for(backend, model) -> int:
+    """The backend's decode lanes, or one when the model's weights are too large to stream once per lane."""
+    if backend.decode_lanes <= 1 or os.environ.get("PARALLM_DECODE_LANES"):
+        return backend.decode_lanes
+    return 1 if _weight_bytes(model) > LANE_WEIGHT_LIMIT else backend.decode_lanes
+
+
+def _weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str | None = None,
+        weights_dtype: str | None = None,
+        max_batch_size: int = 64,
+        max_queue: int = 1024,
+        prefill_chunk: int = 512,
+        prefill_budget: int = 2048,
+        kv_memory: float | int | None = None,
+        kv_budget_bytes: int | None = None,
+        kv_bits: int | None = None,
+        prefix_cache_bytes: int | None = None,
+        enable_prefix_cache: bool = True,
+        decode_lanes: int | None = None,
+        backend: str | None = None,
+        speculative: Any = None,
+        adapters: dict[str, str | os.PathLike] | None = None,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
+    ):
+        """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
+        ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
+        ``kv_memory``: the KV budget the running sequences and the prefix cache share, as a fraction of
+        what the device offers or in bytes (default a quarter; ``parallm info`` shows it;
+        ``kv_budget_bytes`` is the same in bytes). ``prefix_cache_bytes`` caps the prefix cache within it.
+        ``kv_bits``: store the KV cache at 8 or 4 bits (``PARALLM_KV_BITS``; None: the model's dtype), about
+        3.6x / 6.4x less KV memory for float32 KV at a small accuracy cost (``kv_quant.py``).
+        ``speculative``: the default for requests that do not set their own (``spec_config``), e.g.
+        ``{"method": "ngram", "num_tokens": 4}``. ``weights_dtype``: ``"float32"`` (default) or
+        ``"bfloat16"`` weight storage on the CPU, or ``"bfloat16-matmul"`` (bfloat16 weights and matmul
+        inputs, float32 sums; AVX512_BF16's kernel where the CPU has it) (``PARALLM_WEIGHTS_DTYPE``; Metal
+        and CUDA keep the model's dtype; see ``weights_dtype.py``). ``adapters``: LoRA adapters by name
+        (``{"sql": "/path/to/adapter_dir"}``; mlx-lm's or PEFT's format), loaded and checked now; a request
+        picks one with ``adapter=``, which also takes an adapter directory or cached HF repo id (loaded on
+        first use). ``max_adapters`` of them stay loaded (LRU) and resident in the batch's stacks
+        (``lora.py``, ``docs/lora.md``)."""
+        from parallm_engine.runner.backend import choose_backend
+        from parallm_engine.models.loader import load_model
+
+        for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
+                            ("prefill_chunk", prefill_chunk), ("prefill_budget", prefill_budget),
+                            ("decode_lanes", 1 if decode_lanes is None else decode_lanes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        speculative = parse_speculative(speculative)
+        kv_bits = resolve_kv_bits(kv_bits)
+        try:
+            self.backend = choose_backend(backend)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="backend") from exc
+        from parallm_engine.runner.weights_dtype import resolve_weights_dtype
+
+        weights = resolve_weights_dtype(weights_dtype, self.backend.device)
+        self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights)
+        #: The weight storage in effect ("float32", "bfloat16", "bfloat16-matmul"; None: the model's own dtype).
+        self.weights_dtype = weights if dtype in (None, "float32") else None
+        if self.weights_dtype == "bfloat16":
+            self.backend.dtype = "bfloat16 weights, float32 activations and KV"
+        elif self.weights_dtype == "bfloat16-matmul":
+            self.backend.dtype = ("bfloat16 weights and matmul inputs (float32 sums), float32 activations and KV"
+                                  + ("; AVX512_BF16 kernel" if self.backend.name == "cpu-native" and _bf16_dot_kernel() else ""))
+        budget = kv_budget_bytes or self.backend.kv_budget(kv_memory)
+        self.mlx_limits = apply_mlx_limits(mlx_limits(self.backend.device, self.backend.memory_bytes, budget,
+                                                      _weight_bytes(self.model)))
+        self.config = SchedulerConfig(
+            max_batch_size=max_batch_size,
+            prefill_chunk=prefill_chunk,
+            prefill_budget=prefill_budget,
+            kv_budget_bytes=budget,
+            radix_budget_bytes=min(budget, prefix_cache_bytes) if prefix_cache_bytes is not None else budget,
+            enable_prefix_cache=enable_prefix_cache,
+            decode_lanes=decode_lanes or _lanes_for(self.backend, self.model),
+            cpu_kernels=self.backend.cpu_kernels,
+            speculative=speculative,
+            kv_bits=kv_bits,
+        )
+        self.max_queue = max_queue
+        self._stats = EngineStats()
+        if getattr(self.model, "vision", None) is not None:  # image features share the prefix cache's budget
+            self.model.vision.budget_bytes = max(1 << 20, self.config.radix_budget_bytes // 4)
+        self._scheduler = Scheduler(self.model, self.tokenizer, self.model_info, self.config, self._stats)
+        if speculative is not None and speculative.enabled and self._scheduler.speculator is None:
+            raise InvalidRequestError(self._scheduler.no_speculation, param="speculative")
+        self._check_draft(speculative)
+        self.adapters = AdapterRegistry(linear_dims(self.model), max_adapters)
+        for name, path in (adapters or {}).items():
+            self.adapters.register(name, path)
+        if adapters:
+            lora.attach(self.model, max_adapters)
+        if self.backend.name == "cpu-native" and not self._scheduler.native_kernels:
+            self.backend.name = "cpu-mlx"  # the native kernels could not be built: MLX-op kernels
+        self.backend.decode_lanes = self.config.decode_lanes
+        logger.info("%s; model layout %s", self.backend.summary(), self._scheduler.layout)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._pending = 0  # submitted, not yet picked up by the engine thread
+        self._aborting: set[str] = set()  # aborted by their caller, not yet dropped by the engine thread
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="parallm-engine", daemon=True)
+        self._thread.start()
+        _live_engines.add(self)
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def sampling_defaults(self) -> dict:
+        """What a request samples with for each of temperature / top_p / top_k / min_p /
+        repetition_penalty it leaves unset: the model's recommendation
+        (``model_info.sampling_defaults_source`` says where it was found). Fields not listed here
+        fall back to :class:`SamplingParams`' defaults (OpenAI's)."""
+        return dict(self.model_info.sampling_defaults)
+
+    @property
+    def running_count(self) -> int:
+        """Requests in flight (queued, prefilling or decoding)."""
+        return self._stats.in_flight
+
+    # -- submission -----------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        response_format: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        group=None,
+        adapter: str | os.PathLike | None = None,
+        **sampling: Any,
+    ) -> RequestHandle:
+        """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
+
+        ``priority``: smaller runs first and is preempted last when memory runs short (vLLM's
+        convention; default 0, FIFO among equals). ``group`` (any hashable; default: the request
+        itself): admission takes turns across groups, so one caller's thousand prompts do not lock
+        out another's two (``generate``/``agenerate`` put one call's prompts in one group).
+
+        ``response_format`` (OpenAI shape, or ``{"type": "regex", "regex": ...}``) constrains decoding
+        with a grammar; so do ``tools`` (OpenAI tool dicts): "required" / named ``tool_choice`` forces a
+        valid call, "auto" (the default) allows text or valid calls, "none" text only (see
+        :func:`constrained.tool_call_grammar`). With ``tools`` the result carries parsed ``tool_calls``.
+        Rendering tools into the prompt is the chat template's job: use :meth:`chat` or
+        :meth:`apply_chat_template`.
+
+        Sampling settings left unset (absent or None) among temperature / top_p / top_k / min_p /
+        repetition_penalty / max_tokens take the model's recommendation (:attr:`sampling_defaults`); explicit
+        values always win. A request that sets no ``max_tokens`` is also ended (``finish_reason="length"``)
+        when its output starts cycling through one block of tokens (``repetition_guard.py``). A ready-made ``params=SamplingParams(...)`` is used as it is. The effective settings
+        are on the handle: ``handle.request.params``.
+
+        ``adapter``: the LoRA adapter the request runs under (a name given in ``adapters=`` or
+        :meth:`load_adapter`, an adapter directory, or a cached HF repo id); None: the base model. It
+        shares the batch with every other request (``lora.py``); an unknown one raises
+        :class:`AdapterNotFoundError`, one that does not fit the model :class:`AdapterLoadError`.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
+        given = sampling.pop("params", None)
+        # A request that sets no max_tokens is stopped if it starts cycling (repetition_guard.py).
+        guard_cycles = given is None and sampling.get("max_tokens") is None
+        params = given or SamplingParams.from_kwargs(
+            **apply_model_defaults(sampling, self.model_info.sampling_defaults)
+        )
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequestError("tools must be a list of OpenAI tool dicts", param="tools")
+        check_text(params.stop, "stop")
+        check_text(response_format, "response_format")
+        check_text(tools, "tools")
+        check_text(tool_choice, "tool_choice")
+        grammar = compile_constraint(
+            self.tokenizer, self.model_info.vocab_size, response_format=response_format,
+            tools=list(tools) if tools else None, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+        ) if (response_format is not None or tools) else None
+        self._check_speculative(params)
+        lora_adapter = self._resolve_adapter(adapter, params)
+        ids = self._prompt_ids(prompt)
+        ctx = self.context_window
+        if len(ids) >= ctx:
+            raise ContextLengthExceededError(
+                f"prompt has {len(ids)} tokens; the model's context window is {ctx} "
+                "(at least one token must be left to generate)",
+                param="prompt",
+            )
+        room = ctx - len(ids)
+        if params.max_tokens is None or params.max_tokens > room:
+            # Never more than the context leaves (a copy: a caller's ``params`` may serve other prompts).
+            params = dataclasses.replace(params, max_tokens=room)
+        self._take_queue_slot()
+        req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
+                      tools=list(tools) if tools else None, priority=priority, group=group)
+        req.adapter = lora_adapter
+        req.cycle_guard = guard_cycles
+        if isinstance(prompt, VisionPrompt):
+            req.vision = prompt
+            if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first
+                return RequestHandle(self, req)
+        self._commands.put(("add", req))
+        self._wake.set()
+        return RequestHandle(self, req)
+
+    def _take_queue_slot(self) -> None:
+        """Count one more request as pending, or refuse it (QueueFullError) when the queue is full."""
+        with self._lock:
+            # Requests a caller has aborted no longer count, though the engine thread frees them only
+            # between steps: their slots are free again at once.
+            if self._stats.in_flight + self._pending - len(self._aborting) >= self.max_queue:
+                self._stats.requests_rejected += 1
+                raise QueueFullError(
+                    f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
+                )
+            self._pending += 1
+
+    def load_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Register (or re-point) the LoRA adapter ``name`` at ``path`` and load it now (checked against
+        the model: :class:`AdapterLoadError` if it does not fit)."""
+        self.adapters.register(name, path)
+        lora.attach(self.model, self.adapters.max_loaded)
+
+    def _resolve_adapter(self, adapter, params: SamplingParams):
+        if adapter is None:
+            return None
+        spec = params.speculative
+        if spec is not None and spec.enabled and spec.method == "draft":
+            raise InvalidRequestError("a draft model drafts for the base model only: use speculative "
+                                      "{'method': 'ngram'} (or none) with a LoRA adapter", param="speculative")
+        resolved = self.adapters.resolve(adapter)
+        lora.attach(self.model, self.adapters.max_loaded)
+        return resolved
+
+    def _check_speculative(self, params: SamplingParams) -> None:
+        """A request that asks for speculation where it cannot run is refused (typed), never run wrong."""
+        spec = params.speculative
+        if spec is None or not spec.enabled:
+            return
+        if self._scheduler.speculator is None:
+            raise InvalidRequestError(self._scheduler.no_speculation, param="speculative")
+        if params.needs_penalties:
+            raise InvalidRequestError("speculative decoding is not supported together with repetition / "
+                                      "presence / frequency penalties", param="speculative")
+        self._check_draft(spec)
+
+    def _check_draft(self, spec) -> None:
+        """The draft-model method: its model is loaded (once per process) and checked against this
+        engine's model here, on the caller's thread, so the engine thread finds it ready."""
+        if spec is not None and spec.enabled and spec.method == "draft":
+            from parallm_engine.spec.draft_model import resolve_draft
+
+            resolve_draft(spec, self.model, self.tokenizer, self.model_info, kernels=self.config.cpu_kernels)
+
+    def abort(self, request: str | Request) -> None:
+        """Abort a request (its id, or the ``Request``; ``RequestHandle.abort`` passes the latter). The
+        engine frees its memory between steps; given the ``Request``, its queue slot is free at once."""
+        if isinstance(request, Request):
+            with self._lock:
+                if not request.finished:
+                    self._aborting.add(request.id)
+            request = request.id
+        note_abort(self, request)  # still at the vision encoder: cancelled once it reaches the scheduler
+        self._commands.put(("abort", request))
+        self._wake.set()
+
+    # -- observability --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Engine-wide counters and gauges. Safe from any thread while the engine runs: the queue lengths
+        and the prefix-cache figures are the snapshot the engine thread published after its last step (or
+        command), never read from the live structures it mutates."""
+        snap = self._stats.snapshot()
+        snap.update(self._stats.published)
+        snap["waiting"] = snap.get("waiting", 0) + self._pending
+        snap["model"] = self.model_name
+        vision = getattr(self.model, "vision", None)
+        if vision is not None:
+            snap["vision"] = vision.stats()
+        snap["adapters"] = {**self.adapters.stats(), **snap.pop("lora", {})}
+        return snap
+
+    def reset_peaks(self) -> None:
+        self._stats.reset_peaks()
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every prefix the radix tree holds that no running request uses; returns bytes freed."""
+        cache = self._scheduler.prefix_cache
+        return self.run_on_engine_thread(cache.clear_unpinned) if cache is not None else 0
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._dead = self._dead or EngineDeadError("engine was shut down")
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if getattr(self.model, "vision", None) is not None:
+            self.model.vision.close()
+
+
+def _bf16_dot_kernel() -> bool:
+    """Whether the native kernels run bfloat16 matmuls with AVX512_BF16 here (``weights_dtype``)."""
+    from parallm_engine.runner.weights_dtype import bf16_dot_kernel
+
+    return bf16_dot_kernel() is not None

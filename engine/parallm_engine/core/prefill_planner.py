@@ -1,0 +1,130 @@
+"""The scheduler's prefill planning: which prompt tokens run in this step, one work item at a time.
+
+Part of the scheduler (``Scheduler`` takes it in): it plans and runs nothing. Each item
+(``step_plan.PrefillWork``) is planned once the one before has run, because what comes next depends on
+it: the step's prefill stops on the clock (``Scheduler.prefill_token_budget`` and ``_prefill_room_s``
+set its token budget and time), and a prompt whose uncached prefix a member of the step's group is
+computing waits one step and finds it in the radix tree (in-flight dedup). A context longer than one
+chunk is prefilled alone, chunk by chunk, across steps; shorter ones (attention layout) together in
+groups of at most one chunk of tokens; a context the prefix cache holds whole needs no forward.
+"""
+
+from __future__ import annotations
+
+import time
+
+from parallm_engine.embed import embedding
+from parallm_engine.core.sequence import Sequence, shared_context_len
+from parallm_engine.core.step_plan import PrefillWork, StepPlan
+
+
+class PrefillPlanner:
+    """Mixed into ``Scheduler``: uses its queues (``waiting``, ``prefilling``, ``running``), ``config``,
+    ``kv`` (the KV cache manager), ``out`` and ``stats``."""
+
+    def _start_prefill(self, seq: Sequence) -> None:
+        """Look the context up in the prefix cache and pin what matched until the prefill is done."""
+        self.kv.match(seq)
+        if self.kv.has_snapshots and not seq.embedding:
+            seq.split = self._shared_boundary(seq, seq.prefill_ids)
+        seq.pos = seq.cached_tokens
+        seq.started = True
+
+    def _shared_boundary(self, seq: Sequence, ids: list[int]) -> int:
+        """Mixed layout: the longest prefix ``seq`` shares with another queued prompt, past what is
+        cached: the first chunk stops there and snapshots it, so the others restore it instead of
+        recomputing it (in-flight dedup, and the next wave's hit)."""
+        best = 0
+        for other in list(self.waiting) + list(self.prefilling):
+            if other is seq or other.embedding:  # embedding rows read no snapshot
+                continue
+            best = max(best, shared_context_len(seq, other))
+        return best if seq.cached_tokens + 8 < best < len(ids) else 0
+
+    def _uncached_overlap(self, seq: Sequence, group: list[Sequence], cached: int) -> bool:
+        """Would ``seq`` recompute new tokens another group member is about to compute? Then it waits
+        one step and finds them in the radix tree (in-flight dedup of a shared uncached prefix)."""
+        if not self.kv.has_tree or seq.embedding:
+            return False
+        return any(shared_context_len(seq, g) > cached + 8 for g in group if not g.embedding)
+
+    def _plan_prefill(self, plan: StepPlan):
+        """Spend up to ``prefill_budget`` context tokens this step, one work item at a time (each planned
+        once the one before has run). A context longer than one chunk is prefilled alone, chunk by
+        chunk, across steps; shorter ones (attention layout) together in forward passes (groups) of at
+        most one chunk of tokens, except those whose uncached prefix a group member is computing.
+        Sequences whose context is all cached need no forward."""
+        budget = self.prefill_token_budget()
+        if len(self.prefilling) > len(self.running):
+            # Nothing decoding, or a burst (more prompts waiting for their first token than streams
+            # waiting for their next): at least a whole chunk per step. The running streams pay a few
+            # long steps; the arrivals' TTFT does not wait behind dozens of short ones.
+            budget = max(budget, min(self.config.prefill_chunk, self.config.prefill_budget))
+        chunk = min(self.config.prefill_chunk, budget)
+        # The token budget follows the measured rate; the clock also stops the step's prefill once the
+        # target has passed (a rate measured on an idle machine may not hold on a busy one).
+        deadline = time.perf_counter() + self._prefill_room_s() if self.config.step_time_target_s else None
+        while self.prefilling and budget > 0 and (deadline is None or time.perf_counter() < deadline):
+            head = self.prefilling[0]
+            if not head.started:
+                self._start_prefill(head)
+            remaining = len(head.prefill_ids) - head.pos
+            if remaining == 0 and head.cache is None:
+                self.prefilling.popleft()
+                work = PrefillWork("cached", [head], 0)
+                yield work
+                self._prompts_done(work.finished, plan.joined)
+                continue
+            if self.layout == "mixed" or head.cache is not None or remaining > chunk:
+                work = PrefillWork("chunk", [head], self._chunk_len(head, min(chunk, budget)))
+                yield work
+                self.kv.commit_split(head)
+                if work.finished:
+                    self.prefilling.popleft()
+                    self._prompts_done(work.finished, plan.joined)
+                budget -= work.n_tokens
+                continue
+            group, used = [head], remaining
+            for seq in list(self.prefilling)[1:]:
+                if len(group) >= self.config.max_batch_size:
+                    break
+                if seq.cache is not None:
+                    continue
+                cached = seq.pos if seq.started else self.kv.peek(seq)
+                left = len(seq.prefill_ids) - cached
+                if left == 0 or used + left > min(chunk, budget):
+                    continue
+                if not seq.started and self._uncached_overlap(seq, group, cached):
+                    continue
+                if not seq.started:
+                    self._start_prefill(seq)
+                group.append(seq)
+                used += len(seq.prefill_ids) - seq.pos
+            for seq in group:
+                self.prefilling.remove(seq)
+            work = PrefillWork("group", group, used)
+            yield work
+            self._prompts_done(work.finished, plan.joined)
+            budget -= used
+
+    @staticmethod
+    def _chunk_len(seq: Sequence, n_max: int) -> int:
+        """The next chunk of ``seq``'s context: at most ``n_max`` tokens, ending at its split if it has one."""
+        end = min(len(seq.prefill_ids), seq.pos + n_max)
+        if seq.split and seq.pos < seq.split < end:
+            end = seq.split
+        return end - seq.pos
+
+    def _prompts_done(self, finished: list[tuple[Sequence, list]], done: list[Sequence]) -> None:
+        """Contexts prefilled (all but their last token): the KV cache manager stores them in the prefix
+        cache and hands them to the decode batch. Embedding rows are delivered here and go no further
+        (``embedding.finish_embeddings``)."""
+        finished = embedding.finish_embeddings(finished, self.out, self.stats)
+        self.kv.commit_prompts(finished)
+        for seq, _ in finished:
+            seq.consumed = len(seq.prefill_ids)
+            if not seq.preemptions:
+                self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
+            self.kv.unpin(seq)
+            seq.prefix_kv = None
+            done.append(seq)

@@ -1,0 +1,301 @@
+"""The continuous-batching scheduler: it plans each step; it runs no forward and holds no KV. Runs only
+on the engine thread.
+
+One ``step()``: ``schedule()`` makes room (preempts the least urgent rows if the running batch would
+outgrow the KV budget), admits waiting sequences by the memory they take now and returns the step's
+plan (``step_plan.StepPlan``); the model runner's ``execute(plan)`` (``model_runner``) draws the prefill
+work (a long context alone, chunk by chunk; short ones in groups; prompts that arrive together with
+the same uncached prefix compute it once), then runs one decode step for every running row; ``update``
+records what it measured. Every KV hand-off (prefix match and pins, a prompt's caches, commits to the
+prefix cache, joins, frees) and the one KV budget are the KV cache manager's (``kv_cache_manager``).
+
+A sequence's context is its prompt plus what it generated so far. Prefill covers every context token
+but the last; the last runs in the decode step that samples the next token (as mlx-lm's generate
+does). A preempted sequence keeps its tokens and sampler state and is prefilled again later (mostly
+from the prefix cache): it continues with the tokens it would have produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from parallm_engine.embed import embedding
+
+from parallm_engine.core import memory_recovery
+from parallm_engine.errors import RequestCancelledError
+from parallm_engine.runner.family_adapters import adapter_for
+from parallm_engine.kv.kv_cache_manager import KVCacheManager
+from parallm_engine.core.memory_budget import mlx_memory
+from parallm_engine.runner.model_runner import ModelRunner
+from parallm_engine.core.output_processor import OutputProcessor
+from parallm_engine.core.prefill_planner import PrefillPlanner
+from parallm_engine.core.request import Request
+from parallm_engine.core.sequence import Sequence
+from parallm_engine.core.stats import EngineStats
+from parallm_engine.core.step_plan import StepPlan
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 64  # sequences decoding at once
+    prefill_chunk: int = 512  # tokens per prefill forward
+    prefill_budget: int = 2048  # prefill tokens per step, so decoding keeps moving
+    kv_budget_bytes: int = 4 << 30  # running-batch KV: admission and preemption
+    radix_budget_bytes: int = 1 << 30  # prefix cache
+    enable_prefix_cache: bool = True
+    pipeline: bool = True  # overlap host work with the next decode step (see decode_runner)
+    decode_lanes: int = 1  # parallel decode lanes (CPU cores; see decode_batch)
+    cpu_kernels: bool = False  # faster attention/SwiGLU on MLX's CPU backend (see cpu_kernels)
+    watermark_tokens: int = 16  # decode steps of growth every running row must have room for
+    # A step's target duration: prefill tokens per step are cut to what fits next to the decode step at
+    # the measured prefill rate, so aborts, arrivals and running streams wait at most about this long.
+    step_time_target_s: float = 0.25
+    min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
+    speculative: object = None  # the engine-wide default SpeculativeConfig (speculative.py), or None
+    kv_bits: int | None = None  # KV stored at 8 or 4 bits (kv_quant.py); None: the model's dtype
+
+
+class Scheduler(PrefillPlanner):
+    def __init__(self, model, tokenizer, model_info, config: SchedulerConfig, stats: EngineStats):
+        self.tokenizer = tokenizer
+        self.info = model_info
+        self.config = config
+        self.stats = stats
+        self.out = OutputProcessor(tokenizer, stats, model_info.context_window)
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        if tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.preemptions = 0
+        self.allocation_failures = 0  # steps that failed to allocate (memory_recovery.py)
+        self.failure_streak = 0  # of those, in a row
+        self.kv_budget_configured: int | None = None  # while a failure has lowered the KV budget
+        family = adapter_for(model_info)
+        self.kv = KVCacheManager(model, model_info, config, family)
+        # The forwards, sampling and delivery of each step (and the pipelined decode step in flight).
+        self.runner = ModelRunner(model, model_info, config, stats, self.kv, self.out, family,
+                                  retire=self._retire_rows)
+        self._plan: StepPlan | None = None  # the step being run (its retired rows are recorded in it)
+        # Measured, for the step-time bound: prefill tokens per second and the rest of a step's time.
+        self._prefill_rate: float | None = None
+        self._other_step_s = 0.0
+
+    # Views of the parts this scheduler plans for (tests, benchmarks and the engine read them here).
+    running = property(lambda self: self.kv.running, doc="The decoding sequences (row i of the logits).")
+    requests = property(lambda self: self.out.requests)
+    batch = property(lambda self: self.kv.batch)
+    radix = property(lambda self: self.kv.radix)
+    prefix_cache = property(lambda self: self.kv.prefix_cache)
+    layout = property(lambda self: self.kv.layout)
+    n_layers = property(lambda self: self.kv.n_layers)
+    kv_format = property(lambda self: self.kv.kv_format)
+    kv_bytes_per_token = property(lambda self: self.kv.kv_bytes_per_token)
+    speculator = property(lambda self: self.runner.speculator)
+    no_speculation = property(lambda self: self.runner.no_speculation)
+    native_kernels = property(lambda self: self.runner.native_kernels)
+    model = property(lambda self: self.runner.model, lambda self, m: setattr(self.runner, "model", m))
+    _share_prefix = property(lambda self: self.kv.share_prefix, lambda self, v: setattr(self.kv, "share_prefix", v))
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self.runner.in_flight)
+
+    def add(self, request: Request) -> None:
+        # Build every sequence first: if one fails (a grammar, a sampler), nothing is registered.
+        seqs = [embedding.EmbeddingSequence(request)] if request.embedding is not None else \
+            [Sequence(request, i, self.tokenizer, self.eos_ids) for i in range(request.params.n)]
+        request.sequences = seqs
+        self.out.register(request)
+        self._enqueue(seqs)
+        self.stats.on_submit(request)
+
+    def _enqueue(self, seqs: list[Sequence]) -> None:
+        """Waiting sequences stay in urgency order (priority, then arrival): FIFO at equal priority."""
+        for s in seqs:
+            if not self.waiting or self.waiting[-1].urgency <= s.urgency:
+                self.waiting.append(s)
+                continue
+            at = next(i for i, w in enumerate(self.waiting) if w.urgency > s.urgency)
+            self.waiting.insert(at, s)
+
+    def reject(self, request: Request, error: BaseException) -> None:
+        """A request whose sequences could not be built: fail it alone (nothing of it is queued)."""
+        self.out.end(request, error)
+
+    def abort(self, request_id: str) -> None:
+        req = self.out.requests.get(request_id)
+        if req is None:
+            return
+        for s in [s for s in self.waiting if s.request is req]:
+            self.waiting.remove(s)
+        for s in [s for s in self.prefilling if s.request is req]:
+            self.prefilling.remove(s)
+            self.kv.release(s)
+        rows = {id(s) for s in self.running if s.request is req}
+        if rows:
+            self._drop_rows(rows)
+        self.stats.on_abort(req)
+        self.stats.running = len(self.running)
+        self.stats.kv_bytes = self.batch_kv_bytes()  # an idle engine runs no step to update it
+        self.out.end(req, RequestCancelledError(f"request {req.id} was cancelled"))
+
+    def fail_all(self, error: BaseException) -> None:
+        for req in list(self.out.requests.values()):
+            self.stats.on_abort(req)  # no longer in flight: its queue slot is free again
+            self.out.end(req, error)
+        for s in list(self.prefilling):
+            self.kv.release(s)
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.runner.clear()
+        self.kv.clear()
+
+    def batch_kv_bytes(self) -> int:
+        return self.kv.running_bytes()
+
+    def kv_bytes_held(self) -> int:
+        return self.kv.held_bytes()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _make_room(self, plan: StepPlan) -> None:
+        """The prefix cache gives way to the running rows first (``kv_manager``); then the least urgent
+        running sequences are preempted while the rows, grown by the watermark, would still exceed the
+        budget (never the last one: a single sequence always runs)."""
+        self.kv.fit_cache()
+        if len(self.running) <= 1 or not self.kv.rows_over_budget():
+            return
+        self.runner.flush()  # tokens of the step in flight belong to the rows about to leave
+        while len(self.running) > 1 and self.kv.rows_over_budget():
+            victim = max(self.running, key=lambda s: s.urgency)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            self.kv.fit_cache()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s KV now and queue it to resume: its tokens stay, its KV goes to the prefix
+        cache (so most of the re-prefill is a cache hit), its sampler and detokeniser keep their state."""
+        self.kv.commit_row(seq)
+        self._drop_rows({id(seq)})
+        seq._reset_prefill()
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.stats.preemptions = self.preemptions
+        if not self.waiting or seq.urgency <= self.waiting[0].urgency:
+            self.waiting.appendleft(seq)  # it resumes first among equals: it arrived earlier
+        else:
+            self._enqueue([seq])
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One engine step (the engine thread's loop calls it): plan, execute, update."""
+        plan = self.schedule()
+        self.runner.execute(plan)
+        self.update(plan)
+
+    def schedule(self) -> StepPlan:
+        """This step's plan: room made, sequences admitted, and the prefill work, which the runner
+        draws one item at a time (``_plan_prefill``)."""
+        plan = self._plan = StepPlan(started=time.perf_counter())
+        self._make_room(plan)
+        self.kv.trim()  # pages the prefix cache gave back
+        self._admit(plan)
+        plan.plan_s = time.perf_counter() - plan.started
+        plan.prefill = self._plan_prefill(plan)
+        return plan
+
+    def update(self, plan: StepPlan) -> None:
+        """After the runner executed ``plan``: the measured rates and the step's statistics."""
+        self.stats.on_step_times(plan.plan_s, plan.prefill_s, plan.decode_s)
+        if plan.prefill_tokens >= 16 and plan.prefill_s > 0:
+            rate = plan.prefill_tokens / plan.prefill_s
+            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+        other = time.perf_counter() - plan.started - plan.prefill_s
+        self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
+        plain_rows = self.runner.plain_rows
+        if plain_rows and not plan.joined and not plan.prefill_tokens:  # a steady decode step: what it costs
+            self.speculator.observe_plain_step(plain_rows, other)
+        self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
+        self._plan = None
+        memory_recovery.step_succeeded(self)
+
+
+    def prefill_token_budget(self) -> int:
+        """Prefill tokens this step may spend: what fits in the step-time target next to the rest of
+        the step (decode, sampling, delivery) at the measured rate, and at least as long as that rest
+        takes; ``prefill_budget`` until measured."""
+        if not self.config.step_time_target_s:
+            return self.config.prefill_budget
+        if self._prefill_rate is None:  # not measured yet: one chunk, then the rate is known
+            return min(self.config.prefill_budget, self.config.prefill_chunk)
+        fit = int(self._prefill_room_s() * self._prefill_rate)
+        return max(self.config.min_prefill_tokens, min(self.config.prefill_budget, fit))
+
+    def _prefill_room_s(self) -> float:
+        """Seconds of prefill a step may take: what the step-time target leaves next to the rest of the
+        step, and at least as long as that rest (a large batch's decode alone may take the whole target:
+        inter-token latency then at most doubles while prompts wait, and they never starve)."""
+        return max(self.config.step_time_target_s - self._other_step_s, self._other_step_s)
+
+    def _admit(self, plan: StepPlan) -> None:
+        """Admit by what a sequence takes now (its context plus the watermark), not by its max_tokens:
+        rows grow as they decode and the least urgent are preempted if memory runs short."""
+        active = len(self.running) + len(self.prefilling)
+        room = self.kv.admission_room() - sum(self.kv.context_bytes(s) for s in self.prefilling)
+        groups: dict = {}
+        for s in list(self.running) + list(self.prefilling):
+            groups[s.request.group] = groups.get(s.request.group, 0) + 1
+        while self.waiting and active < self.config.max_batch_size:
+            seq = self._next_fair(groups)
+            need = self.kv.context_bytes(seq)
+            # Always admit when idle, so one oversized request still runs rather than waiting forever.
+            if active and need > room:
+                break
+            self.waiting.remove(seq)
+            self.prefilling.append(seq)
+            plan.admitted.append(seq)
+            groups[seq.request.group] = groups.get(seq.request.group, 0) + 1
+            active += 1
+            room -= need
+        self.kv.fit_cache(reserved=sum(self.kv.context_bytes(s) for s in self.prefilling))
+
+    def _next_fair(self, groups: dict) -> Sequence:
+        """The next sequence to admit: the most urgent priority first; within it, round-robin over
+        groups (one HTTP request, or one caller's batch): the waiting sequence whose group has the
+        fewest sequences admitted, the earliest first. A 1,000-prompt request cannot lock out a
+        2-prompt one that arrives after it."""
+        best_priority = self.waiting[0].request.priority
+        best, best_count = None, None
+        for s in self.waiting:
+            if s.request.priority != best_priority:
+                break
+            n = groups.get(s.request.group, 0)
+            if best is None or n < best_count:
+                best, best_count = s, n
+                if n == 0:
+                    break
+        return best
+
+
+    # -- retiring -------------------------------------------------------------------------------
+    def _retire_rows(self, rows: set[int]) -> None:
+        """Drop the sequences whose ``id()`` is in ``rows``, caching their KV for the next turn."""
+        for s in self.running:
+            if id(s) in rows:
+                self.kv.commit_row(s)
+                if self._plan is not None:
+                    self._plan.finished.append(s)
+        self._drop_rows(rows)
+
+    def _drop_rows(self, rows: set[int]) -> None:
+        """Remove the sequences whose ``id()`` is in ``rows`` from the batch and the step in flight."""
+        self.kv.free_rows(rows)
+        if self.speculator is not None:
+            self.speculator.drop(rows)
+        self.runner.drop(rows)
+        self.kv.evict_freed()
+
+    # -- introspection (engine thread) ----------------------------------------------------------
+    def memory_stats(self) -> dict:
+        return {**self.kv.memory_stats(), "preemptions": self.preemptions, **mlx_memory()}

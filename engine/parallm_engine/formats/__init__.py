@@ -1,0 +1,1 @@
+"""Chat templates, tool-call and reasoning formats, typed output pieces."""

@@ -1,0 +1,1 @@
+"""KV memory: pages, the radix prefix tree, snapshots, quantized KV, the budget."""

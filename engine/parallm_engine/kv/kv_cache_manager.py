@@ -1,0 +1,278 @@
+"""The KV cache manager: every KV hand-off of the engine, behind one interface the scheduler calls.
+
+It owns the running rows' KV (the decode batch's lanes and their page pools), the prefix cache (the
+radix tree for the "attention" layout, whole-state snapshots for the "mixed" one; ``model_caches``
+says which) and the one KV budget (``kv_manager.KVManager``, its base). A sequence's KV goes through
+it at every step of its life:
+
+- ``match``: look its context up in the prefix cache and pin the hit until its prefill is done;
+  ``peek`` looks without pinning; ``release`` / ``unpin`` let go of the hit.
+- ``prompt_cache``: the caches its prefill starts from (the hit's KV, or empty ones).
+- ``commit_split`` / ``commit_prompts``: a finished (part of a) prompt goes into the prefix cache and
+  the sequences into the batch (attention layout: each reading the prefix the tree holds in its lane's
+  pool from there, borrowed pages); ``join_late``: mixed-layout rows join after the step's prefill.
+- ``commit_row``: a running row's context into the prefix cache (retiring, preemption);
+  ``free_rows`` / ``clear``: its KV goes.
+- ``trim`` / ``reserve_decode`` / ``end_reads``: page pools follow the budget around a step.
+- ``running_bytes`` / ``held_bytes`` / ``memory_stats``: what is held.
+"""
+
+from __future__ import annotations
+
+from parallm_engine.kv import kv_quant
+from parallm_engine.runner.decode_batch import DecodeBatch
+from parallm_engine.kv.kv_cache import SequenceKV
+from parallm_engine.kv.kv_manager import KVManager
+from parallm_engine.kv.kv_pages import PagedLaneKV
+from parallm_engine.kv.model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
+from parallm_engine.kv.prefix_sharing import shared_prefix_flags
+from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache
+from parallm_engine.core.sequence import shared_context_len
+from parallm_engine.kv.snapshot_cache import SnapshotCache
+
+# A match whose last node adds only a few tokens (a fan-out's " Question 1" reaching into the sibling
+# " Question 12") stops at the node before: those tokens are prefilled again, and the prefix is one
+# node's own arrays, the same for every prompt of the fan-out, so a prefill group reads it once
+# (prefill_runner) instead of concatenating a private copy per prompt. At most 7 tokens are recomputed.
+SHORT_TAIL_TOKENS = 8
+
+
+def _without_short_tail(match: PrefixMatch) -> PrefixMatch:
+    nodes = match.nodes()
+    if len(nodes) > 1 and len(nodes[-1].tokens) < SHORT_TAIL_TOKENS:
+        return PrefixMatch(nodes[-2], match.length - len(nodes[-1].tokens))
+    return match
+
+
+class KVCacheManager(KVManager):
+    def __init__(self, model, model_info, config, family):
+        self.model = model  # for the mixed layout's empty caches (mlx-lm's make_cache)
+        self.family = family
+        self.layout = cache_layout(model, family.model_type)
+        self.n_layers = len(make_cache(model))  # caches, not layers: some layers (MLP blocks) take none
+        self.kv_format = kv_quant.format_for_model(config.kv_bits, model, self.n_layers, self.layout)
+        self.kv_bytes_per_token = kv_quant.bytes_per_token(model, self.n_layers, self.kv_format) \
+            if self.kv_format else model_info.kv_bytes_per_token()
+        if self.layout == "attention":
+            batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format)
+            self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
+            self.snapshots = None
+        else:
+            batch = MixedDecodeBatch()
+            self.radix = None
+            self.snapshots = SnapshotCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
+        self.share_prefix = False  # set by use_attention_hook
+        if self.radix is not None:  # the tree's paged entries live in the lanes' pools
+            self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
+            self.radix.cached_pages = batch.cached_pages
+        super().__init__(config, self.kv_bytes_per_token, batch, self.prefix_cache)
+
+    def use_attention_hook(self, hooked: bool) -> None:
+        """The model runner installed the engine's attention hook (``hooked``) or not. Decode rows
+        continuing one cached prefix hold it once (cascade attention): that needs the radix tree (where
+        the prefix's one copy comes from), the hook, and attention over the cached keys themselves (the
+        family adapter); so does a ragged step reading the pool (MLA gets its keys gathered)."""
+        if self.layout != "attention":
+            return
+        reads_pool = self.family.reads_pool(hooked)
+        self.share_prefix = bool(self.radix is not None and reads_pool)
+        self.batch.attention_reads_pool = reads_pool
+
+    @property
+    def prefix_cache(self):
+        return self.radix if self.radix is not None else self.snapshots
+
+    @property
+    def running(self) -> list:
+        """The decoding sequences; row i of the batch's logits is ``running[i]``."""
+        return self.batch.running
+
+    @property
+    def has_tree(self) -> bool:
+        """Prefixes computed in this step are found by later prefills of the step (radix tree)."""
+        return self.radix is not None
+
+    @property
+    def has_snapshots(self) -> bool:
+        return self.snapshots is not None
+
+    # -- a prompt's prefix ----------------------------------------------------------------------
+    def match(self, seq) -> None:
+        """Look ``seq``'s context up in the prefix cache and pin what matched until its prefill is done
+        (``seq.match``, ``seq.cached_tokens``; the radix hit's KV in ``seq.prefix_kv``)."""
+        ids = seq.prefill_ids
+        seq.prefix_kv = None
+        if seq.embedding:  # embedding rows neither read nor fill the prefix cache (embedding.py says why)
+            return
+        if self.radix is not None:
+            seq.match = _without_short_tail(self.radix.match(ids, ns=seq.adapter_key))
+            self.radix.pin(seq.match.node)
+            seq.cached_tokens = seq.match.length
+            seq.prefix_kv = self.radix.gather(seq.match) if seq.match.length else None
+        elif self.snapshots is not None:
+            snap = self.snapshots.match(ids, ns=seq.adapter_key)
+            if snap is not None:
+                self.snapshots.pin(snap)
+                seq.match = snap
+                seq.cached_tokens = len(snap.tokens)
+
+    def peek(self, seq) -> int:
+        """Context tokens the radix tree holds for ``seq`` now (nothing is pinned or counted)."""
+        if self.radix is None or seq.embedding:
+            return 0
+        return self.radix.match(seq.prefill_ids, record=False, ns=seq.adapter_key).length
+
+    def release(self, seq) -> None:
+        """A prefilling sequence leaves (abort, failure): its pin and prefill caches go."""
+        self.unpin(seq)
+        seq.cache = None
+        seq.prefix_kv = None
+
+    def unpin(self, seq) -> None:
+        if seq.match is not None:
+            if self.radix is not None:
+                self.radix.unpin(seq.match.node)
+            elif self.snapshots is not None:
+                self.snapshots.unpin(seq.match)
+        seq.match = None
+
+    def prompt_cache(self, seq) -> list:
+        """A sequence's caches before its first forward: the prefix cache's hit, or empty ones."""
+        if self.layout == "mixed":
+            if seq.match is not None:
+                return self.snapshots.restore(seq.match)
+            return make_cache(self.model)
+        if seq.prefix_kv is not None:
+            return [SequenceKV(k, v, self.kv_format) for k, v in seq.prefix_kv]
+        return [SequenceKV(fmt=self.kv_format) for _ in range(self.n_layers)]
+
+    def cache_state(self, caches: list) -> list:
+        """The arrays a prefill forward must evaluate to fill ``caches``."""
+        if self.layout == "mixed":
+            return cache_arrays(caches)
+        return [a for c in caches for x in (c.keys, c.values) for a in kv_quant.arrays(x)]
+
+    def end_reads(self) -> None:
+        """The step's prefill is over: tree pages read for it may be freed again."""
+        if self.radix is not None:
+            self.radix.end_reads()
+
+    # -- committing -----------------------------------------------------------------------------
+    def commit_split(self, seq) -> None:
+        """Mixed layout: a chunk that ended at a prefix other queued prompts share snapshots it."""
+        if self.snapshots is not None and seq.pos == seq.split:
+            self.snapshots.insert(seq.prefill_ids[: seq.pos], seq.cache, ns=seq.adapter_key)
+
+    def commit_prompts(self, finished: list[tuple]) -> None:
+        """Contexts prefilled (all but their last token), ``(sequence, its caches)``: store them in the
+        prefix cache. Attention layout: the sequences join the batch now (one write per layer for all
+        of them), each reading the prefix the tree holds in its lane's pool from there (borrowed pages)
+        and writing the rest into its own pages, which the tree then holds by reference: a prompt's KV
+        is held once, and a prefill later in this step finds it in the tree (in-flight dedup)."""
+        seqs = [seq for seq, _ in finished]
+        for seq, cache in finished:
+            seq.cache = cache
+        if self.layout == "attention":
+            if self.radix is not None:
+                # The tree keeps the copy that got there first: a sequence's KV is bitwise the tree's
+                # for what it read from the tree and what it inserts, unless someone else inserted
+                # tokens it also computed (then only the part it read): the tree now, or a sequence
+                # before it here (each inserts its whole context).
+                for i, seq in enumerate(seqs):
+                    ids = seq.prefill_ids
+                    held = self.radix.match(ids, record=False, ns=seq.adapter_key).length if ids else 0
+                    held = max([held] + [shared_context_len(seq, s) for s in seqs[:i]])
+                    seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
+            self._join(seqs)
+            if self.radix is not None:
+                for seq in seqs:
+                    if seq.prefill_ids:
+                        self.radix.insert(seq.prefill_ids, self.batch.row_segments(seq), ns=seq.adapter_key)
+        elif self.snapshots is not None:
+            for seq, cache in finished:
+                if seq.prefill_ids and seq.cached_tokens < len(seq.prefill_ids):
+                    self.snapshots.insert(seq.prefill_ids, cache, ns=seq.adapter_key)
+
+    def join_late(self, seqs: list) -> None:
+        """Mixed layout: the step's prefilled rows join the batch once its prefill is over (attention-
+        layout rows joined as their prefill ended, in ``commit_prompts``)."""
+        if seqs and self.layout == "mixed":
+            self._join(seqs)
+
+    def _join(self, seqs: list) -> None:
+        if self.layout == "mixed":
+            self.batch.join(seqs, None)
+            return
+        flags = shared_prefix_flags(self.batch, self.radix, seqs) if self.share_prefix else None
+        self.batch.join(seqs, flags, self._lend if self.radix is not None else None)
+
+    def _lend(self, seq, lane_kv: PagedLaneKV, start: int):
+        """Rows read the prefix they hit from the tree's pages in their lane (RadixCache.lendable_slots)."""
+        return self.radix.lendable_slots(seq.match, lane_kv, start)
+
+    def commit_row(self, seq) -> None:
+        """Keep a running sequence's context in the prefix cache for the next turn or its own
+        resumption: KV for every token but the last (which may not have run); a mixed model's whole
+        state under exactly the tokens it has taken in (a pipelined step may have run one more: the
+        state cannot be rewound, so the snapshot says so)."""
+        if self.radix is not None:
+            ids = seq.prefill_ids[: seq.consumed]  # the tokens its KV holds
+            if ids:
+                self.radix.insert(ids, self.batch.row_segments(seq), ns=seq.adapter_key)
+        elif self.snapshots is not None and seq.consumed:
+            self.snapshots.insert((seq.prompt_ids + seq.output_ids)[: seq.consumed], self.batch.row_caches(seq),
+                                  ns=seq.adapter_key)
+
+    # -- freeing --------------------------------------------------------------------------------
+    def free_rows(self, rows: set[int]) -> None:
+        """The rows whose ``id()`` is in ``rows`` leave the batch."""
+        self.batch.drop(rows)
+
+    def evict_freed(self) -> None:
+        """Pages rows gave up may now be the tree's alone: back within its budget."""
+        if self.radix is not None:
+            self.radix.evict_to_budget()
+
+    def clear(self) -> None:
+        """Drop every running row and start the lanes' KV afresh; what the prefix cache held in the old
+        pools goes with them (a failed step may have left them half-written)."""
+        old = self.batch.clear()
+        if self.radix is not None and old:
+            self.radix.drop_lanes(old)
+
+    # -- the step's pages -----------------------------------------------------------------------
+    def trim(self) -> None:
+        """Attention layout: give back pages the prefix cache gave back."""
+        if self.layout == "attention":
+            self.batch.trim()
+
+    def reserve_decode(self) -> None:
+        """Before a decode step: page pools grow only into budget nobody holds."""
+        if self.layout == "attention":
+            self.batch.set_spare(self.spare_bytes(), self.kv_bytes_per_token)
+
+    # -- what is held ---------------------------------------------------------------------------
+    def running_bytes(self) -> int:
+        return self.batch.nbytes()
+
+    def held_bytes(self) -> int:
+        """Every KV byte the engine keeps alive, each once: the lanes' page pools (the rows' pages and the
+        prefix cache's pages in them), a shared prefix unless it is the prefix cache's own, and the
+        prefix cache's own arrays (radix tree) or snapshots."""
+        cache = self.prefix_cache
+        if self.radix is not None:
+            return self.batch.held_nbytes() + self.radix.array_bytes
+        return self.batch.held_nbytes() + (cache.total_bytes if cache is not None else 0)
+
+    def memory_stats(self) -> dict:
+        cache = self.prefix_cache
+        return {
+            "layout": self.layout,
+            **self.stats(),
+            "kv_bytes_running": self.running_bytes(),
+            "kv_bytes_prefix_cache": cache.total_bytes if cache is not None else 0,
+            "kv_bytes_held": self.held_bytes(),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bits": self.kv_format.bits if self.kv_format else None,
+            **(self.batch.page_stats() if self.layout == "attention" else {}),
+        }

@@ -1,0 +1,77 @@
+"""Which decode rows hold a shared prefix once (see ``kv_cache.SharedPrefix``).
+
+When agents fan out over one system prompt and tool schema, every row of the decode batch would hold
+its own copy of that prefix's KV and attention would read it once per row per step. The batch holds
+one prefix instead, chosen here when sequences join: the longest prefix that two or more of the joining
+sequences continue, at least ``MIN_SHARED_PREFIX`` tokens. Later sequences continuing all of it share
+it too; the others join with their whole KV.
+
+Only tokens whose KV is bitwise the radix tree's copy count (``Sequence.tree_tokens``), so a row that
+reads the shared copy instead of its own computes exactly the same numbers; the prefix's radix node
+stays pinned while the batch holds it, so it cannot be evicted and recomputed differently for rows
+that join later.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from parallm_engine.kv import kv_quant as kvq
+from parallm_engine.kv.kv_cache import SharedPrefix
+
+# Shorter prefixes are not worth the extra matmuls of the two-part (cascade) attention.
+MIN_SHARED_PREFIX = 64
+
+
+def shared_prefix_flags(batch, radix, seqs: list) -> list[bool] | None:
+    """For each joining sequence, whether it continues ``batch``'s shared prefix, choosing and setting
+    one first if the batch holds none (None: no sequence shares one)."""
+    if batch.shared is None:
+        cands = [s for s in seqs if s.tree_tokens >= MIN_SHARED_PREFIX]
+        if not cands:
+            return None
+        first, ns = cands[0].prompt_ids, cands[0].adapter_key
+        head = first[:MIN_SHARED_PREFIX]
+        # Running rows count too: the first of a fan-out often joins alone (the others wait for its
+        # prefix to be cached) and would otherwise keep every later row as long as itself.
+        running = [s for s in batch.running if s.tree_tokens >= MIN_SHARED_PREFIX]
+        group = [s for s in [*cands[1:], *running]
+                 if s.adapter_key == ns and s.prompt_ids[:MIN_SHARED_PREFIX] == head]  # one adapter's KV only
+        if not group:
+            return None
+        length = min(s.tree_tokens for s in [cands[0], *group])
+        for s in group:
+            length = _common_prefix_len(first, s.prompt_ids, length)
+        match = radix.match(first[:length], record=False, ns=ns)
+        if length < MIN_SHARED_PREFIX or match.length != length:
+            return None
+        node = match.node
+        radix.pin(node)
+        # One node: the batch reads the node's own arrays (a paged node turns into arrays and gives its
+        # pages back; rows that borrowed them drop them when they adopt the prefix): held once.
+        single = len(match.nodes()) == 1
+        kv = list(radix.own_arrays(node)) if single else radix.gather(match)
+        if not single:  # a concatenation (read from pages): made now, so it holds no reference to a pool
+            mx.eval([a for k, v in kv for x in (k, v) for a in kvq.arrays(x)])
+        batch.set_shared(SharedPrefix(first[:length], kv, release=lambda: radix.unpin(node),
+                                      tree_node=node if single else None))
+        batch.shared.adapter_key = ns
+        adopters = {id(s) for s in running if _continues(s, batch.shared)}
+        if adopters:
+            batch.adopt_shared(adopters)
+    shared = batch.shared
+    return [_continues(s, shared) for s in seqs]
+
+
+def _continues(seq, shared: SharedPrefix) -> bool:
+    """``seq``'s KV for the whole shared prefix is bitwise the tree's copy the batch holds."""
+    return (seq.tree_tokens >= shared.length and seq.adapter_key == getattr(shared, "adapter_key", None)
+            and shared.continues(seq.prompt_ids))
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

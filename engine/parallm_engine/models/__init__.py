@@ -1,0 +1,1 @@
+"""Finding and loading models: the hub, GGUF files, the local model store, adapters."""

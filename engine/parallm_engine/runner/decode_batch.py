@@ -1,0 +1,328 @@
+"""The running batch, split into lanes that decode in parallel on the CPU.
+
+MLX's CPU backend runs one stream's operations on one thread, and its elementwise kernels (``exp`` in
+the softmax and SiLU, RoPE, the KV writes) are scalar. On a CPU with several cores one batch therefore
+leaves all but one core idle for most of a step. Each lane holds a share of the running sequences,
+with its own KV (:class:`~parallm_engine.kv.kv_pages.PagedLaneKV`: a page pool per layer, a page table per
+row; lanes never write one array, so MLX does not serialise their graphs) and its own MLX stream, so the
+lanes' forwards run at the same time on different cores; the BLAS runs single-threaded inside each
+lane (see ``backend.cpu_lanes``). Measured on the 2-core CI machine, batch 32 at 160 tokens of
+context: one lane 306 ms per step, two lanes 213 ms. On Metal and CUDA there is one lane.
+
+Rows are ordered lane by lane: :attr:`DecodeBatch.running` is lane 0's sequences, then lane 1's, and
+the logits :meth:`DecodeBatch.forward` returns follow that order. Joining sequences fill the first
+lane up to ``LANE_FILL_ROWS`` rows before the next lane gets any, then go to the lane with the fewest
+rows: each lane reads all the weights every step, and while one lane runs alone the native kernels
+(linear, attention) spread its work over every core anyway. A joining row whose prefix the prefix cache
+holds in a running lane's pool (with room) goes to that lane, where it borrows the pages instead of
+storing a copy. Measured on the 2-core AVX2 machine
+(default model, 100-token prompts, decode tok/s): batch 8 on one lane 162-163 vs two lanes of 4: 100;
+batch 32 one lane 215-220 vs two of 16: 187; batch 64 two lanes of 32 (MKL per lane) 244 vs one lane
+225-229. Streams are created lazily because MLX streams belong to the thread that made them (the
+engine thread).
+
+The batch may hold one :class:`~parallm_engine.kv.kv_cache.SharedPrefix` (chosen by the scheduler):
+rows that continue it keep only their later tokens, every lane reads the same prefix arrays, and it
+is released when the last such row leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import mlx.core as mx
+import numpy as np
+
+from parallm_engine.runner import cpu_kernels
+from parallm_engine.kv.kv_cache import SharedPrefix
+from parallm_engine.kv.kv_pages import PAGE, PagedLaneKV, PagedSegment
+from parallm_engine.runner.lora import adapter_rows
+
+#: Rows a lane takes before the next lane gets any (see the module docstring).
+LANE_FILL_ROWS = 32
+
+
+class DecodeLane:
+    """A share of the running sequences with its KV and (when there are several lanes) its stream."""
+
+    def __init__(self, n_layers: int, fmt=None):
+        self.seqs: list = []
+        self.kv = PagedLaneKV(n_layers, fmt)
+        self.stream = None
+
+    def context(self):
+        return mx.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+
+class DecodeBatch:
+    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None):
+        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats)."""
+        if n_lanes < 1:
+            raise ValueError(f"n_lanes must be >= 1, got {n_lanes}")
+        self.n_layers = n_layers
+        self.fmt = fmt
+        self.mask_5d = False  # gemma2 lays its scores out (B, KV heads, repeats, L, S)
+        self.lanes = [DecodeLane(n_layers, fmt) for _ in range(n_lanes)]
+        self.fill_rows = LANE_FILL_ROWS  # rows a lane takes before the next gets any
+
+        self._streams_made = n_lanes == 1
+        self.shared: SharedPrefix | None = None
+        # The model's attention takes the layer's keys and values only into the engine's attention hook,
+        # whose native kernel can read the page pool (set by the scheduler): no working set is gathered.
+        self.attention_reads_pool = False
+
+    def _ensure_streams(self) -> None:
+        if not self._streams_made:
+            device = mx.default_device()
+            for lane in self.lanes:
+                lane.stream = mx.new_stream(device)
+            self._streams_made = True
+
+    def lane_contexts(self) -> list:
+        """Context managers that make each lane's stream the default (for work split by lane)."""
+        self._ensure_streams()
+        return [lane.context() for lane in self.lanes]
+
+    # -- membership -----------------------------------------------------------------------------
+    @property
+    def running(self) -> list:
+        """Every running sequence, in row order (lane by lane)."""
+        if len(self.lanes) == 1:
+            return self.lanes[0].seqs
+        return [s for lane in self.lanes for s in lane.seqs]
+
+    def __len__(self) -> int:
+        return sum(len(lane.seqs) for lane in self.lanes)
+
+    def set_shared(self, prefix: SharedPrefix) -> None:
+        """Hold ``prefix`` once for the rows that will join continuing it (none may use one now)."""
+        if self.shared is not None:
+            raise RuntimeError("the batch already holds a shared prefix")
+        self._ensure_streams()
+        self.shared = prefix
+        for lane in self.lanes:
+            with lane.context():
+                lane.kv.set_shared(prefix.kv)
+
+    def _release_shared(self) -> None:
+        prefix, self.shared = self.shared, None
+        for lane in self.lanes:
+            with lane.context():
+                lane.kv.set_shared(None)
+        prefix.release()
+
+    def join(self, seqs: list, shared: list[bool] | None = None, lend=None) -> None:
+        """Add prefilled sequences (each with ``seq.cache``: one cache per layer with ``valid()`` and
+        ``tail(start)``). Those flagged in ``shared`` continue the batch's shared prefix and bring only
+        their tokens after it. ``lend(seq, lane_kv, start)``: slots of ``lane_kv``'s pool holding the
+        sequence's tokens from ``start`` on that the prefix cache holds (the row reads them there instead
+        of storing a copy; empty: none)."""
+        self._ensure_streams()
+        flags = dict(zip(map(id, seqs), shared or [False] * len(seqs)))
+        P = self.shared.length if self.shared is not None else 0
+        counts = [len(lane.seqs) for lane in self.lanes]
+        placed: list[list] = [[] for _ in self.lanes]
+        for s in seqs:
+            g = self._home_lane(s, counts, P if flags[id(s)] else 0, lend)
+            if g is None:
+                g = next((i for i, c in enumerate(counts) if c < self.fill_rows), None)
+            if g is None:
+                g = counts.index(min(counts))
+            counts[g] += 1
+            placed[g].append(s)
+        for lane, group in zip(self.lanes, placed):
+            if not group:
+                continue
+            uses = [flags[id(s)] for s in group]
+            starts = [P if u else 0 for u in uses]
+            lent = [lend(s, lane.kv, a) if lend is not None else np.zeros(0, dtype=np.int32)
+                    for s, a in zip(group, starts)]
+            skip = [a + len(b) for a, b in zip(starts, lent)]  # tokens the row does not store itself
+            with lane.context():
+                lane.kv.add([[s.cache[layer].tail(k) if k else s.cache[layer].valid() for s, k in zip(group, skip)]
+                             for layer in range(self.n_layers)], uses, lent)
+            for s in group:
+                s.cache = None
+            lane.seqs.extend(group)
+
+    def _home_lane(self, seq, counts: list[int], start: int, lend) -> int | None:
+        """A running lane with room whose pool holds the longest prefix of ``seq`` the prefix cache can
+        lend (a row reads only its own lane's pool: elsewhere it would store a copy), or None. Idle lanes
+        are not woken for it (each running lane reads all the weights every step)."""
+        if lend is None or len(self.lanes) == 1:
+            return None
+        best, best_len = None, 0
+        for g, lane in enumerate(self.lanes):
+            if 0 < counts[g] < self.fill_rows:
+                n = len(lend(seq, lane.kv, start))
+                if n > best_len:
+                    best, best_len = g, n
+        return best
+
+    def adopt_shared(self, seqs: set[int]) -> None:
+        """Running sequences (``id()`` in ``seqs``) that joined with their whole KV and continue the
+        shared prefix just set (bitwise) read it from now on: their own copy of it is dropped."""
+        for lane in self.lanes:
+            rows = [i for i, s in enumerate(lane.seqs) if id(s) in seqs]
+            if rows:
+                with lane.context():
+                    lane.kv.share_rows(rows)
+
+    def drop(self, seqs: set[int]) -> None:
+        """Remove the sequences whose ``id()`` is in ``seqs``."""
+        for lane in self.lanes:
+            if not any(id(s) in seqs for s in lane.seqs):
+                continue
+            keep = [i for i, s in enumerate(lane.seqs) if id(s) not in seqs]
+            with lane.context():
+                lane.kv.keep(keep)
+            lane.seqs = [lane.seqs[i] for i in keep]
+        if self.shared is not None and not any(any(lane.kv.shared_rows) for lane in self.lanes):
+            self._release_shared()
+
+    def clear(self) -> list[PagedLaneKV]:
+        """Forget every row and start the lanes' KV afresh; returns the old lanes' KV (the prefix cache
+        must drop what it held in their pools)."""
+        old = [lane.kv for lane in self.lanes]
+        for lane in self.lanes:
+            lane.seqs = []
+            lane.kv = PagedLaneKV(self.n_layers, self.fmt)
+            lane.kv.mask_5d = self.mask_5d
+        if self.shared is not None:
+            self._release_shared()
+        return old
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward(self, model, tokens: mx.array) -> mx.array:
+        """Lazy float32 logits, one row per running sequence, for ``tokens`` (one per row): the
+        model's own forward (final norm, soft-caps and logit scaling included)."""
+        return self._per_lane(model, tokens[:, None], last_only=True)
+
+    def forward_block(self, model, tokens: mx.array) -> mx.array:
+        """Lazy float32 logits (B, W, V) for ``tokens`` (B, W): W positions per row in one forward
+        (speculative verification); :meth:`rollback_rows` then drops the positions each row does not keep."""
+        return self._per_lane(model, tokens, last_only=False)
+
+    def ragged_ok(self, model) -> bool:
+        """Whether :meth:`forward_ragged` can run ``model``: its attention goes through the engine's hook
+        (which lays a ragged step's positions out as the rows' rectangle; ``attention_reads_pool`` says the
+        keys and values go only there) and it takes no per-row extras."""
+        return self.attention_reads_pool and not self.mask_5d and not hasattr(model, "decode_kwargs")
+
+    def forward_ragged(self, model, rows: list[list[int]]) -> mx.array:
+        """Lazy float32 logits (N, V) for each row's own positions ``rows[i]`` (rows in row order, a row's
+        positions in order; N their total): the projections and MLP compute only these N positions, not a
+        (B, max width) rectangle (speculative verification, where rows draft different numbers of tokens).
+        :meth:`rollback_rows` then drops the positions each row does not keep. Needs :meth:`ragged_ok`."""
+        return self._per_lane(model, None, last_only=True, rows=rows)
+
+    def _per_lane(self, model, tokens: mx.array | None, last_only: bool, rows: list[list[int]] | None = None):
+        """Each lane's rows through the model on the lane's stream; the lanes' logits in row order.
+        ``rows``: a ragged step instead of ``tokens`` (one model row per position)."""
+        parts = []
+        start = 0
+        solo = sum(1 for lane in self.lanes if lane.seqs) == 1  # one lane has the cores' kernels to itself
+        nat = cpu_kernels.native_module()
+        for lane in self.lanes:
+            n = len(lane.seqs)
+            if not n:
+                continue
+            mine = None
+            with lane.context():
+                if rows is not None:
+                    mine = rows[start : start + n]
+                    lane.kv.begin([len(r) for r in mine], nat, self.attention_reads_pool)
+                    x, extra = mx.array([t for r in mine for t in r], dtype=mx.int32)[:, None], {}
+                else:
+                    x = tokens if n == len(tokens) else tokens[start : start + n]
+                    # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
+                    extra = model.decode_kwargs(lane.seqs, x.shape[1]) if hasattr(model, "decode_kwargs") else {}
+                    lane.kv.begin(x.shape[1], nat, self.attention_reads_pool)
+                with cpu_kernels.solo_lane(solo), adapter_rows(model, lane.seqs, None if mine is None else [len(r) for r in mine]):
+                    logits = model(x, cache=lane.kv.layers, **extra)
+                parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
+            start += n
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def rollback_rows(self, widths: int | list[int], keeps: list[int]) -> None:
+        """After :meth:`forward_block` of ``widths`` positions per row (or :meth:`forward_ragged`, a list:
+        row i's own), row i (row order) keeps its first ``keeps[i]`` (each row's table just ends there:
+        rows end where they end)."""
+        start = 0
+        for lane in self.lanes:
+            n = len(lane.seqs)
+            if n:
+                part = widths if isinstance(widths, int) else widths[start : start + n]
+                lane.kv.rollback_rows(part, keeps[start : start + n])
+            start += n
+
+    # -- KV access ------------------------------------------------------------------------------
+    def row_segments(self, seq):
+        """A function (start, end) -> ``seq``'s KV of tokens [start, end) for the radix tree: the pages
+        they are in, held by reference (``PagedSegment``), or private copies where part of them is the
+        batch's shared prefix."""
+        for lane in self.lanes:
+            for i, s in enumerate(lane.seqs):
+                if s is seq:
+                    kv = lane.kv
+                    P = kv.shared_len if kv.shared_rows[i] else 0
+
+                    def segment(a: int, b: int):
+                        if a < P:
+                            return kv.row(i, a, b)
+                        return PagedSegment(kv, kv.rows[i].slots(a - P, b - P))
+
+                    return segment
+        raise KeyError("sequence is not in the batch")
+
+    def footprint(self, extra: int, bytes_per_token: int) -> int:
+        """KV bytes the batch's rows need after ``extra`` more decode steps: each lane's pages (every row
+        its own length, rounded up to a page) and the shared prefix once. The pool arrays may be larger
+        only by budget nobody else holds (:meth:`set_spare`); :meth:`nbytes` is what they hold."""
+        pages = sum(lane.kv.pages_after(extra) for lane in self.lanes if lane.seqs)
+        own = pages * PagedLaneKV.page_bytes(bytes_per_token)
+        return own + (self.shared.held_nbytes() if self.shared is not None else 0)
+
+    def set_spare(self, spare_bytes: int, bytes_per_token: int) -> None:
+        """The KV budget left free (the rows with their watermark and the prefix cache taken): what the
+        lanes' page pools may grow into beyond their rows' pages, shared between the lanes."""
+        pages = max(0, spare_bytes) // PagedLaneKV.page_bytes(bytes_per_token) // len(self.lanes)
+        for lane in self.lanes:
+            lane.kv.pool.spare = pages
+
+    def page_stats(self) -> dict:
+        """The lanes' pages: tokens per page, pages the rows hold, and pages allocated but free."""
+        return {
+            "kv_page_tokens": PAGE,
+            "kv_pages_used": sum(lane.kv.pool.used for lane in self.lanes),
+            "kv_pages_cached": self.cached_pages(),
+            "kv_pages_free": sum(len(lane.kv.pool.free) for lane in self.lanes if lane.kv.layers[0].keys is not None),
+        }
+
+    def cached_pages(self) -> int:
+        """Pages of the lanes' pools that only the prefix cache holds."""
+        return sum(lane.kv.pool.cached for lane in self.lanes)
+
+    def trim(self) -> None:
+        """Lanes whose pools hold much more than their pages in use shrink (see PagedLaneKV.trim)."""
+        for lane in self.lanes:
+            with lane.context():
+                lane.kv.trim()
+
+    def nbytes(self) -> int:
+        """KV bytes of the running batch: the pages its rows hold (each once), and the shared prefix once."""
+        rows = sum(lane.kv.rows_nbytes() for lane in self.lanes)
+        return rows + (self.shared.nbytes() if self.shared is not None else 0)
+
+    def held_nbytes(self) -> int:
+        """KV bytes the lanes' arrays and the shared prefix keep alive, each once: the pools (the rows'
+        pages, the prefix cache's pages in them, free pages) and a shared prefix unless it is the radix
+        tree's own arrays (counted there)."""
+        pools = sum(lane.kv.nbytes() for lane in self.lanes)
+        return pools + (self.shared.held_nbytes() if self.shared is not None else 0)
+
+    def set_mask_5d(self) -> None:
+        """Masks shaped (B, 1, 1, L, S) for models that lay scores out per KV head and repeat (gemma2)."""
+        self.mask_5d = True
+        for lane in self.lanes:
+            lane.kv.mask_5d = True

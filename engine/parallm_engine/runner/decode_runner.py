@@ -1,0 +1,149 @@
+"""The decode step: one forward of the running batch, sampling, delivery (``model_runner.ModelRunner``'s
+base; the scheduler decides who runs, ``kv_cache_manager`` what memory they may take).
+
+Pipelined when no running sequence needs host state that depends on the previous token (penalties):
+the step's graph is built on the previous step's tokens while they are still being computed,
+``async_eval`` starts it, and the host then detokenises, checks stops and delivers the previous step's
+tokens while this one runs (as mlx-lm's generate loop does). A sequence that stopped has computed one
+wasted step; its row is dropped. With grammar constraints in the batch, the forward is started first,
+the previous step is delivered (advancing the matchers) and the masks are computed while it runs;
+only the sampling waits.
+
+The step in flight (``pending``) belongs to this runner: the scheduler flushes it before the batch
+changes shape under it (preemption, joins through the speculator) and drops rows from it when they
+leave.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from parallm_engine.sampling.constrained import apply_constraints
+from parallm_engine.sampling.sampler import sample_batch
+from parallm_engine.core.sequence import next_inputs
+
+
+class DecodeRunner:
+    def __init__(self, model, batch, out, stats, *, pipeline: bool, speculator, retire):
+        self.model = model
+        self.batch = batch
+        self.out = out  # OutputProcessor: detokenise, stops, deliver
+        self.stats = stats
+        self.pipeline = pipeline
+        self.speculator = speculator  # None where speculation is refused for this engine
+        self._retire = retire  # scheduler callback: cache and drop the rows whose id() is in a set
+        # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
+        self.pending: tuple | None = None
+        self.plain_rows = 0  # rows of this step's ordinary pipelined decode, for the speculator's costs
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+    def step(self) -> None:
+        """One decode step for every running sequence (speculative where the speculator chooses to)."""
+        if self.speculator is not None and self.speculator.step(self):  # verified drafts (speculative.py)
+            self._retire_finished()
+            return
+        running = self.batch.running
+        pipelined = self.pipeline and not any(s.sampler.params.needs_penalties for s in running)
+        constrained = pipelined and any(s.constraint is not None for s in running)
+        if self.speculator is not None and pipelined and self.pending is not None:
+            # a pipelined step after another: its wall time is the step's cost (spec_policy)
+            self.plain_rows = len(running)
+        if self.pending is not None and not pipelined:
+            self.flush()
+            running = self.batch.running
+            if not running:
+                return
+        if self.pending is not None:
+            inputs = next_inputs(running, self.pending[0], self.pending[1])
+        else:
+            inputs = mx.array([s.last_token for s in running])
+        logits = self.batch.forward(self.model, inputs)
+        for s in running:
+            s.consumed += 1
+        self.stats.decode_steps += 1
+        if constrained:  # masks need the previous tokens: deliver them while the forward runs
+            mx.async_eval(logits)
+            previous, self.pending = self.pending, None
+            if previous is not None:
+                self.out.deliver(*previous)
+            sampled = self.sample(running, logits)
+            self._launch(sampled)
+            self.pending = (list(running), *sampled)
+        elif pipelined:
+            sampled = self.sample(running, logits)
+            self._launch(sampled)
+            previous, self.pending = self.pending, (list(running), *sampled)
+            if previous is not None:
+                self.out.deliver(*previous)
+        else:
+            self.out.deliver(running, *self.sample(running, logits))
+        self._retire_finished()
+
+    def _launch(self, sampled) -> None:
+        """Start the step on the device. On a GPU this returns at once; MLX's CPU backend runs all but the
+        last few of the graph's tasks before returning (it bounds the tasks in flight), so the time spent
+        here counts as device time in the step breakdown (stats.step_breakdown_ms)."""
+        t0 = time.perf_counter()
+        mx.async_eval([x for x in sampled if x is not None])
+        self.stats.device_wait_s += time.perf_counter() - t0
+
+    # The speculator's view of the engine: it verifies on this runner's batch and model.
+    @property
+    def running(self) -> list:
+        return self.batch.running
+
+    def flush(self) -> None:
+        """Deliver the step in flight now (the batch is about to change or idle)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        self.out.deliver(*pending)
+        self._retire_finished()
+
+    def clear(self) -> None:
+        """Forget the step in flight (its rows are being preempted or failed wholesale)."""
+        self.pending = None
+
+    def drop(self, rows: set[int]) -> None:
+        """Rows whose ``id()`` is in ``rows`` leave the step in flight (their tokens are never delivered)."""
+        if self.pending is None:
+            return
+        seqs, toks, lp_rows, chosen = self.pending
+        kept = [i for i, s in enumerate(seqs) if id(s) not in rows]
+        if not kept:
+            self.pending = None
+        elif len(kept) < len(seqs):
+            sel = mx.array(kept)
+            kept_set = set(kept)
+            lp_keep = [r for r, i in enumerate([i for i, s in enumerate(seqs) if s.logprobs is not None])
+                       if i in kept_set]
+            self.pending = (
+                [seqs[i] for i in kept],
+                toks[sel],
+                lp_rows[mx.array(lp_keep)] if lp_rows is not None and lp_keep else None,
+                chosen[sel] if chosen is not None else None,
+            )
+
+    @staticmethod
+    def sample(seqs: list, logits: mx.array):
+        """Lazy: (tokens, logprobs rows for sequences that asked, chosen-token logprobs)."""
+        samplers = [s.sampler for s in seqs]
+        if any(s.constraint is not None for s in seqs):
+            # Rows already finished (still in a pipelined step) are left unmasked; their tokens are dropped.
+            logits = apply_constraints(logits, [s.constraint if s.finish_reason is None else None for s in seqs])
+        toks, logprobs = sample_batch(logits, samplers)
+        if logprobs is None:
+            return toks, None, None
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        chosen = logprobs[mx.arange(len(seqs)), toks]
+        return toks, logprobs[mx.array(rows)] if rows else None, chosen
+
+    def _retire_finished(self) -> None:
+        finished = {id(s) for s in self.batch.running if s.finish_reason is not None}
+        if finished:
+            self._retire(finished)

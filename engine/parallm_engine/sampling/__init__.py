@@ -1,0 +1,1 @@
+"""Sampling settings, the batched sampler, logprobs, grammar constraints."""

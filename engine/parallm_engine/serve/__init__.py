@@ -1,0 +1,1 @@
+"""Parallm serve: the OpenAI, Anthropic and Responses HTTP APIs."""

@@ -1,0 +1,1 @@
+"""Vision-language models: image inputs, the encoder worker, M-RoPE."""

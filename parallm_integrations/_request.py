@@ -51,15 +51,23 @@ class EngineRequest:
     model: str | None = None
     timeout: float | None = None
 
+    def tool_kwargs(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """``tools`` with this call's ``tool_choice`` / ``parallel_tool_calls`` (each only when set); nothing
+        without tools."""
+        if not tools:
+            return {}
+        kw: dict[str, Any] = {"tools": tools}
+        if self.tool_choice is not None:
+            kw["tool_choice"] = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            kw["parallel_tool_calls"] = self.parallel_tool_calls
+        return kw
+
     def submit_kwargs(self) -> dict[str, Any]:
         """kwargs for ``Engine.submit`` (the constraint kwargs only when set)."""
         kw = dict(self.sampling)
         if self.tools:
-            kw["tools"] = self.engine_tools or self.tools
-            if self.tool_choice is not None:
-                kw["tool_choice"] = self.tool_choice
-            if self.parallel_tool_calls is not None:
-                kw["parallel_tool_calls"] = self.parallel_tool_calls
+            kw.update(self.tool_kwargs(self.engine_tools or self.tools))
         if self.response_format is not None:
             kw["response_format"] = self.response_format
         return kw

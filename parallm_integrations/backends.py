@@ -393,12 +393,8 @@ class RemoteBackend(Backend):
             kw["allow_special_tokens"] = True
         if not chat and not self.raw_text_special_tokens:
             kw["allow_special_tokens"] = False
-        if chat and req.tools:
-            kw["tools"] = req.tools
-            if req.tool_choice is not None:
-                kw["tool_choice"] = req.tool_choice
-            if req.parallel_tool_calls is not None:
-                kw["parallel_tool_calls"] = req.parallel_tool_calls
+        if chat:
+            kw.update(req.tool_kwargs(req.tools))
         return kw
 
     # -- requests ----------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from mlx_lm.models.base import create_causal_mask
 from parallm_engine import Engine
 
 from parallm_engine.runner import cpu_kernels
+from parallm_engine.kv.paged_prefill import PrefillRow
 from parallm_engine.runner.decode_batch import LANE_FILL_ROWS, DecodeBatch
-from parallm_engine.runner.prefill_runner import split_balanced as _split_balanced
 
 
 def _close(a: mx.array, b: mx.array, tol: float = 2e-5) -> None:
@@ -87,37 +87,31 @@ def test_kernels_apply_only_inside_enabled(tiny_engine, tiny_model_dir):
         cpu_kernels.attention = orig
 
 
-def test_split_balanced_keeps_order_and_balances():
-    items = list("abcdefg")
-    weights = [50, 10, 10, 10, 10, 10, 10]
-    shares = _split_balanced(items, weights, 2)
-    assert sorted(x for s in shares for x in s) == items
-    assert all(s == sorted(s) for s in shares)
-    loads = [sum(weights[items.index(x)] for x in s) for s in shares]
-    assert max(loads) - min(loads) <= 10
-    assert _split_balanced(["a"], [5], 4) == [["a"]]
-    assert _split_balanced(items, weights, 1) == [items]
-
-
 def test_decode_batch_fills_a_lane_then_places_rows_on_the_least_loaded():
     class Seq:
-        def __init__(self):
-            kv = mx.zeros((1, 2, 3, 4))
-            self.cache = [type("C", (), {"valid": lambda self, kv=kv: (kv, kv)})() for _ in range(2)]
+        cache = None
+
+    def join(seqs):
+        """Open each sequence's row where the batch places it (as a prompt's prefill does), then join."""
+        kv = mx.zeros((1, 2, 3, 4))
+        for s in seqs:
+            lane = batch.place(s, 0)
+            s.cache = PrefillRow(lane, lane.kv.open_row(np.zeros(0, dtype=np.int32), [(kv, kv)] * 2), 0)
+        batch.join(seqs)
 
     batch = DecodeBatch(n_layers=2, n_lanes=2)
     assert batch.fill_rows == LANE_FILL_ROWS >= 16  # a small batch decodes on one lane
     small = [Seq() for _ in range(3)]
-    batch.join(small)
+    join(small)
     assert [len(lane.seqs) for lane in batch.lanes] == [3, 0]
     batch.drop({id(s) for s in small})
     batch.fill_rows = 2
     seqs = [Seq() for _ in range(5)]
-    batch.join(seqs[:3])  # the first lane up to 2 rows, then the least loaded
+    join(seqs[:3])  # the first lane up to 2 rows, then the least loaded
     assert [len(lane.seqs) for lane in batch.lanes] == [2, 1]
     batch.drop({id(seqs[0]), id(seqs[1])})
     assert [len(lane.seqs) for lane in batch.lanes] == [0, 1]
-    batch.join(seqs[3:])
+    join(seqs[3:])
     assert [len(lane.seqs) for lane in batch.lanes] == [2, 1]
     # Row order is lane by lane.
     assert [id(s) for s in batch.running] == [id(seqs[3]), id(seqs[4]), id(seqs[2])]

@@ -1,37 +1,51 @@
-"""KV layout invariants of a batched prefill: its per-row views hand out exactly the row's tokens (the
+"""KV layout invariants of a batched prefill into pages (``paged_prefill``): each row's tokens land in
+the columns the prefill's mask expects, only real positions are written, and padding reads zeros (the
 decode rows' paged KV is tested in test_kv_pages.py)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallm_engine.kv.kv_cache import PrefillBatchKV
+from parallm_engine.kv.kv_pages import PagedLaneKV
+from parallm_engine.kv.paged_prefill import PagedPrefillStep, PrefillRow
+
+
+def _marked(i: int, tokens: range, KH: int = 2, D: int = 3) -> mx.array:
+    """(1, KH, n, D) keys whose value is 100 * row + token (never 0: zeros mark what nobody wrote)."""
+    vals = np.array([[[100 * i + t + 1] * D for t in tokens]] * KH, dtype=np.float32)
+    return mx.array(vals[None])
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6)), min_size=1, max_size=4),
-       a=st.integers(0, 12))
-def test_prefill_row_views_map_tokens_to_columns(rows, a):
+@given(rows=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 9)), min_size=1, max_size=4))
+def test_prefill_rows_map_tokens_to_columns_and_write_only_real_positions(rows):
+    kv = PagedLaneKV(1)
+    lane = SimpleNamespace(kv=kv)
+    held = []
+    for i, (p, _) in enumerate(rows):
+        k = _marked(i, range(p))
+        row = kv.open_row(np.zeros(0, dtype=np.int32), [(k, k + 0.5)] if p else None)
+        held.append(PrefillRow(lane, row, 0))
+    step = PagedPrefillStep(lane, held, [n for _, n in rows], None)
     P, L = max(p for p, _ in rows), max(n for _, n in rows)
-    B = len(rows)
-    block = np.full((B, 2, P + L, 3), -1.0, dtype=np.float32)  # -1 marks holes
+    new = mx.zeros((len(rows), 2, L, 3))
+    for i, (p, n) in enumerate(rows):  # padding positions stay -1: they must never be stored
+        new[i : i + 1] = mx.concatenate([mx.full((1, 2, L - n, 3), -1.0), _marked(i, range(p, p + n))], axis=2)
+    keys, values = step.layers[0].update_and_fetch(new, new + 0.5)
+    keys, values = np.array(keys), np.array(values)
+    assert keys.shape == (len(rows), 2, P + L, 3)
     for i, (p, n) in enumerate(rows):
-        for t in range(p + n):
-            col = P - p + t if t < p else P + L - n + (t - p)
-            block[i, :, col, :] = 100 * i + t
-    kv = PrefillBatchKV(None, None, None, None)
-    kv.keys, kv.values = mx.array(block), mx.array(block + 0.5)
-    for i, (p, n) in enumerate(rows):
-        view = kv.row(i, p, n, P, L)
-        k, v = view.valid()
-        assert view.offset == p + n
-        np.testing.assert_array_equal(np.array(k)[0, 0, :, 0], 100 * i + np.arange(p + n))
-        np.testing.assert_array_equal(np.array(v)[0, 0, :, 0], 100 * i + np.arange(p + n) + 0.5)
-        start = min(a, p + n)
-        if start < p + n:  # what a row that reads its first tokens elsewhere stores
-            sk, sv = view.tail(start)
-            np.testing.assert_array_equal(np.array(sk)[0, 1, :, 2], 100 * i + np.arange(start, p + n))
-            np.testing.assert_array_equal(np.array(sv)[0, 1, :, 2], 100 * i + np.arange(start, p + n) + 0.5)
+        cols = list(range(P - p, P)) + list(range(P + L - n, P + L))
+        np.testing.assert_array_equal(keys[i, 1, cols, 2], 100 * i + np.arange(p + n) + 1)
+        np.testing.assert_array_equal(values[i, 0, cols, 0], 100 * i + np.arange(p + n) + 1.5)
+        holes = [c for c in range(P + L) if c not in cols]
+        assert not keys[i, :, holes].any()  # padding columns read page 0: zeros
+        assert held[i].row.length == p + n
+    pool = np.array(kv.layers[0].keys)
+    assert not (pool == -1).any()  # no padding position was written
+    assert kv.meter.written == sum(p + n for p, n in rows) * 2 * 2 * 3 * 4  # keys and values, once each

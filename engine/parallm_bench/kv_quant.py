@@ -1,6 +1,6 @@
 """What KV quantization costs in accuracy: logprob drift on a model, teacher-forced.
 
-Each text runs through the model twice with the engine's own per-sequence caches (``kv_cache.SequenceKV``),
+Each text runs through the model twice with the engine's own per-sequence caches (``parallm_bench.sequence_kv.SequenceKV``),
 once storing float KV and once quantized (``kv_quant``), in chunks of ``chunk`` tokens (the way a prompt is
 prefilled: every later chunk reads the stored, quantized KV of the earlier ones). At every position we
 compare the log-probability each run gives the text's actual next token, and whether the two runs'
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from parallm_engine.kv.kv_cache import SequenceKV
+from parallm_bench.sequence_kv import SequenceKV
 from parallm_engine.kv.kv_quant import KVFormat
 
 #: Texts of the drift measurement: prose, a list, code, a table (what agents read back).

@@ -39,7 +39,7 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
     size and context."""
     from parallm_engine.runner import cpu_kernels
     from parallm_engine.runner.decode_batch import DecodeBatch
-    from parallm_engine.kv.kv_cache import SequenceKV
+    from parallm_bench.sequence_kv import SequenceKV
 
     class _Row:  # what DecodeBatch.join reads of a sequence: its per-layer prefill cache
         def __init__(self, cache):

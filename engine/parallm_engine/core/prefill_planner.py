@@ -119,6 +119,9 @@ class PrefillPlanner:
         """Contexts prefilled (all but their last token): the KV cache manager stores them in the prefix
         cache and hands them to the decode batch. Embedding rows are delivered here and go no further
         (``embedding.finish_embeddings``)."""
+        for seq, _ in finished:
+            if seq.embedding:  # delivered here: its KV (and the row holding it) goes
+                self.kv.release(seq)
         finished = embedding.finish_embeddings(finished, self.out, self.stats)
         self.kv.commit_prompts(finished)
         for seq, _ in finished:
@@ -126,5 +129,4 @@ class PrefillPlanner:
             if not seq.preemptions:
                 self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
             self.kv.unpin(seq)
-            seq.prefix_kv = None
             done.append(seq)

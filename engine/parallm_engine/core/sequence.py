@@ -46,7 +46,6 @@ class Sequence:
         self.cached_tokens = 0
         self.tree_tokens = 0  # leading tokens whose KV is bitwise the radix tree's copy
         self.started = False  # looked up in the prefix cache (and pinned) yet?
-        self.prefix_kv = None  # the matched prefix's KV until the prefill uses it
         self.split = 0  # mixed layout: stop the first chunk here and snapshot (a shared prefix's end)
         self.consumed = 0  # context tokens the sequence's caches have taken in (the forwards built)
 

@@ -2,7 +2,7 @@
 
 An embedding request is one :class:`EmbeddingSequence` that the scheduler queues, admits (its tokens
 count in the KV budget while it runs) and prefills like any prompt: it rides in the same batched prefill
-forward as the chat prompts of that step (``prefill_runner``), or chunk by chunk when it is long. The
+forward as the chat prompts of that step (``model_runner``), or chunk by chunk when it is long. The
 forward for a group that holds an embedding row runs the model's backbone (``model.model``: hidden
 states after the final norm, the LM head skipped; the other rows need only their KV, which is the same);
 each embedding row pools its own positions (last token / mean / first token) as its chunks pass. When its

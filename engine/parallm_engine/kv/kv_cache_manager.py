@@ -6,11 +6,13 @@ says which) and the one KV budget (``kv_manager.KVManager``, its base). A sequen
 it at every step of its life:
 
 - ``match``: look its context up in the prefix cache and pin the hit until its prefill is done;
-  ``peek`` looks without pinning; ``release`` / ``unpin`` let go of the hit.
-- ``prompt_cache``: the caches its prefill starts from (the hit's KV, or empty ones).
+  ``peek`` looks without pinning; ``release`` / ``unpin`` let go of the hit (and the prompt's row).
+- ``open_rows`` (attention layout): the prompt's row in the pool of the lane it will decode in,
+  borrowing the hit's pages; its prefill writes its KV there, once (``paged_prefill``).
+  ``prompt_cache`` (mixed layout): the caches its prefill starts from (the snapshot, or empty ones).
 - ``commit_split`` / ``commit_prompts``: a finished (part of a) prompt goes into the prefix cache and
-  the sequences into the batch (attention layout: each reading the prefix the tree holds in its lane's
-  pool from there, borrowed pages); ``join_late``: mixed-layout rows join after the step's prefill.
+  the sequences into the batch (attention layout: the rows join as they are, and the tree holds their
+  pages by reference); ``join_late``: mixed-layout rows join after the step's prefill.
 - ``commit_row``: a running row's context into the prefix cache (retiring, preemption);
   ``free_rows`` / ``clear``: its KV goes.
 - ``trim`` / ``reserve_decode`` / ``end_reads``: page pools follow the budget around a step.
@@ -19,21 +21,24 @@ it at every step of its life:
 
 from __future__ import annotations
 
+import numpy as np
+
 from parallm_engine.kv import kv_quant
 from parallm_engine.runner.decode_batch import DecodeBatch
-from parallm_engine.kv.kv_cache import SequenceKV
 from parallm_engine.kv.kv_manager import KVManager
+from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.kv.kv_pages import PagedLaneKV
 from parallm_engine.kv.model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
-from parallm_engine.kv.prefix_sharing import shared_prefix_flags
+from parallm_engine.kv.paged_prefill import PrefillRow
+from parallm_engine.kv.prefix_sharing import continues_shared, share_for_prefill, shared_prefix_flags
 from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache
 from parallm_engine.core.sequence import shared_context_len
 from parallm_engine.kv.snapshot_cache import SnapshotCache
 
 # A match whose last node adds only a few tokens (a fan-out's " Question 1" reaching into the sibling
-# " Question 12") stops at the node before: those tokens are prefilled again, and the prefix is one
-# node's own arrays, the same for every prompt of the fan-out, so a prefill group reads it once
-# (prefill_runner) instead of concatenating a private copy per prompt. At most 7 tokens are recomputed.
+# " Question 12") stops at the node before: those tokens are prefilled again, and the prefix is the same
+# for every prompt of the fan-out, so a prefill group can read it once as the batch's shared prefix
+# (prefix_sharing.share_for_prefill). At most 7 tokens are recomputed.
 SHORT_TAIL_TOKENS = 8
 
 
@@ -53,8 +58,9 @@ class KVCacheManager(KVManager):
         self.kv_format = kv_quant.format_for_model(config.kv_bits, model, self.n_layers, self.layout)
         self.kv_bytes_per_token = kv_quant.bytes_per_token(model, self.n_layers, self.kv_format) \
             if self.kv_format else model_info.kv_bytes_per_token()
+        self.meter = KVWriteMeter()  # KV bytes written into the pages (tests/test_kv_writes.py)
         if self.layout == "attention":
-            batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format)
+            batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format, self.meter)
             self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self.snapshots = None
         else:
@@ -99,16 +105,14 @@ class KVCacheManager(KVManager):
     # -- a prompt's prefix ----------------------------------------------------------------------
     def match(self, seq) -> None:
         """Look ``seq``'s context up in the prefix cache and pin what matched until its prefill is done
-        (``seq.match``, ``seq.cached_tokens``; the radix hit's KV in ``seq.prefix_kv``)."""
+        (``seq.match``, ``seq.cached_tokens``)."""
         ids = seq.prefill_ids
-        seq.prefix_kv = None
         if seq.embedding:  # embedding rows neither read nor fill the prefix cache (embedding.py says why)
             return
         if self.radix is not None:
             seq.match = _without_short_tail(self.radix.match(ids, ns=seq.adapter_key))
             self.radix.pin(seq.match.node)
             seq.cached_tokens = seq.match.length
-            seq.prefix_kv = self.radix.gather(seq.match) if seq.match.length else None
         elif self.snapshots is not None:
             snap = self.snapshots.match(ids, ns=seq.adapter_key)
             if snap is not None:
@@ -123,10 +127,16 @@ class KVCacheManager(KVManager):
         return self.radix.match(seq.prefill_ids, record=False, ns=seq.adapter_key).length
 
     def release(self, seq) -> None:
-        """A prefilling sequence leaves (abort, failure): its pin and prefill caches go."""
+        """A prefilling sequence leaves (abort, failure, an embedding row done): its pin and its row's
+        pages (or prefill caches) go."""
         self.unpin(seq)
-        seq.cache = None
-        seq.prefix_kv = None
+        row, seq.cache = seq.cache, None
+        if isinstance(row, PrefillRow):
+            if row.kv is row.lane.kv:  # not a pool the lanes dropped (clear)
+                row.kv.close_row(row.row)
+            if row.shared:
+                self.batch.shared_readers -= 1
+                self.batch.release_unused_shared()
 
     def unpin(self, seq) -> None:
         if seq.match is not None:
@@ -137,20 +147,40 @@ class KVCacheManager(KVManager):
         seq.match = None
 
     def prompt_cache(self, seq) -> list:
-        """A sequence's caches before its first forward: the prefix cache's hit, or empty ones."""
-        if self.layout == "mixed":
-            if seq.match is not None:
-                return self.snapshots.restore(seq.match)
-            return make_cache(self.model)
-        if seq.prefix_kv is not None:
-            return [SequenceKV(k, v, self.kv_format) for k, v in seq.prefix_kv]
-        return [SequenceKV(fmt=self.kv_format) for _ in range(self.n_layers)]
+        """Mixed layout: a sequence's caches before its first forward (the snapshot hit, or empty ones)."""
+        if seq.match is not None:
+            return self.snapshots.restore(seq.match)
+        return make_cache(self.model)
 
     def cache_state(self, caches: list) -> list:
-        """The arrays a prefill forward must evaluate to fill ``caches``."""
-        if self.layout == "mixed":
-            return cache_arrays(caches)
-        return [a for c in caches for x in (c.keys, c.values) for a in kv_quant.arrays(x)]
+        """Mixed layout: the arrays a prefill forward must evaluate to fill ``caches``."""
+        return cache_arrays(caches)
+
+    def open_rows(self, seqs: list) -> None:
+        """Attention layout: each sequence without one gets its row (``seq.cache``: a ``PrefillRow``) in the
+        lane it will decode in, before its first forward. It reads the batch's shared prefix when it
+        continues it (a prefill group continuing one cached prefix makes it the batch's shared prefix
+        first), borrows the pages the prefix cache holds for the rest of its hit in that lane's pool,
+        and stores only cached tokens the pool lacks (a hit held elsewhere) in pages of its own."""
+        fresh = [s for s in seqs if s.cache is None]
+        if self.share_prefix and len(fresh) > 1:
+            share_for_prefill(self.batch, self.radix, fresh)
+        lend = self._lend if self.radix is not None else None
+        for seq in fresh:
+            shared = self.batch.shared
+            S = shared.length if shared is not None and continues_shared(seq, shared, seq.cached_tokens) else 0
+            lane = self.batch.place(seq, S, lend)
+            lent = lend(seq, lane.kv, S)[: max(0, seq.cached_tokens - S)] if lend is not None \
+                else np.zeros(0, dtype=np.int32)
+            copied = None
+            if S + len(lent) < seq.cached_tokens:
+                a, b = S + len(lent), seq.cached_tokens
+                copied = [(k[..., a:b, :], v[..., a:b, :]) for k, v in self.radix.gather(seq.match)]
+            with lane.context():
+                row = lane.kv.open_row(lent, copied)
+            seq.cache = PrefillRow(lane, row, S)
+            if S:
+                self.batch.shared_readers += 1
 
     def end_reads(self) -> None:
         """The step's prefill is over: tree pages read for it may be freed again."""
@@ -204,7 +234,7 @@ class KVCacheManager(KVManager):
             self.batch.join(seqs, None)
             return
         flags = shared_prefix_flags(self.batch, self.radix, seqs) if self.share_prefix else None
-        self.batch.join(seqs, flags, self._lend if self.radix is not None else None)
+        self.batch.join(seqs, flags)
 
     def _lend(self, seq, lane_kv: PagedLaneKV, start: int):
         """Rows read the prefix they hit from the tree's pages in their lane (RadixCache.lendable_slots)."""
@@ -275,4 +305,5 @@ class KVCacheManager(KVManager):
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_bits": self.kv_format.bits if self.kv_format else None,
             **(self.batch.page_stats() if self.layout == "attention" else {}),
+            **self.meter.as_dict(),
         }

@@ -47,6 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from parallm_engine.kv import kv_quant as kvq
+from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.kv.page_pool import MIN_PAGES, PAGE, SHRINK_SLACK, PagedSegment, PagePool, PageRow  # noqa: F401 (re-exported)
 
 
@@ -84,6 +85,7 @@ class PagedLayerKV:
             self.keys = kvq.zeros((KH, slots, like_k.shape[-1]), like_k)
             self.values = kvq.zeros((like_v.shape[-3], slots, like_v.shape[-1]), like_v)
         elif self.keys.shape[1] < slots:
+            self.lane.meter.moved += self.nbytes()  # one copy of the pool
             grow = [(0, 0), (0, slots - self.keys.shape[1]), (0, 0)]
             self.keys, self.values = kvq.pad(self.keys, grow), kvq.pad(self.values, grow)
 
@@ -92,10 +94,12 @@ class PagedLayerKV:
         self._ensure(keys, values)
         self.keys[:, slots] = keys
         self.values[:, slots] = values
+        self.lane.meter.wrote(keys, values)
 
     def remap(self, gather: mx.array) -> None:
         """The arrays rebuilt as ``gather`` (new slot -> old slot) picks them (the pool was renumbered)."""
         if self.keys is not None:
+            self.lane.meter.moved += self.nbytes()
             self.keys, self.values = self.keys[:, gather], self.values[:, gather]
 
     def set_shared(self, keys, values) -> None:
@@ -116,6 +120,7 @@ class PagedLayerKV:
             self._ensure(keys, values)
             self.keys = nat.paged_write(self.keys, keys, lane.step_write)
             self.values = nat.paged_write(self.values, values, lane.step_write)
+            lane.meter.wrote(keys, values)
         else:
             k = kvq.store(keys.transpose(1, 0, 2, 3).reshape(keys.shape[1], -1, keys.shape[-1]), lane.fmt)
             v = kvq.store(values.transpose(1, 0, 2, 3).reshape(values.shape[1], -1, values.shape[-1]), lane.fmt)
@@ -175,10 +180,12 @@ class PagedLaneKV:
     """A decode lane's KV: the page pool, each row's pages, and one :class:`PagedLayerKV` per layer
     (``layers``: what the model is called with)."""
 
-    def __init__(self, n_layers: int, fmt=None):
+    def __init__(self, n_layers: int, fmt=None, meter: KVWriteMeter | None = None):
         self.fmt = fmt
+        self.meter = meter if meter is not None else KVWriteMeter()
         self.pool = PagePool()
         self.rows: list[PageRow] = []
+        self.pending: list[PageRow] = []  # rows of prompts being prefilled into this pool (paged_prefill)
         self.layers = [PagedLayerKV(self) for _ in range(n_layers)]
         self.segments: set[PagedSegment] = set()  # the prefix cache's entries on this pool
         self.mask_5d = False
@@ -254,6 +261,42 @@ class PagedLaneKV:
         self._shrink_if_slack()
         self._sync()
 
+    def open_row(self, borrowed: np.ndarray, copied: list | None = None) -> PageRow:
+        """A prompt's row before its prefill (``paged_prefill``): it borrows ``borrowed`` (slots of the prefix
+        cache's pages in this pool) and stores ``copied`` (per layer (1, KH, n, D) keys and values of cached
+        tokens this pool does not hold: a prefix the tree holds elsewhere) in pages of its own."""
+        row = PageRow()
+        row.borrow(borrowed, self.pool)
+        if copied is not None and copied[0][0].shape[2]:
+            # Evaluated first: a lazy read of this pool pending while it is written would make MLX copy
+            # the whole pool array instead of writing it in place (it donates only unread buffers).
+            mx.eval([a for k, v in copied for x in (k, v) for a in kvq.arrays(x)])
+            start = row.length
+            row.grow(self.pool, copied[0][0].shape[2])
+            slots = mx.array(row.slots(start))
+            for layer, (k, v) in zip(self.layers, copied):
+                layer.write(slots, kvq.store(k, self.fmt)[0], kvq.store(v, self.fmt)[0])
+        self.pending.append(row)
+        return row
+
+    def close_row(self, row: PageRow) -> None:
+        """A prompt's row given up before it joined (abort, failure): its pages are freed."""
+        self.pending.remove(row)
+        row.clear(self.pool)
+
+    def adopt(self, rows: list[PageRow], uses: list[bool], reads_shared: list[bool]) -> None:
+        """Prefilled rows join the running rows as they are (their KV is in the pages already). ``uses[i]``:
+        row i continues the shared prefix from now on; ``reads_shared[i]``: it was prefilled reading it
+        (it holds only its later tokens) rather than holding it (then it drops those tokens now)."""
+        for row, u, r in zip(rows, uses, reads_shared):
+            assert u or not r, "a row prefilled over the shared prefix must keep reading it"
+            self.pending.remove(row)
+            if u and not r:
+                row.drop_front(self.shared_len, self.pool)
+        self.rows += rows
+        self.shared_rows += list(uses)
+        self._sync()
+
     def keep(self, indices: list[int]) -> None:
         """Keep only these rows (in this order); the others' pages are freed."""
         kept = set(indices)
@@ -262,7 +305,7 @@ class PagedLaneKV:
                 row.clear(self.pool)
         self.rows = [self.rows[i] for i in indices]
         self.shared_rows = [self.shared_rows[i] for i in indices]
-        if not self.rows and not self.pool.used:  # an idle lane holds no memory (but the cache's pages)
+        if not self.rows and not self.pending and not self.pool.used:  # an idle lane holds no memory (but the cache's pages)
             self.pool = PagePool()
             for layer in self.layers:
                 layer.keys = layer.values = None
@@ -275,7 +318,7 @@ class PagedLaneKV:
         given pages back)."""
         if self.pool.used:
             self._shrink_if_slack()
-        elif not self.rows and self.layers[0].keys is not None:
+        elif not self.rows and not self.pending and self.layers[0].keys is not None:
             self.keep([])
 
     def _shrink_if_slack(self) -> None:
@@ -291,7 +334,7 @@ class PagedLaneKV:
         gather = mx.array(np.concatenate([gather, np.zeros(pad, dtype=np.int32)]))  # spare pages: copies of 0
         for layer in self.layers:
             layer.remap(gather)
-        for row in self.rows:
+        for row in self.rows + self.pending:
             row.remap(mapping)
         for seg in self.segments:
             seg.remap(mapping)

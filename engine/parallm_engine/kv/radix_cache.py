@@ -154,7 +154,8 @@ class RadixCache:
         """The matched prefix's KV, concatenated per layer: (1, H, length, D) arrays. A node's own arrays
         are handed out as they are; a prefix read from pages or from several nodes is built once per
         prefill phase (until :meth:`end_reads`) however many sequences match it, so a prefill group whose
-        rows continue it reads one copy (``prefill_runner``), not one per row."""
+        rows continue it reads one copy, not one per row (a hit held in another pool, a shared prefix
+        of several nodes)."""
         nodes = match.nodes()
         if not nodes:
             return None
@@ -202,6 +203,7 @@ class RadixCache:
             seg = node.kv
             kv = [(kvq.contiguous(k), kvq.contiguous(v)) for k, v in seg.layers()]
             mx.eval(_segment_arrays(kv))
+            seg.lane.meter.moved += _segment_nbytes(kv)  # out of the pages (given back) into arrays
             seg.release()
             self._set_kv(node, kv)
         return node.kv

@@ -35,6 +35,7 @@ import numpy as np
 
 from parallm_engine.runner import cpu_kernels
 from parallm_engine.kv.kv_cache import SharedPrefix
+from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.kv.kv_pages import PAGE, PagedLaneKV, PagedSegment
 from parallm_engine.runner.lora import adapter_rows
 
@@ -45,9 +46,9 @@ LANE_FILL_ROWS = 32
 class DecodeLane:
     """A share of the running sequences with its KV and (when there are several lanes) its stream."""
 
-    def __init__(self, n_layers: int, fmt=None):
+    def __init__(self, n_layers: int, fmt=None, meter=None):
         self.seqs: list = []
-        self.kv = PagedLaneKV(n_layers, fmt)
+        self.kv = PagedLaneKV(n_layers, fmt, meter)
         self.stream = None
 
     def context(self):
@@ -55,18 +56,21 @@ class DecodeLane:
 
 
 class DecodeBatch:
-    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None):
-        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats)."""
+    def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None, meter: KVWriteMeter | None = None):
+        """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats); ``meter``: where the lanes
+        count the KV bytes they write."""
         if n_lanes < 1:
             raise ValueError(f"n_lanes must be >= 1, got {n_lanes}")
         self.n_layers = n_layers
         self.fmt = fmt
+        self.meter = meter if meter is not None else KVWriteMeter()
         self.mask_5d = False  # gemma2 lays its scores out (B, KV heads, repeats, L, S)
-        self.lanes = [DecodeLane(n_layers, fmt) for _ in range(n_lanes)]
+        self.lanes = [DecodeLane(n_layers, fmt, self.meter) for _ in range(n_lanes)]
         self.fill_rows = LANE_FILL_ROWS  # rows a lane takes before the next gets any
 
         self._streams_made = n_lanes == 1
         self.shared: SharedPrefix | None = None
+        self.shared_readers = 0  # prompts being prefilled that read the shared prefix (paged_prefill)
         # The model's attention takes the layer's keys and values only into the engine's attention hook,
         # whose native kernel can read the page pool (set by the scheduler): no working set is gathered.
         self.attention_reads_pool = False
@@ -111,39 +115,37 @@ class DecodeBatch:
                 lane.kv.set_shared(None)
         prefix.release()
 
-    def join(self, seqs: list, shared: list[bool] | None = None, lend=None) -> None:
-        """Add prefilled sequences (each with ``seq.cache``: one cache per layer with ``valid()`` and
-        ``tail(start)``). Those flagged in ``shared`` continue the batch's shared prefix and bring only
-        their tokens after it. ``lend(seq, lane_kv, start)``: slots of ``lane_kv``'s pool holding the
-        sequence's tokens from ``start`` on that the prefix cache holds (the row reads them there instead
-        of storing a copy; empty: none)."""
+    def place(self, seq, start: int, lend=None) -> DecodeLane:
+        """The lane whose pool a prompt's row is opened in (``paged_prefill``: it is prefilled there and
+        decodes there). ``lend(seq, lane_kv, start)``: slots of ``lane_kv``'s pool holding the sequence's
+        tokens from ``start`` on that the prefix cache holds (the row borrows them instead of a copy)."""
         self._ensure_streams()
-        flags = dict(zip(map(id, seqs), shared or [False] * len(seqs)))
-        P = self.shared.length if self.shared is not None else 0
-        counts = [len(lane.seqs) for lane in self.lanes]
-        placed: list[list] = [[] for _ in self.lanes]
-        for s in seqs:
-            g = self._home_lane(s, counts, P if flags[id(s)] else 0, lend)
-            if g is None:
-                g = next((i for i, c in enumerate(counts) if c < self.fill_rows), None)
-            if g is None:
-                g = counts.index(min(counts))
-            counts[g] += 1
-            placed[g].append(s)
-        for lane, group in zip(self.lanes, placed):
-            if not group:
+        counts = [len(lane.seqs) + len(lane.kv.pending) for lane in self.lanes]
+        g = self._home_lane(seq, counts, start, lend)
+        if g is None:
+            g = next((i for i, c in enumerate(counts) if c < self.fill_rows), None)
+        if g is None:
+            g = counts.index(min(counts))
+        return self.lanes[g]
+
+    def join(self, seqs: list, shared: list[bool] | None = None) -> None:
+        """Add prefilled sequences: each ``seq.cache`` is its ``paged_prefill.PrefillRow``, whose pages in
+        its lane's pool hold its KV already (nothing is copied). Those flagged in ``shared`` continue the
+        batch's shared prefix (rows that hold it drop those tokens)."""
+        flags = shared or [False] * len(seqs)
+        items = [(s, f, s.cache.lane) for s, f in zip(seqs, flags)]
+        for lane in self.lanes:
+            mine = [(s, f) for s, f, home in items if home is lane]
+            if not mine:
                 continue
-            uses = [flags[id(s)] for s in group]
-            starts = [P if u else 0 for u in uses]
-            lent = [lend(s, lane.kv, a) if lend is not None else np.zeros(0, dtype=np.int32)
-                    for s, a in zip(group, starts)]
-            skip = [a + len(b) for a, b in zip(starts, lent)]  # tokens the row does not store itself
             with lane.context():
-                lane.kv.add([[s.cache[layer].tail(k) if k else s.cache[layer].valid() for s, k in zip(group, skip)]
-                             for layer in range(self.n_layers)], uses, lent)
-            for s in group:
+                lane.kv.adopt([s.cache.row for s, _ in mine], [f for _, f in mine],
+                              [bool(s.cache.shared) for s, _ in mine])
+            for s, _ in mine:
+                if s.cache.shared:
+                    self.shared_readers -= 1
                 s.cache = None
-            lane.seqs.extend(group)
+            lane.seqs.extend(s for s, _ in mine)
 
     def _home_lane(self, seq, counts: list[int], start: int, lend) -> int | None:
         """A running lane with room whose pool holds the longest prefix of ``seq`` the prefix cache can
@@ -177,7 +179,12 @@ class DecodeBatch:
             with lane.context():
                 lane.kv.keep(keep)
             lane.seqs = [lane.seqs[i] for i in keep]
-        if self.shared is not None and not any(any(lane.kv.shared_rows) for lane in self.lanes):
+        self.release_unused_shared()
+
+    def release_unused_shared(self) -> None:
+        """The shared prefix goes when no running row and no prefilling prompt reads it."""
+        if self.shared is not None and not self.shared_readers \
+                and not any(any(lane.kv.shared_rows) for lane in self.lanes):
             self._release_shared()
 
     def clear(self) -> list[PagedLaneKV]:
@@ -186,8 +193,9 @@ class DecodeBatch:
         old = [lane.kv for lane in self.lanes]
         for lane in self.lanes:
             lane.seqs = []
-            lane.kv = PagedLaneKV(self.n_layers, self.fmt)
+            lane.kv = PagedLaneKV(self.n_layers, self.fmt, self.meter)
             lane.kv.mask_5d = self.mask_5d
+        self.shared_readers = 0
         if self.shared is not None:
             self._release_shared()
         return old
@@ -240,6 +248,7 @@ class DecodeBatch:
                     lane.kv.begin(x.shape[1], nat, self.attention_reads_pool)
                 with cpu_kernels.solo_lane(solo), adapter_rows(model, lane.seqs, None if mine is None else [len(r) for r in mine]):
                     logits = model(x, cache=lane.kv.layers, **extra)
+                self.meter.decoded += x.shape[0] * x.shape[1]
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)

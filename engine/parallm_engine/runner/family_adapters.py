@@ -7,7 +7,7 @@ nothing else branches on a model type. Families with nothing special get the def
   and passes positional scores in its mask: it keeps whole rows (no shared prefix read once, no ragged
   step reading the page pool, whose rectangle mask would replace those scores).
 - gemma2 lays its attention scores out (B, KV heads, repeats, L, S): its masks need one more axis, in
-  the prefill caches (``kv_cache.SequenceKV`` / ``PrefillBatchKV``) and the decode batch alike.
+  a prefill step (``paged_prefill``, the mixed layout's mlx-lm caches) and the decode batch alike.
 """
 
 from __future__ import annotations

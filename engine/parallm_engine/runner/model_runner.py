@@ -1,13 +1,14 @@
 """The model runner: executes the scheduler's plan for a step (``step_plan.StepPlan``).
 
-Every forward of the engine starts here: the prefill of one sequence's chunk through its own caches,
-the batched prefill of several short contexts (``prefill_runner``), and the decode step of the running
+Every forward of the engine starts here: the prefill of a long prompt's chunk or of a group of short
+contexts, one forward per decode lane writing their KV straight into their rows' pages
+(``kv.paged_prefill``; the mixed layout: a chunk through mlx-lm's caches), and the decode step of the running
 batch (``decode_runner.DecodeRunner``, its base: sampling, delivery, the pipelined step in flight,
 speculative verify steps). The engine's attention hook and, on the CPU, its kernels are installed on
 the model here, bound to this model's own module instances (nothing process-wide); per-family quirks
 come from the family adapter (``family_adapters``). The KV the forwards read and write is the KV cache
-manager's (``kv_cache_manager``): the runner asks it for a prompt's caches and the arrays to evaluate,
-and hands the finished prompts back through the plan (the scheduler commits them).
+manager's (``kv_cache_manager``): the runner asks it for the prompts' rows (or caches), and hands the
+finished prompts back through the plan (the scheduler commits them).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from parallm_engine.embed import embedding
 
 from parallm_engine.kv import kv_quant
 from parallm_engine.runner.decode_runner import DecodeRunner
-from parallm_engine.runner.prefill_runner import run_prefill_group
+from parallm_engine.kv.paged_prefill import PagedPrefillStep
 from parallm_engine.spec.speculative import TOKEN_BUDGET, Speculator
 from parallm_engine.core.step_plan import PrefillWork, StepPlan
 
@@ -83,24 +84,52 @@ class ModelRunner(DecodeRunner):
         plan.decode_s = time.perf_counter() - t_decode
 
     def prefill(self, work: PrefillWork) -> None:
-        """One prefill work item; the prompts it finished go to ``work.finished`` with their caches."""
-        if work.kind == "cached":  # the whole context is cached: no forward
-            seq = work.seqs[0]
-            work.finished = [(seq, self.kv.prompt_cache(seq))]
-        elif work.kind == "chunk":
-            self._prefill_chunk(work.seqs[0], work.n_tokens)
-            seq = work.seqs[0]
-            work.finished = [(seq, seq.cache)] if seq.pos == len(seq.prefill_ids) else []
+        """One prefill work item; the prompts it finished go to ``work.finished`` with their KV."""
+        seqs = work.seqs
+        if self.kv.layout == "mixed":
+            if work.kind == "cached":  # the whole context is cached: no forward
+                work.finished = [(seqs[0], self.kv.prompt_cache(seqs[0]))]
+            else:
+                self._prefill_chunk(seqs[0], work.n_tokens)
+                work.finished = [(seqs[0], seqs[0].cache)] if seqs[0].pos == len(seqs[0].prefill_ids) else []
+            return
+        if work.kind == "cached":
+            self.kv.open_rows(seqs)
         else:
-            work.finished = run_prefill_group(self.model, self.batch, work.seqs, self.kv.n_layers, self.stats,
-                                              share_prefix=self.kv.share_prefix, mask_5d=self.family.mask_5d,
-                                              fmt=self.kv.kv_format)
+            new = [work.n_tokens] if work.kind == "chunk" else [len(s.prefill_ids) - s.pos for s in seqs]
+            self._prefill_paged(seqs, new)
+        work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
+
+    def _prefill_paged(self, seqs: list, new: list[int]) -> None:
+        """Attention layout: ``new[i]`` more context tokens of each sequence in one forward per lane (each
+        lane's rows on its stream, at the same time), their KV written straight into the rows' pages
+        (``paged_prefill``). Logits are never evaluated: the last context token runs in the decode step."""
+        self.kv.open_rows(seqs)
+        batch = self.batch
+        shared = batch.shared.kv if batch.shared is not None else None
+        nat = cpu_kernels.native_module()
+        arrays = []
+        for lane in batch.lanes:
+            mine = [(s, n) for s, n in zip(seqs, new) if s.cache.lane is lane]
+            if not mine:
+                continue
+            L = max(n for _, n in mine)
+            with lane.context():
+                step = PagedPrefillStep(lane, [s.cache for s, _ in mine], [n for _, n in mine], shared, native=nat,
+                                        reads_pool=batch.attention_reads_pool, mask_5d=self.family.mask_5d)
+                tokens = mx.array([[0] * (L - n) + s.prefill_ids[s.pos : s.pos + n] for s, n in mine])
+                embedding.prefill_forward(self.model, tokens, step.layers, [(s, s.pos, n) for s, n in mine])
+            arrays += [a for layer in lane.kv.layers for x in (layer.keys, layer.values) for a in kv_quant.arrays(x)]
+            self.stats.prefill_forwards += 1
+        mx.eval(arrays + embedding.pooled_arrays(seqs))
+        for s, n in zip(seqs, new):
+            s.pos += n
+        self.stats.prefill_tokens += sum(new)
 
     def _prefill_chunk(self, seq, n: int) -> None:
-        """``n`` more context tokens of one sequence through its own caches."""
+        """Mixed layout: ``n`` more context tokens of one sequence through its own caches."""
         if seq.cache is None:
             seq.cache = self.kv.prompt_cache(seq)
-            seq.prefix_kv = None
         end = seq.pos + n
         tokens = mx.array(seq.prefill_ids[seq.pos : end])[None]
         embedding.prefill_forward(self.model, tokens, self.family.prefill_caches(seq.cache), [(seq, seq.pos, n)])

@@ -131,9 +131,8 @@ class KVCacheManager(KVManager):
         pages (or prefill caches) go."""
         self.unpin(seq)
         row, seq.cache = seq.cache, None
-        if isinstance(row, PrefillRow):
-            if row.kv is row.lane.kv:  # not a pool the lanes dropped (clear)
-                row.kv.close_row(row.row)
+        if isinstance(row, PrefillRow) and row.kv is row.lane.kv:  # (not a pool the lanes dropped: clear)
+            row.kv.close_row(row.row)
             if row.shared:
                 self.batch.shared_readers -= 1
                 self.batch.release_unused_shared()

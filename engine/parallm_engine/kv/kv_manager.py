@@ -31,8 +31,11 @@ class KVManager:
 
     # -- what is held ---------------------------------------------------------------------------
     def context_bytes(self, seq) -> int:
-        """What admitting ``seq`` takes now: its context plus the watermark (not its max_tokens)."""
-        return (seq.total_len + self.config.watermark_tokens) * self.bytes_per_token
+        """What admitting ``seq`` takes now: its context plus the watermark (not its max_tokens), less
+        what its prompt's row holds already (``paged_prefill``: those pages count with the rows')."""
+        row = getattr(seq.cache, "row", None)
+        held = row.length if row is not None else 0
+        return (seq.total_len + self.config.watermark_tokens - held) * self.bytes_per_token
 
     def rows_bytes(self, extra: int) -> int:
         """The running rows after ``extra`` more decode steps (pages they share counted once; a shared

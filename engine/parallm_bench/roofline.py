@@ -40,10 +40,10 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
     from parallm_engine.runner import cpu_kernels
     from parallm_engine.runner.decode_batch import DecodeBatch
     from parallm_bench.sequence_kv import SequenceKV
+    from parallm_engine.kv.paged_prefill import PrefillRow
 
-    class _Row:  # what DecodeBatch.join reads of a sequence: its per-layer prefill cache
-        def __init__(self, cache):
-            self.cache = cache
+    class _Row:  # a sequence as DecodeBatch places and joins it
+        cache = None
 
     def work():
         model = engine.model
@@ -51,9 +51,15 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
         rng = random.Random(batch)
         seq = [SequenceKV() for _ in range(n_layers)]
         model(mx.array([[rng.randrange(200, 40000) for _ in range(context)]]), cache=seq)
-        mx.eval([c.keys for c in seq])
+        kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in seq]
+        mx.eval(kv)
         rows = DecodeBatch(n_layers, engine.config.decode_lanes)
-        rows.join([_Row(list(seq)) for _ in range(batch)])
+        joining = [_Row() for _ in range(batch)]
+        for r in joining:  # each row's context written into its lane's pages, as a prefill does
+            lane = rows.place(r, 0)
+            with lane.context():
+                r.cache = PrefillRow(lane, lane.kv.open_row(np.zeros(0, dtype=np.int32), kv), 0)
+        rows.join(joining)
         toks = mx.array([5] * batch)
         best = 1e9
         with cpu_kernels.enabled(bool(engine._scheduler.runner.cpu_kernels)):

@@ -222,32 +222,21 @@ class PagedLaneKV:
 
     def add(self, per_layer: list[list], shared: list[bool] | None = None,
             borrowed: list[np.ndarray] | None = None) -> None:
-        """Append rows: ``per_layer[layer][r]`` is row r's (1, KH, L, D) keys and values (the tokens after
-        the shared prefix for rows flagged in ``shared``, and after the ones it borrows; (None, None) for
-        none). ``borrowed[r]``: slots of this pool's prefix-cache pages row r starts with (read, not
-        copied). Each row gets its own pages for the rest; one scatter per layer writes every joining row."""
+        """Append rows whose KV was computed elsewhere (tests, benchmarks): ``per_layer[layer][r]`` is row r's
+        (1, KH, L, D) keys and values (the tokens after the shared prefix for rows flagged in ``shared``, and
+        after the ones it borrows; (None, None) for none). ``borrowed[r]``: slots of this pool's
+        prefix-cache pages row r starts with (read, not copied). Each row is opened as a prompt's row is
+        (:meth:`open_row`: its own tokens written once into its own pages) and joins (:meth:`adopt`)."""
         n = len(per_layer[0])
-        shared = shared or [False] * n
+        shared = list(shared or [False] * n)
         if any(shared) and not self.shared_len:
             raise ValueError("rows continue a shared prefix but none is set")
-        lengths = [0 if k is None else k.shape[2] for k, _ in per_layer[0]]
-        new = []
-        for r, L in enumerate(lengths):
-            row = PageRow()
-            if borrowed is not None:
-                row.borrow(borrowed[r], self.pool)
-            row.grow(self.pool, L)
-            new.append(row)
-        if any(lengths):
-            slots = mx.array(np.concatenate([r.slots(len(r.borrowed)) for r in new]))
-            for layer, rows in zip(self.layers, per_layer):
-                parts = [(k, v) for k, v in rows if k is not None and k.shape[2]]
-                k = kvq.concatenate([kvq.store(p[0], self.fmt)[0] for p in parts], axis=1)
-                v = kvq.concatenate([kvq.store(p[1], self.fmt)[0] for p in parts], axis=1)
-                layer.write(slots, k, v)
-        self.rows += new
-        self.shared_rows += list(shared)
-        self._sync()
+        rows = []
+        for r in range(n):
+            kv = [layer_rows[r] for layer_rows in per_layer]
+            lent = borrowed[r] if borrowed is not None else np.zeros(0, dtype=np.int32)
+            rows.append(self.open_row(lent, None if kv[0][0] is None else kv))
+        self.adopt(rows, shared, shared)
 
     def share_rows(self, indices: list[int]) -> None:
         """Rows ``indices`` hold their whole context and their first ``shared_len`` tokens are bitwise the

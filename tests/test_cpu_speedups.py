@@ -14,6 +14,7 @@ from parallm_engine import Engine
 from parallm_engine.runner import cpu_kernels
 from parallm_engine.kv.paged_prefill import PrefillRow
 from parallm_engine.runner.decode_batch import LANE_FILL_ROWS, DecodeBatch
+from parallm_engine.runner.model_runner import split_balanced
 
 
 def _close(a: mx.array, b: mx.array, tol: float = 2e-5) -> None:
@@ -85,6 +86,19 @@ def test_kernels_apply_only_inside_enabled(tiny_engine, tiny_model_dir):
         assert calls == [1]
     finally:
         cpu_kernels.attention = orig
+
+
+def test_split_balanced_keeps_order_and_balances():
+    items = list("abcdefg")
+    weights = [50, 10, 10, 10, 10, 10, 10]
+    shares = split_balanced(items, weights, 2)
+    assert sorted(x for s in shares for x in s) == items
+    assert all(s == sorted(s) for s in shares)
+    loads = [sum(weights[items.index(x)] for x in s) for s in shares]
+    assert max(loads) - min(loads) <= 10
+    assert split_balanced(["a"], [5], 4) == [["a"]]
+    assert split_balanced(items, weights, 1) == [items]
+    assert split_balanced([], [], 2) == []
 
 
 def test_decode_batch_fills_a_lane_then_places_rows_on_the_least_loaded():

@@ -22,8 +22,11 @@ def _marked(i: int, tokens: range, KH: int = 2, D: int = 3) -> mx.array:
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 9)), min_size=1, max_size=4))
-def test_prefill_rows_map_tokens_to_columns_and_write_only_real_positions(rows):
+@given(rows=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 9)), min_size=1, max_size=4),
+       deferred=st.booleans())
+def test_prefill_rows_map_tokens_to_columns_and_write_only_real_positions(rows, deferred):
+    """Written in the forward (then attention reads the pool) or deferred (attention reads the held tokens
+    from the pool and the new ones as computed; the step's commit writes them): the same columns."""
     kv = PagedLaneKV(1)
     lane = SimpleNamespace(kv=kv)
     held = []
@@ -31,20 +34,22 @@ def test_prefill_rows_map_tokens_to_columns_and_write_only_real_positions(rows):
         k = _marked(i, range(p))
         row = kv.open_row(np.zeros(0, dtype=np.int32), [(k, k + 0.5)] if p else None)
         held.append(PrefillRow(lane, row, 0))
-    step = PagedPrefillStep(lane, held, [n for _, n in rows], None)
+    step = PagedPrefillStep(kv, held, [n for _, n in rows], None, deferred=deferred)
     P, L = max(p for p, _ in rows), max(n for _, n in rows)
     new = mx.zeros((len(rows), 2, L, 3))
     for i, (p, n) in enumerate(rows):  # padding positions stay -1: they must never be stored
         new[i : i + 1] = mx.concatenate([mx.full((1, 2, L - n, 3), -1.0), _marked(i, range(p, p + n))], axis=2)
     keys, values = step.layers[0].update_and_fetch(new, new + 0.5)
+    mx.eval(step.arrays())
+    mx.eval(step.commit())
     keys, values = np.array(keys), np.array(values)
     assert keys.shape == (len(rows), 2, P + L, 3)
     for i, (p, n) in enumerate(rows):
         cols = list(range(P - p, P)) + list(range(P + L - n, P + L))
         np.testing.assert_array_equal(keys[i, 1, cols, 2], 100 * i + np.arange(p + n) + 1)
         np.testing.assert_array_equal(values[i, 0, cols, 0], 100 * i + np.arange(p + n) + 1.5)
-        holes = [c for c in range(P + L) if c not in cols]
-        assert not keys[i, :, holes].any()  # padding columns read page 0: zeros
+        holes = [c for c in range(P if deferred else P + L) if c not in cols]
+        assert not keys[i, :, holes].any()  # padding columns read from the pool read page 0: zeros
         assert held[i].row.length == p + n
     pool = np.array(kv.layers[0].keys)
     assert not (pool == -1).any()  # no padding position was written

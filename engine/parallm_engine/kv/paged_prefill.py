@@ -3,20 +3,27 @@
 A sequence that starts its prefill (attention layout) gets its row at once (:class:`PrefillRow`): a
 ``PageRow`` in the pool of the decode lane it will join, borrowing the pages of the prefix the radix
 tree holds there (read, never copied), or reading the decode batch's shared prefix (held once) when it
-continues it. Each prefill forward writes the new tokens' keys and values into the row's own pages as
-the model computes them (:class:`PagedPrefillStep`), and attention reads the rows' tokens from the pool.
-When the prompt is done the row simply joins the running batch (``PagedLaneKV.adopt``): nothing is
-copied, and the radix tree then holds the row's pages by reference. So every KV token is written once
-between prompt and decode (``kv_meter`` counts it; tests/test_kv_writes.py asserts it).
+continues it. Each prefill forward computes the new tokens' keys and values and the step then writes
+them into the row's own pages (:meth:`PagedPrefillStep.commit`). When the prompt is done the row simply
+joins the running batch (``PagedLaneKV.adopt``): nothing is copied, and the radix tree then holds the
+row's pages by reference. So every KV token is written once between prompt and decode (``kv_meter``
+counts it; tests/test_kv_writes.py asserts it).
 
 A step's rows are laid out as a batched prefill always was (``kv_cache.prefill_layout``): row i's
 ``p_i`` tokens already held (its borrowed prefix and earlier chunks) right-aligned in columns
-``[0, P)``, its ``n_i`` new tokens right-aligned in ``[P, P + L)``; padding queries attend to
-themselves only (a padding column reads page 0, which holds zeros: nothing is ever NaN). Only real
-positions are written. The new keys are written first and attention then reads the pool through the
-step's slot table, so the pool array is updated in place (MLX donates a buffer only its writer holds):
-the engine's native CPU kernel reads the pool where it is; elsewhere one gather per array per layer
-builds the step's working set, as in a decode step.
+``[0, P)``, its ``n_i`` new tokens right-aligned in ``[P, P + L)``; padding columns read page 0 (zeros),
+padding queries attend to themselves only (nothing is ever a NaN), and only real positions are written.
+
+MLX writes a pool array in place only when nothing still to run reads it (else the scatter copies the
+whole array), so a step writes in one of two ways:
+
+- in the forward (one share per pool: Metal, CUDA, the native CPU path): each layer writes its new
+  tokens into the pages first and attention then reads the pool through the slot table, where it is
+  (the native CPU kernel) or as one gather per array (MLX ops), as a decode step does;
+- after it (``deferred``: a pool's rows split into shares that run at the same time on several lanes'
+  streams, the pure-MLX path on a multi-core CPU): attention reads the held tokens from the pool and
+  the new ones as computed, and :meth:`PagedPrefillStep.commit` writes them once every share's forward is
+  evaluated (a share's write while another share still reads the pool would copy it).
 """
 
 from __future__ import annotations
@@ -43,100 +50,133 @@ class PrefillRow:
 
 
 class PagedPrefillStep:
-    """One prefill forward's rows of one lane (each ``PrefillRow`` taking ``new[i]`` more tokens): pages
-    for the new tokens, the slot table attention reads, RoPE offsets, the mask, and one cache per layer
-    (``layers``: what the model is called with)."""
+    """One prefill forward's rows, all in one lane's pool (each ``PrefillRow`` taking ``new[i]`` more
+    tokens): pages for the new tokens, the held tokens' slot table, RoPE offsets, the mask, and one cache
+    per layer (``layers``: what the model is called with). :meth:`commit` writes the new KV once the
+    forward is evaluated (:meth:`new_arrays`)."""
 
-    def __init__(self, lane, rows: list[PrefillRow], new: list[int], shared_kv: list | None, *, native=None,
-                 reads_pool: bool = False, mask_5d: bool = False):
-        kv = self.lane_kv = lane.kv
+    def __init__(self, lane_kv, rows: list[PrefillRow], new: list[int], shared_kv: list | None, *,
+                 native=None, reads_pool: bool = False, deferred: bool = False, mask_5d: bool = False):
+        self.lane_kv = lane_kv
         held = [r.row.length for r in rows]
         self.offset, mask, P, L = prefill_layout(held, new)
         if any(r.shared for r in rows):
             self.offset = self.offset + mx.array([r.shared for r in rows])
         self.mask = mask[:, :, None] if mask_5d else mask
         B = len(rows)
-        table = np.zeros((B, P + L), dtype=np.int32)  # padding columns read page 0
+        self.deferred = deferred
+        width = P if deferred else P + L  # deferred: attention reads only the held tokens from the pool
+        table = np.zeros((B, width), dtype=np.int32)  # padding columns read page 0 (zeros)
         writes, real = [], []
         for i, (r, p, n) in enumerate(zip(rows, held, new)):
             if p:
                 table[i, P - p : P] = r.row.slots(0, p)
-            r.row.grow(kv.pool, n)
-            slots = r.row.slots(p, p + n)
-            table[i, P + L - n :] = slots
-            writes.append(slots)
+            r.row.grow(lane_kv.pool, n)
+            writes.append(r.row.slots(p, p + n))
+            if not deferred:
+                table[i, P + L - n :] = writes[-1]
             real.append(i * L + L - n + np.arange(n, dtype=np.int32))
-        self.table = mx.array(table)
+        self.table = mx.array(table) if width else None
         self.write_slots = mx.array(np.concatenate(writes))
         self.padded = sum(new) < B * L
         self.real = mx.array(np.concatenate(real)) if self.padded else None
-        self.native = native if kv.fmt is None else None
-        self.reads_pool = reads_pool and native is not None
+        self.native = native if lane_kv.fmt is None else None
+        self.reads_pool = reads_pool and self.native is not None and not deferred
         uses = [bool(r.shared) for r in rows]
         self.shared_kv = shared_kv if any(uses) else None
         self.shared_mask = None if all(uses) else mx.array(uses, dtype=mx.bool_)
-        self._index: dict = {}
-        self.layers = [PagedPrefillKV(layer, self, l) for l, layer in enumerate(kv.layers)]
+        self.layers = [PagedPrefillKV(layer, self, l) for l, layer in enumerate(lane_kv.layers)]
 
-    def write(self, layer, keys: mx.array, values: mx.array) -> None:
-        """Store this step's (B, KH, L, D) new keys and values (real positions only) in the rows' slots."""
-        nat = self.native
-        if nat is not None and not self.padded and keys.dtype == mx.float32 and values.dtype == mx.float32:
+    def arrays(self) -> list[mx.array]:
+        """What evaluating the forward must compute: the pools written (deferred: the new keys and
+        values, for :meth:`commit`)."""
+        if self.deferred:
+            return [a for c in self.layers for x in (c.new_k, c.new_v) for a in kvq.arrays(x)]
+        return self._pools()
+
+    def _pools(self) -> list[mx.array]:
+        return [a for layer in self.lane_kv.layers for x in (layer.keys, layer.values) for a in kvq.arrays(x)]
+
+    def write(self, layer, keys, values) -> None:
+        """Store (B, KH, L, D) new keys and values (real positions only) in the rows' slots."""
+        if self.native is not None and not self.padded and keys.dtype == mx.float32:
             layer._ensure(keys, values)
-            layer.keys = nat.paged_write(layer.keys, keys, self.write_slots)
-            layer.values = nat.paged_write(layer.values, values, self.write_slots)
+            layer.keys = self.native.paged_write(layer.keys, keys, self.write_slots)
+            layer.values = self.native.paged_write(layer.values, values, self.write_slots)
             self.lane_kv.meter.wrote(keys, values)
             return
-        k = keys.transpose(1, 0, 2, 3).reshape(keys.shape[1], -1, keys.shape[-1])
-        v = values.transpose(1, 0, 2, 3).reshape(values.shape[1], -1, values.shape[-1])
+        fmt = self.lane_kv.fmt
+        k, v = _flat(kvq.store(keys, fmt)), _flat(kvq.store(values, fmt))
         if self.padded:
             k, v = k[:, self.real], v[:, self.real]
-        layer.write(self.write_slots, kvq.store(k, self.lane_kv.fmt), kvq.store(v, self.lane_kv.fmt))
+        layer.write(self.write_slots, k, v)
 
-    def index(self, KH: int, S: int) -> mx.array:
-        """(B, KH, P + L) rows of a pool flattened to (KH x S, D): the step's working set."""
-        key = (KH, S)
-        if key not in self._index:
-            heads = mx.arange(KH, dtype=mx.int32)[None, :, None] * S
-            self._index[key] = self.table[:, None, :] + heads
-        return self._index[key]
+    def commit(self) -> list[mx.array]:
+        """Deferred: write the evaluated new keys and values into the rows' pages; the pool arrays to
+        evaluate (nothing where the forward wrote them)."""
+        if not self.deferred:
+            return []
+        for c in self.layers:
+            self.write(c.layer, c.new_k, c.new_v)
+            c.new_k = c.new_v = None
+        return self._pools()
+
+
+def _flat(x):
+    """(B, KH, L, D) stored KV as (KH, B x L, D)."""
+    if isinstance(x, kvq.QuantizedKV):
+        return x._like(tuple(_flat(p) for p in x._parts()))
+    return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])
 
 
 class PagedPrefillKV:
     """One layer of a :class:`PagedPrefillStep`, as mlx-lm's models call a cache (``offset``,
-    ``update_and_fetch``, ``make_mask``) plus what the engine's attention hook reads (the shared prefix,
-    :meth:`native_inputs`)."""
+    ``update_and_fetch``, ``make_mask``) plus the shared prefix the engine's attention hook reads."""
 
     def __init__(self, layer, step: PagedPrefillStep, index: int):
         self.layer = layer  # the lane's kv_pages.PagedLayerKV: the pool arrays
         self.step = step
         self._l = index
+        self.new_k = self.new_v = None
 
     @property
     def offset(self) -> mx.array:
         return self.step.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.step.write(self.layer, keys, values)
-        if self.native_inputs() is not None:
-            return self.layer.keys, self.layer.values  # stand-ins: the native kernel reads the pool
-        return self.working_set()
+        """The new (B, KH, L, D) keys and values go into the rows' pages (deferred: kept for
+        :meth:`PagedPrefillStep.commit`); returns the step's keys and values as attention reads them: the
+        pools themselves where the native kernel reads them (:meth:`native_inputs`), else the held tokens
+        from the pool followed by the new ones."""
+        step = self.step
+        if not step.deferred:
+            step.write(self.layer, keys, values)
+            if self.native_inputs() is not None:
+                return self.layer.keys, self.layer.values  # stand-ins: the native kernel reads the pool
+            return self.working_set()
+        fmt = step.lane_kv.fmt
+        self.new_k, self.new_v = kvq.store(keys, fmt), kvq.store(values, fmt)
+        k, v = self.new_k, self.new_v
+        if step.table is not None:
+            k = kvq.concatenate([self._gather(self.layer.keys), k], axis=2)
+            v = kvq.concatenate([self._gather(self.layer.values), v], axis=2)
+        return kvq.as_float(k), kvq.as_float(v)
 
     def working_set(self):
-        return self._gather(self.layer.keys), self._gather(self.layer.values)
-
-    def _gather(self, pool):
-        KH, S = pool.shape[0], pool.shape[1]
-        index = self.step.index(KH, S)
-        flat = lambda a: a.reshape(KH * S, a.shape[-1])[index]  # noqa: E731
-        if isinstance(pool, kvq.QuantizedKV):
-            return pool._like(tuple(flat(p) for p in pool._parts())).dequantize()
-        return flat(pool)
+        return kvq.as_float(self._gather(self.layer.keys)), kvq.as_float(self._gather(self.layer.values))
 
     def native_inputs(self):
         if not self.step.reads_pool or isinstance(self.layer.keys, kvq.QuantizedKV):
             return None
         return self.layer.keys[None], self.layer.values[None], self.step.table
+
+    def _gather(self, pool):
+        """(B, KH, T, D): the step's slot table read from the pool seen as (KH x slots) rows."""
+        KH, S = pool.shape[0], pool.shape[1]
+        index = self.step.table[:, None, :] + mx.arange(KH, dtype=mx.int32)[None, :, None] * S
+        if isinstance(pool, kvq.QuantizedKV):
+            return pool._like(tuple(p.reshape(KH * S, p.shape[-1])[index] for p in pool._parts()))
+        return pool.reshape(KH * S, pool.shape[-1])[index]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:

@@ -101,30 +101,45 @@ class ModelRunner(DecodeRunner):
         work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
 
     def _prefill_paged(self, seqs: list, new: list[int]) -> None:
-        """Attention layout: ``new[i]`` more context tokens of each sequence in one forward per lane (each
-        lane's rows on its stream, at the same time), their KV written straight into the rows' pages
-        (``paged_prefill``). Logits are never evaluated: the last context token runs in the decode step."""
+        """Attention layout: ``new[i]`` more context tokens of each sequence, their KV written once into
+        the rows' pages (``paged_prefill``). Logits are never evaluated: the last context token runs in the
+        decode step. Each lane's rows run as one forward on its stream, except on a multi-lane CPU without
+        the native kernels (MLX runs each stream on one core): there they are split into token-balanced
+        shares that run at the same time on the lanes' streams, and write their KV after the forwards."""
         self.kv.open_rows(seqs)
         batch = self.batch
         shared = batch.shared.kv if batch.shared is not None else None
         nat = cpu_kernels.native_module()
-        arrays = []
+        n_shares = len(batch.lanes) if nat is None else 1
+        steps, k = [], 0
         for lane in batch.lanes:
             mine = [(s, n) for s, n in zip(seqs, new) if s.cache.lane is lane]
-            if not mine:
-                continue
-            L = max(n for _, n in mine)
+            shares = split_balanced(mine, [n for _, n in mine], n_shares)
+            for share in shares:
+                with batch.lane_contexts()[k % len(batch.lanes)]:  # the next lane's stream
+                    steps.append((lane, self._forward_share(lane, share, shared, nat, deferred=len(shares) > 1)))
+                k += 1
+        mx.eval([a for _, step in steps for a in step.arrays()] + embedding.pooled_arrays(seqs))
+        pools = []
+        for lane, step in steps:
             with lane.context():
-                step = PagedPrefillStep(lane, [s.cache for s, _ in mine], [n for _, n in mine], shared, native=nat,
-                                        reads_pool=batch.attention_reads_pool, mask_5d=self.family.mask_5d)
-                tokens = mx.array([[0] * (L - n) + s.prefill_ids[s.pos : s.pos + n] for s, n in mine])
-                embedding.prefill_forward(self.model, tokens, step.layers, [(s, s.pos, n) for s, n in mine])
-            arrays += [a for layer in lane.kv.layers for x in (layer.keys, layer.values) for a in kv_quant.arrays(x)]
-            self.stats.prefill_forwards += 1
-        mx.eval(arrays + embedding.pooled_arrays(seqs))
+                pools += step.commit()
+        if pools:
+            mx.eval(pools)
         for s, n in zip(seqs, new):
             s.pos += n
         self.stats.prefill_tokens += sum(new)
+        self.stats.prefill_forwards += len(steps)
+
+    def _forward_share(self, lane, share: list[tuple], shared, nat, deferred: bool) -> PagedPrefillStep:
+        """Build (lazily) one share's forward: ``share`` is ``(sequence, new tokens)`` of rows in ``lane``."""
+        step = PagedPrefillStep(lane.kv, [s.cache for s, _ in share], [n for _, n in share], shared, native=nat,
+                                reads_pool=self.batch.attention_reads_pool, deferred=deferred,
+                                mask_5d=self.family.mask_5d)
+        L = max(n for _, n in share)
+        tokens = mx.array([[0] * (L - n) + s.prefill_ids[s.pos : s.pos + n] for s, n in share])
+        embedding.prefill_forward(self.model, tokens, step.layers, [(s, s.pos, n) for s, n in share])
+        return step
 
     def _prefill_chunk(self, seq, n: int) -> None:
         """Mixed layout: ``n`` more context tokens of one sequence through its own caches."""
@@ -137,3 +152,18 @@ class ModelRunner(DecodeRunner):
         self.stats.prefill_tokens += n
         self.stats.prefill_forwards += 1
         mx.eval(self.kv.cache_state(seq.cache) + embedding.pooled_arrays([seq]))
+
+
+def split_balanced(items: list, weights: list[int], n: int) -> list[list]:
+    """At most ``n`` non-empty shares of ``items`` with near-equal total weight (largest first into
+    the lightest share), each keeping the items' original order."""
+    if n <= 1 or len(items) <= 1:
+        return [list(items)] if items else []
+    loads = [0] * n
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: -weights[i]):
+        g = loads.index(min(loads))
+        loads[g] += weights[i]
+        owner[i] = g
+    shares = [[x for x, o in zip(items, owner) if o == g] for g in range(n)]
+    return [share for share in shares if share]

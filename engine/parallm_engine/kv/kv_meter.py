@@ -2,10 +2,11 @@
 
 ``written``: KV of tokens stored into the page pools, once per (token, layer) computed or copied into a
 row's pages. ``decoded``: positions the decode forwards computed (each writes its KV once), so that
-``written == bytes_per_token x (prefill tokens + decoded)`` when nothing is copied. ``moved``: bytes the pools relocate without new content (a pool array grown by a copy, a
-shrink renumbering pages, a prefix the decode batch holds once moved out of pages into arrays). The
-test suite asserts that a prompt's KV is written exactly once between its prefill and its decode
-(tests/test_kv_writes.py); ``Engine.stats()["memory"]`` reports both.
+``written == bytes_per_token x (prefill tokens + decoded)`` when nothing is copied. ``moved``: bytes the
+pools relocate without new content (a pool array grown by a copy, a shrink renumbering pages, a prefix
+the decode batch holds once moved out of pages into arrays). The test suite asserts that a prompt's KV
+is written exactly once between its prefill and its decode (tests/test_kv_writes.py); ``Engine.stats()``
+reports the three under ``"memory"``.
 """
 
 from __future__ import annotations

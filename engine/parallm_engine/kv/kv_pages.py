@@ -294,7 +294,7 @@ class PagedLaneKV:
                 row.clear(self.pool)
         self.rows = [self.rows[i] for i in indices]
         self.shared_rows = [self.shared_rows[i] for i in indices]
-        if not self.rows and not self.pending and not self.pool.used:  # an idle lane holds no memory (but the cache's pages)
+        if not self.rows and not self.pending and not self.pool.used:  # an idle lane holds no memory
             self.pool = PagePool()
             for layer in self.layers:
                 layer.keys = layer.values = None

@@ -97,7 +97,9 @@ def _make_machine(engine, lanes: int):
     class KVAccounting(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            config = SchedulerConfig(max_batch_size=8, prefill_chunk=64, prefill_budget=256,
+            # a 64-token prefill budget per step: prompts of up to 100 tokens prefill across steps, so
+            # their rows sit in the pools (paged_prefill) while rules run
+            config = SchedulerConfig(max_batch_size=8, prefill_chunk=64, prefill_budget=64,
                                      kv_budget_bytes=full_budget, radix_budget_bytes=full_budget,
                                      decode_lanes=lanes, cpu_kernels=engine.backend.cpu_kernels,
                                      step_time_target_s=0.0)
@@ -167,6 +169,16 @@ def _make_machine(engine, lanes: int):
         def pages_are_held_by_their_rows(self):
             for lane in self.sched.batch.lanes:
                 check_pages(lane.kv)
+
+        @invariant()
+        def a_prompts_row_is_held_only_while_it_prefills(self):
+            """Every row being prefilled into a pool is a prefilling sequence's (an aborted or finished
+            prompt's row was closed or joined), and each such sequence's row is in its lane's pool."""
+            sched = self.sched
+            rows = [id(s.cache.row) for s in sched.prefilling if s.cache is not None]
+            pending = [id(r) for lane in sched.batch.lanes for r in lane.kv.pending]
+            assert sorted(rows) == sorted(pending)
+            seen["pending"] = seen.get("pending", 0) + bool(pending)
 
         @invariant()
         def every_sequence_is_in_one_place(self):

@@ -27,12 +27,13 @@ def check_pages(kv: PagedLaneKV) -> None:
     """The page invariants of one lane: every page's row count equals the rows holding it (their own
     pages or a borrowed prefix) and its tree count the prefix-cache segments holding it; a page is
     written by at most one row (its own), so a page in two rows is a read-only borrowed prefix page;
-    free + used = the pool and used = the rows' pages + the pages only the prefix cache holds."""
+    free + used = the pool and used = the rows' pages + the pages only the prefix cache holds. Rows are
+    the running rows and the rows of prompts being prefilled."""
     pool = kv.pool
     holders = [0] * pool.capacity
     owners = [0] * pool.capacity
     tree = [0] * pool.capacity
-    for row in kv.rows:
+    for row in kv.rows + kv.pending:  # running rows and prompts' rows being prefilled (paged_prefill)
         assert row.pages_for(row.length) == len(row.pages) and 0 <= row.head < PAGE
         assert row.borrowed_pages == list(dict.fromkeys((row.borrowed // PAGE).tolist()))
         for p in row.pages:

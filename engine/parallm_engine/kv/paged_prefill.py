@@ -52,8 +52,8 @@ class PrefillRow:
 class PagedPrefillStep:
     """One prefill forward's rows, all in one lane's pool (each ``PrefillRow`` taking ``new[i]`` more
     tokens): pages for the new tokens, the held tokens' slot table, RoPE offsets, the mask, and one cache
-    per layer (``layers``: what the model is called with). :meth:`commit` writes the new KV once the
-    forward is evaluated (:meth:`new_arrays`)."""
+    per layer (``layers``: what the model is called with). Evaluate :meth:`arrays`, then :meth:`commit`
+    (deferred: the writes; otherwise the forward made them)."""
 
     def __init__(self, lane_kv, rows: list[PrefillRow], new: list[int], shared_kv: list | None, *,
                  native=None, reads_pool: bool = False, deferred: bool = False, mask_5d: bool = False):

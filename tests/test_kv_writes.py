@@ -54,52 +54,55 @@ def words(engine):
     return make
 
 
+@pytest.fixture
+def fresh(tiny_model_dir):
+    """A fresh engine per test (its counters start at zero): ``fresh(**config)``; the tiny model unless
+    ``model`` is given (None: the default model)."""
+    made = []
+
+    def make(model=str(tiny_model_dir), **config):
+        made.append(Engine(model, speculative=None, **config))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("kv_bits", [None, 8])
-def test_a_prompt_that_misses_the_cache_is_written_once(tiny_model_dir, words, kv_bits):
+def test_a_prompt_that_misses_the_cache_is_written_once(fresh, words, kv_bits):
     # quantized KV: the default model (the tiny one's 16-wide heads are too narrow for its groups)
-    eng = Engine(kv_bits=8, speculative=None) if kv_bits else Engine(str(tiny_model_dir), speculative=None)
-    try:
-        prompt = words(200)
-        written, prefilled, decoded = _run(eng, [prompt])
-        assert prefilled == len(prompt) - 1  # all but the last token (it runs in the first decode step)
-        _once(eng, written, prefilled, decoded)
-    finally:
-        eng.shutdown()
+    eng = fresh(None, kv_bits=8) if kv_bits else fresh()
+    prompt = words(200)
+    written, prefilled, decoded = _run(eng, [prompt])
+    assert prefilled == len(prompt) - 1  # all but the last token (it runs in the first decode step)
+    _once(eng, written, prefilled, decoded)
 
 
-def test_a_prompt_that_hits_the_cache_writes_only_its_new_tokens(tiny_model_dir, words):
-    eng = Engine(str(tiny_model_dir), speculative=None)
-    try:
-        doc = words(200)
-        _run(eng, [doc])
-        tail = words(30, seed=5)
-        written, prefilled, decoded = _run(eng, [doc + tail])
-        assert prefilled <= len(tail) + 8  # the document is read from the tree's pages, not recomputed
-        _once(eng, written, prefilled, decoded)
-    finally:
-        eng.shutdown()
+def test_a_prompt_that_hits_the_cache_writes_only_its_new_tokens(fresh, words):
+    eng = fresh()
+    doc = words(200)
+    _run(eng, [doc])
+    tail = words(30, seed=5)
+    written, prefilled, decoded = _run(eng, [doc + tail])
+    assert prefilled <= len(tail) + 8  # the document is read from the tree's pages, not recomputed
+    _once(eng, written, prefilled, decoded)
 
 
-def test_a_fan_out_over_a_cached_prefix_writes_each_row_once(tiny_model_dir, words):
-    eng = Engine(str(tiny_model_dir), speculative=None)
-    try:
-        prefix = words(160)
-        _run(eng, [prefix + words(6, seed=1)])  # the prefix is in the tree
-        questions = [words(5 + i, seed=10 + i) for i in range(6)]
-        written, prefilled, decoded = _run(eng, [prefix + q for q in questions], max_tokens=4)
-        assert prefilled <= sum(len(q) + 8 for q in questions)
-        _once(eng, written, prefilled, decoded)
-    finally:
-        eng.shutdown()
+def test_a_fan_out_over_a_cached_prefix_writes_each_row_once(fresh, words):
+    eng = fresh()
+    prefix = words(160)
+    _run(eng, [prefix + words(6, seed=1)])  # the prefix is in the tree
+    questions = [words(5 + i, seed=10 + i) for i in range(6)]
+    written, prefilled, decoded = _run(eng, [prefix + q for q in questions], max_tokens=4)
+    assert prefilled <= sum(len(q) + 8 for q in questions)
+    _once(eng, written, prefilled, decoded)
 
 
-def test_a_batch_of_uneven_prompts_and_a_chunked_prompt_write_only_real_positions(tiny_model_dir, words):
+def test_a_batch_of_uneven_prompts_and_a_chunked_prompt_write_only_real_positions(fresh, words):
     """Prompts of different lengths prefill in one padded group; a prompt longer than a chunk prefills
     chunk by chunk into the same row: no padding position and no chunk is stored twice."""
-    eng = Engine(str(tiny_model_dir), speculative=None, prefill_chunk=64)
-    try:
-        uneven = [words(n, seed=n) for n in (9, 23, 40, 17)]
-        _once(eng, *_run(eng, uneven))
-        _once(eng, *_run(eng, [words(300, seed=3)]))
-    finally:
-        eng.shutdown()
+    eng = fresh(prefill_chunk=64)
+    uneven = [words(n, seed=n) for n in (9, 23, 40, 17)]
+    _once(eng, *_run(eng, uneven))
+    _once(eng, *_run(eng, [words(300, seed=3)]))

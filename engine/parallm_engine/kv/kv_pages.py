@@ -61,6 +61,29 @@ class RaggedStep(NamedTuple):
     # see nothing); None: every cell sees every column
 
 
+def table_index(table: mx.array, KH: int, S: int) -> mx.array:
+    """(B, KH, T) rows of a pool flattened to (KH x S, D) that read a (B, T) slot table."""
+    return table[:, None, :] + mx.arange(KH, dtype=mx.int32)[None, :, None] * S
+
+
+def read_table(pool, index: mx.array):
+    """(B, KH, T, D) KV as stored (float or ``kv_quant.QuantizedKV``) at ``index`` (:func:`table_index`):
+    one gather per array from the pool seen as (KH x slots) rows, straight into that layout."""
+    KH, S = pool.shape[0], pool.shape[1]
+    flat = lambda a: a.reshape(KH * S, a.shape[-1])[index]  # noqa: E731
+    if isinstance(pool, kvq.QuantizedKV):
+        return pool._like(tuple(flat(p) for p in pool._parts()))
+    return flat(pool)
+
+
+def by_slot(x):
+    """A forward's (B, KH, n, D) keys or values (float or quantized) as (KH, B x n, D): one slot per
+    position, row by row."""
+    if isinstance(x, kvq.QuantizedKV):
+        return x._like(tuple(by_slot(p) for p in x._parts()))
+    return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])
+
+
 class PagedLayerKV:
     """One layer of a lane, as mlx-lm's models call a cache (``offset``, ``update_and_fetch``,
     ``make_mask``) plus what the engine's attention hook reads (the shared prefix, :meth:`native_inputs`)."""
@@ -96,6 +119,24 @@ class PagedLayerKV:
         self.values[:, slots] = values
         self.lane.meter.wrote(keys, values)
 
+    def write_new(self, keys: mx.array, values: mx.array, slots: mx.array, native=None, real=None) -> None:
+        """Store a forward's (B, KH, n, D) new keys and values at ``slots`` (one per position, row by row).
+        ``real``: the positions of the flattened B x n to keep (a padded prefill; None: all). The native
+        kernel writes in place where it applies (``native``: its module; float32, unquantized, every
+        position), else MLX's scatter (in place too when nothing still to run reads the pool)."""
+        fmt = self.lane.fmt
+        if native is not None and real is None and fmt is None \
+                and keys.dtype == mx.float32 and values.dtype == mx.float32:
+            self._ensure(keys, values)
+            self.keys = native.paged_write(self.keys, keys, slots)
+            self.values = native.paged_write(self.values, values, slots)
+            self.lane.meter.wrote(keys, values)
+            return
+        k, v = by_slot(kvq.store(keys, fmt)), by_slot(kvq.store(values, fmt))
+        if real is not None:
+            k, v = k[:, real], v[:, real]
+        self.write(slots, k, v)
+
     def remap(self, gather: mx.array) -> None:
         """The arrays rebuilt as ``gather`` (new slot -> old slot) picks them (the pool was renumbered)."""
         if self.keys is not None:
@@ -114,34 +155,18 @@ class PagedLayerKV:
         return the step's working set (B, KH, T, D) gathered from the pool, or, when the engine's native
         attention reads the pool itself (``lane.native_reads``), the pools as stand-ins: the attention hook
         then builds the working set only if the native kernel declines (:meth:`working_set`)."""
-        lane = self.lane
-        nat = lane.native
-        if nat is not None and lane.fmt is None and keys.dtype == mx.float32 and values.dtype == mx.float32:
-            self._ensure(keys, values)
-            self.keys = nat.paged_write(self.keys, keys, lane.step_write)
-            self.values = nat.paged_write(self.values, values, lane.step_write)
-            lane.meter.wrote(keys, values)
-        else:
-            k = kvq.store(keys.transpose(1, 0, 2, 3).reshape(keys.shape[1], -1, keys.shape[-1]), lane.fmt)
-            v = kvq.store(values.transpose(1, 0, 2, 3).reshape(values.shape[1], -1, values.shape[-1]), lane.fmt)
-            self.write(lane.step_write, k, v)
+        self.write_new(keys, values, self.lane.step_write, self.lane.native)
         self.offset = self.offset + keys.shape[2]
         if self.native_inputs() is not None:
             return self.keys, self.values
         return self.working_set()
 
     def working_set(self):
-        """This step's (B, KH, T, D) keys and values as attention reads them: one gather per array from
-        the pool seen as (KH x slots) rows, straight into that layout (no transposing copy after it)."""
+        """This step's (B, KH, T, D) keys and values as attention reads them (:func:`read_table`)."""
         return self._gather(self.keys), self._gather(self.values)
 
     def _gather(self, pool):
-        KH, S = pool.shape[0], pool.shape[1]
-        index = self.lane.step_index(KH, S)
-        flat = lambda a: a.reshape(KH * S, a.shape[-1])[index]  # noqa: E731
-        if isinstance(pool, kvq.QuantizedKV):
-            return pool._like(tuple(flat(p) for p in pool._parts())).dequantize()
-        return flat(pool)
+        return kvq.as_float(read_table(pool, self.lane.step_index(pool.shape[0], pool.shape[1])))
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
@@ -397,8 +422,7 @@ class PagedLaneKV:
         per step and pool shape, shared by the layers)."""
         key = (KH, S)
         if key not in self._step_index:
-            heads = mx.arange(KH, dtype=mx.int32)[None, :, None] * S
-            self._step_index[key] = self.step_table[:, None, :] + heads
+            self._step_index[key] = table_index(self.step_table, KH, S)
         return self._step_index[key]
 
     def _sync(self) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.kv_cache import prefill_layout
+from parallm_engine.kv.kv_pages import read_table, table_index
 from parallm_engine.kv.page_pool import PageRow
 
 
@@ -78,13 +79,14 @@ class PagedPrefillStep:
             real.append(i * L + L - n + np.arange(n, dtype=np.int32))
         self.table = mx.array(table) if width else None
         self.write_slots = mx.array(np.concatenate(writes))
-        self.padded = sum(new) < B * L
-        self.real = mx.array(np.concatenate(real)) if self.padded else None
-        self.native = native if lane_kv.fmt is None else None
-        self.reads_pool = reads_pool and self.native is not None and not deferred
+        # a padded step: which of the B x L positions are real (only they are written)
+        self.real = mx.array(np.concatenate(real)) if sum(new) < B * L else None
+        self.native = native
+        self.reads_pool = reads_pool and native is not None and not deferred
         uses = [bool(r.shared) for r in rows]
         self.shared_kv = shared_kv if any(uses) else None
         self.shared_mask = None if all(uses) else mx.array(uses, dtype=mx.bool_)
+        self._index: dict = {}  # (KH, slots) -> the table's gather index, shared by the layers
         self.layers = [PagedPrefillKV(layer, self, l) for l, layer in enumerate(lane_kv.layers)]
 
     def arrays(self) -> list[mx.array]:
@@ -99,17 +101,14 @@ class PagedPrefillStep:
 
     def write(self, layer, keys, values) -> None:
         """Store (B, KH, L, D) new keys and values (real positions only) in the rows' slots."""
-        if self.native is not None and not self.padded and keys.dtype == mx.float32:
-            layer._ensure(keys, values)
-            layer.keys = self.native.paged_write(layer.keys, keys, self.write_slots)
-            layer.values = self.native.paged_write(layer.values, values, self.write_slots)
-            self.lane_kv.meter.wrote(keys, values)
-            return
-        fmt = self.lane_kv.fmt
-        k, v = _flat(kvq.store(keys, fmt)), _flat(kvq.store(values, fmt))
-        if self.padded:
-            k, v = k[:, self.real], v[:, self.real]
-        layer.write(self.write_slots, k, v)
+        layer.write_new(keys, values, self.write_slots, self.native, self.real)
+
+    def read(self, pool):
+        """(B, KH, T, D) of the step's slot table from ``pool``, as stored."""
+        key = pool.shape[:2]
+        if key not in self._index:
+            self._index[key] = table_index(self.table, *key)
+        return read_table(pool, self._index[key])
 
     def commit(self) -> list[mx.array]:
         """Deferred: write the evaluated new keys and values into the rows' pages; the pool arrays to
@@ -120,13 +119,6 @@ class PagedPrefillStep:
             self.write(c.layer, c.new_k, c.new_v)
             c.new_k = c.new_v = None
         return self._pools()
-
-
-def _flat(x):
-    """(B, KH, L, D) stored KV as (KH, B x L, D)."""
-    if isinstance(x, kvq.QuantizedKV):
-        return x._like(tuple(_flat(p) for p in x._parts()))
-    return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])
 
 
 class PagedPrefillKV:
@@ -158,25 +150,17 @@ class PagedPrefillKV:
         self.new_k, self.new_v = kvq.store(keys, fmt), kvq.store(values, fmt)
         k, v = self.new_k, self.new_v
         if step.table is not None:
-            k = kvq.concatenate([self._gather(self.layer.keys), k], axis=2)
-            v = kvq.concatenate([self._gather(self.layer.values), v], axis=2)
+            k = kvq.concatenate([step.read(self.layer.keys), k], axis=2)
+            v = kvq.concatenate([step.read(self.layer.values), v], axis=2)
         return kvq.as_float(k), kvq.as_float(v)
 
     def working_set(self):
-        return kvq.as_float(self._gather(self.layer.keys)), kvq.as_float(self._gather(self.layer.values))
+        return kvq.as_float(self.step.read(self.layer.keys)), kvq.as_float(self.step.read(self.layer.values))
 
     def native_inputs(self):
         if not self.step.reads_pool or isinstance(self.layer.keys, kvq.QuantizedKV):
             return None
         return self.layer.keys[None], self.layer.values[None], self.step.table
-
-    def _gather(self, pool):
-        """(B, KH, T, D): the step's slot table read from the pool seen as (KH x slots) rows."""
-        KH, S = pool.shape[0], pool.shape[1]
-        index = self.step.table[:, None, :] + mx.arange(KH, dtype=mx.int32)[None, :, None] * S
-        if isinstance(pool, kvq.QuantizedKV):
-            return pool._like(tuple(p.reshape(KH * S, p.shape[-1])[index] for p in pool._parts()))
-        return pool.reshape(KH * S, pool.shape[-1])[index]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:

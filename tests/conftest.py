@@ -25,22 +25,24 @@ def chat_ids(engine, question: str, system: str | None = None) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, engine) -> Path:
+def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random-weight llama using the default model's real tokenizer: fast to run, real shapes of
     everything the engine touches."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
+    from .model_zoo import default_tokenizer
+
     out = tmp_path_factory.mktemp("tiny-llama")
-    src = engine.model_info.path
+    src, vocab_size = default_tokenizer()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (src / name).exists():
             shutil.copy(src / name, out / name)
     config = {
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-        "vocab_size": engine.model_info.vocab_size, "max_position_embeddings": 512,
+        "vocab_size": vocab_size, "max_position_embeddings": 512,
         "tie_word_embeddings": True, "rope_theta": 10000.0,
     }
     mx.random.seed(0)

@@ -695,11 +695,16 @@ def prompt_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:
 
 
 def default_tokenizer() -> tuple[Path, int]:
-    """(directory with the default model's tokenizer files, its vocab size)."""
+    """(directory with the default model's tokenizer files, its vocab size). ``PARALLM_TEST_TOKENIZER``: a
+    directory holding them (tokenizer files + config.json) where the default GGUF is not installed (the GPU
+    device check carries only these)."""
+    import os
+
     import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
     from parallm_engine.models.loader import resolve_model
 
-    path, _ = resolve_model(None)
+    path = Path(os.environ["PARALLM_TEST_TOKENIZER"]) if os.environ.get("PARALLM_TEST_TOKENIZER") \
+        else resolve_model(None)[0]
     config = json.loads((path / "config.json").read_text())
     return path, int(config["vocab_size"])
 

@@ -12,6 +12,8 @@ to ``--shape-layers N``; the output says how many of how many layers were kept.
 
 Shapes (configs as published on the Hugging Face hub; the only change is ``num_hidden_layers``):
 
+- ``smollm2-135m``: the default model's architecture (30 layers, hidden 576, 9 / 3 heads of 64, vocab
+  49,152), random bf16 weights in place of its 4-bit GGUF.
 - ``qwen3-4b``: Qwen/Qwen3-4B. 36 layers, hidden 2560, 32 query / 8 KV heads of 128, intermediate 9728,
   vocab 151,936, rope theta 1e6, q/k RMSNorm, tied embeddings, 40,960 positions.
 - ``llama3-8b``: meta-llama/Llama-3.1-8B. 32 layers, hidden 4096, 32 / 8 heads of 128, intermediate
@@ -43,6 +45,14 @@ from pathlib import Path
 from parallm_engine.errors import InvalidRequestError
 
 SHAPES: dict[str, dict] = {
+    # The default model's own architecture (HuggingFaceTB/SmolLM2-135M-Instruct), for machines that have
+    # its tokenizer but not its GGUF (a GPU device check) and for bf16 runs of the default shape.
+    "smollm2-135m": {
+        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 100000.0, "rope_scaling": None,
+        "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+    },
     "qwen3-4b": {
         "model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36, "intermediate_size": 9728,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,

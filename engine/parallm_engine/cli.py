@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="peer: N prompts of 32 tokens, 48 new tokens (the batch-64 decode check: --peer-batch 64) "
                          "instead of the throughput workload's prompts")
     sp.add_argument("--longctx-tokens", type=int, default=None, help="longctx: document tokens (default 8000)")
-    sp.add_argument("--shape", choices=("qwen3-4b", "llama3-8b", "gemma3-4b"), default=None,
+    sp.add_argument("--shape", choices=("qwen3-4b", "llama3-8b", "gemma3-4b", "smollm2-135m"), default=None,
                     help="run on a random-weight model with this architecture's exact config (layers cut to "
                          "fit --shape-budget-gb; see parallm_bench/shapes.py)")
     sp.add_argument("--shape-layers", type=int, default=None, help="--shape: keep this many layers")

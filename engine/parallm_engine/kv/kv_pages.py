@@ -48,6 +48,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.kv_meter import KVWriteMeter
+from parallm_engine.runner import gpu_attention
 from parallm_engine.kv.page_pool import MIN_PAGES, PAGE, SHRINK_SLACK, PagedSegment, PagePool, PageRow  # noqa: F401 (re-exported)
 
 
@@ -222,10 +223,11 @@ class PagedLaneKV:
         self.step_write: mx.array | None = None
         self.step_table: mx.array | None = None
         self.step_mask = None
+        self.step_starts: mx.array | None = None  # (B,) the table's first real column per row
         self._step_index: dict = {}  # (KH, slots) -> the working set's gather index (step_index)
         self.ragged: RaggedStep | None = None  # a ragged step's layout (begin)
         self.native = None  # the native kernels module when it writes this step's KV (begin)
-        self.native_reads = False  # the model's attention hook reads the pool through the native kernel
+        self.native_reads = False  # the model's attention hook reads the pool (native CPU kernel, gpu_attention)
 
     def lengths(self) -> list[int]:
         """Each row's own tokens (after the shared prefix when it continues one)."""
@@ -376,7 +378,8 @@ class PagedLaneKV:
         (:func:`cpu_kernels.ragged_attention`), so a row's keys are read once for all its positions."""
         widths = [n] * len(self.rows) if isinstance(n, int) else list(n)
         assert len(widths) == len(self.rows)
-        self.native, self.native_reads = native, native_reads and native is not None
+        self.native = native
+        self.native_reads = native_reads and (native is not None or gpu_attention.available())
         before = self.positions()
         write = []
         for row, w in zip(self.rows, widths):
@@ -393,6 +396,7 @@ class PagedLaneKV:
         self._step_index = {}
         self.step_write = mx.array(np.concatenate(write) if write else np.zeros(0, dtype=np.int32))
         self.step_table = mx.array(table)
+        self.step_starts = mx.array([T - L for L in lengths], dtype=mx.int32)  # each row's first column
         if W == 1 and len(set(lengths)) <= 1:
             self.step_mask = None  # every row sees every column: SDPA's unmasked path
         else:
@@ -426,7 +430,7 @@ class PagedLaneKV:
         return self._step_index[key]
 
     def _sync(self) -> None:
-        self.step_write = self.step_table = self.step_mask = None
+        self.step_write = self.step_table = self.step_mask = self.step_starts = None
         self._step_index = {}
         self.ragged = None
         offset = mx.array(self.positions(), dtype=mx.int32)

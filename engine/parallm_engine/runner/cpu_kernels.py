@@ -49,6 +49,7 @@ import types
 import mlx.core as mx
 import mlx.nn as nn
 
+from parallm_engine.runner import gpu_attention
 from parallm_engine.runner.bf16_embedding import bf16_embedding_class
 
 logger = logging.getLogger("parallm_engine")
@@ -450,14 +451,20 @@ def _engine_sdpa(orig_sdpa):
 
     def attend(queries, keys, values, cache, scale, mask, sinks=None):
         shared = getattr(cache, "shared_keys", None)
-        # Paged rows (kv_pages): the native kernel reads the page pool through the slot table; the
-        # working set ``keys`` / ``values`` gathered for other paths is then never computed.
+        # Paged rows (kv_pages): the native kernel (CPU) or the CUDA kernel (gpu_attention: a decode step)
+        # reads the page pool through the slot table; the working set ``keys`` / ``values`` gathered for
+        # other paths is then never computed.
         paged = cache.native_inputs() if hasattr(cache, "native_inputs") else None
         if paged is not None:
-            out = _native_attention(queries, paged[0], paged[1], scale, mask, shared,
-                                    cache.shared_values if shared is not None else None,
-                                    cache.shared_mask if shared is not None else None,
-                                    table=paged[2]) if is_enabled() and sinks is None else None
+            out = None
+            if sinks is None and is_enabled():
+                out = _native_attention(queries, paged[0], paged[1], scale, mask, shared,
+                                        cache.shared_values if shared is not None else None,
+                                        cache.shared_mask if shared is not None else None, table=paged[2])
+            elif sinks is None and gpu_attention.applies(queries, cache.keys, cache.mask_5d):
+                out = gpu_attention.attention(queries, cache.keys, cache.values, paged[2], cache.lane.step_starts,
+                                              scale, shared, cache.shared_values if shared is not None else None,
+                                              cache.shared_mask if shared is not None else None)
             if out is not None:
                 return out
             keys, values = cache.working_set()  # update_and_fetch handed out the pools as stand-ins

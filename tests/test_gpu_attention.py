@@ -191,6 +191,7 @@ def test_engine_through_the_pool_reading_seam(tmp_path, monkeypatch):
     itself is checked on CUDA below."""
     monkeypatch.setenv("PARALLM_BACKEND", "cpu-mlx")
     model_dir = _float32_model(tmp_path)
+    monkeypatch.setattr(gpu_attention, "available", lambda: False)  # the gathered working set
     expected = _engine_tokens(model_dir)
     calls = []
 

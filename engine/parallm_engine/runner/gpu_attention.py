@@ -43,12 +43,13 @@ _SOURCE = r"""
     const int Tm = table_shape[1];
     const long S = kpool_shape[1];
     const int start = starts[b];
+    const float NEG_INF = __int_as_float(0xff800000);
 
     float qv[R][E];
     float m[R], l[R], acc[R][E];
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-        m[r] = -inf;
+        m[r] = NEG_INF;
         l[r] = 0.0f;
         #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -94,16 +95,16 @@ _SOURCE = r"""
     __syncthreads();
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-        float M = -inf;
+        float M = NEG_INF;
         for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w][r]);
-        const float cw = (m[r] == -inf) ? 0.0f : exp2f(m[r] - M);
+        const float cw = (m[r] == NEG_INF) ? 0.0f : exp2f(m[r] - M);
         #pragma unroll
         for (int e = 0; e < E; ++e) sm_acc[warp][lane * E + e] = acc[r][e] * cw;
         __syncthreads();
         for (int d = threadIdx.x; d < D; d += blockDim.x) {
             float L = 0.0f, a = 0.0f;
             for (int w = 0; w < NW; ++w) {
-                if (sm_m[w][r] != -inf) L += sm_l[w][r] * exp2f(sm_m[w][r] - M);
+                if (sm_m[w][r] != NEG_INF) L += sm_l[w][r] * exp2f(sm_m[w][r] - M);
                 a += sm_acc[w][d];
             }
             const long o = (long)(b * H + kh * R + r);

@@ -90,7 +90,6 @@ def attention_table(calls: int = 20, rows=(8, 32, 64), tokens=(1000, 4000)) -> l
                     entry["kernel_GBps"] = kv_bytes / (entry["kernel_ms"] / 1e3) / 1e9
                     entry["speedup_vs_gather"] = entry["gather_sdpa_ms"] / entry["kernel_ms"]
                 table_rows.append(entry)
-                del k, v, qs, kw, vw
     return table_rows
 
 
@@ -106,7 +105,6 @@ def pool_write_check() -> dict:
     out = {}
 
     def write():
-        nonlocal pool
         pool[:, slots] = new
         t0 = time.perf_counter()
         mx.eval(pool)

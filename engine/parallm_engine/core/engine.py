@@ -89,8 +89,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         weights_dtype: str | None = None,
         max_batch_size: int = 64,
         max_queue: int = 1024,
-        prefill_chunk: int = 512,
-        prefill_budget: int = 2048,
+        prefill_chunk: int | None = None,
+        prefill_budget: int | None = None,
         kv_memory: float | int | None = None,
         kv_budget_bytes: int | None = None,
         kv_bits: int | None = None,
@@ -104,6 +104,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
+        ``prefill_chunk`` / ``prefill_budget``: the most prompt tokens in one prefill forward / in one step
+        (None: the backend's, ``Backend.prefill_chunk``: 512 / 2048, 4096 / 16384 on CUDA).
         ``kv_memory``: the KV budget the running sequences and the prefix cache share, as a fraction of
         what the device offers or in bytes (default a quarter; ``parallm info`` shows it;
         ``kv_budget_bytes`` is the same in bytes). ``prefix_cache_bytes`` caps the prefix cache within it.
@@ -122,7 +124,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         from parallm_engine.models.loader import load_model
 
         for name, value in (("max_batch_size", max_batch_size), ("max_queue", max_queue),
-                            ("prefill_chunk", prefill_chunk), ("prefill_budget", prefill_budget),
+                            ("prefill_chunk", 1 if prefill_chunk is None else prefill_chunk),
+                            ("prefill_budget", 1 if prefill_budget is None else prefill_budget),
                             ("decode_lanes", 1 if decode_lanes is None else decode_lanes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
@@ -148,8 +151,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
                                                       _weight_bytes(self.model)))
         self.config = SchedulerConfig(
             max_batch_size=max_batch_size,
-            prefill_chunk=prefill_chunk,
-            prefill_budget=prefill_budget,
+            prefill_chunk=self.backend.prefill_chunk if prefill_chunk is None else prefill_chunk,
+            prefill_budget=self.backend.prefill_budget if prefill_budget is None else prefill_budget,
             kv_budget_bytes=budget,
             radix_budget_bytes=min(budget, prefix_cache_bytes) if prefix_cache_bytes is not None else budget,
             enable_prefix_cache=enable_prefix_cache,

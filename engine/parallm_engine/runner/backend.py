@@ -299,11 +299,29 @@ class Backend:
     memory_source: str
 
     @property
+    def prefill_chunk(self) -> int:
+        """Default most prompt tokens in one prefill forward. On CUDA (measured on an H100, the default
+        model's shape in bf16, 32 prompts of 100 tokens, warm): 512 gave a TTFT p50 of 0.18 s, one
+        4,096-token forward 0.04 s (mlx-lm BatchGenerator 0.06 s); a GPU's forward is short next to the
+        host's per-forward work. Metal is unmeasured and keeps the CPU's."""
+        return 4096 if self.name == "cuda" else 512
+
+    @property
+    def prefill_budget(self) -> int:
+        """Default most prompt tokens prefilled per step (the step-time target may lower it)."""
+        return 4 * self.prefill_chunk
+
+    @property
     def attention(self) -> str:
         if self.name == "cpu-native":
             return "native (shared-prefix cascade native)"
         if self.cpu_kernels:
             return "engine MLX kernels (shared-prefix cascade in MLX ops)"
+        if self.name == "cuda":
+            from parallm_engine.runner import gpu_attention
+
+            if gpu_attention.enabled_by_env():
+                return "paged CUDA kernel for decode, mlx fast SDPA otherwise (shared-prefix cascade in MLX ops)"
         return "mlx fast SDPA (shared-prefix cascade in MLX ops)"
 
     def kv_budget(self, kv_memory: float | int | None = None) -> int:

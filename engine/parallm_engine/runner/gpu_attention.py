@@ -31,6 +31,10 @@ import mlx.core as mx
 
 LOG2E = 1.4426950408889634
 WARPS = 8  # warps per block: each takes every WARPS-th token of the row
+# Head sizes the device check verified (32, 64, 128: within float32 rounding of the reference). 256 (Gemma 3)
+# ran too, but its float32 case missed the 1e-5 bound against a reference whose GPU matmul may use TF32
+# (2e-4); it stays on the gathered path until checked against a float64 reference.
+MAX_HEAD_DIM = 128
 
 _SOURCE = r"""
     constexpr int E = D / 32;
@@ -145,10 +149,10 @@ def _kernel():
 
 def applies(queries: mx.array, kpool, mask_5d: bool) -> bool:
     """Whether the kernel can take this call: one position per row, float pools, head size a multiple
-    of 32 (each lane holds D / 32 elements), plain masks."""
+    of 32 (each lane holds D / 32 elements) up to ``MAX_HEAD_DIM``, plain masks."""
     return (queries.ndim == 4 and queries.shape[2] == 1 and not mask_5d and isinstance(kpool, mx.array)
             and kpool.dtype in (mx.float32, mx.float16, mx.bfloat16) and queries.shape[-1] % 32 == 0
-            and queries.shape[-1] <= 256 and queries.shape[1] % kpool.shape[-3] == 0)
+            and queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[1] % kpool.shape[-3] == 0)
 
 
 def paged_decode(queries: mx.array, kpool: mx.array, vpool: mx.array, table: mx.array, starts: mx.array,
@@ -177,7 +181,7 @@ def shared_part(queries: mx.array, shared_keys: mx.array, shared_values: mx.arra
     ((1, KH, P, D) keys and values), read once for every row: one matmul per KV head with all rows' queries
     stacked. Rows not continuing it (``shared_mask`` False) get lse -inf (weight 0 in :func:`merge`)."""
     B, H, _, D = queries.shape
-    KH, P = shared_keys.shape[1], shared_keys.shape[2]
+    KH = shared_keys.shape[1]
     rep = H // KH
     q = (queries.reshape(B, KH, rep, D).astype(mx.float32) * (scale * LOG2E)).transpose(1, 0, 2, 3)
     s = q.reshape(KH, B * rep, D) @ shared_keys[0].astype(mx.float32).swapaxes(-1, -2)  # (KH, B*rep, P)

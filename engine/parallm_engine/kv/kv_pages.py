@@ -190,6 +190,11 @@ class PagedLayerKV:
         return self.lane.ragged
 
     @property
+    def step_starts(self) -> mx.array | None:
+        """(B,) each row's first column of the step's slot table (the kernel reading the pool skips the rest)."""
+        return self.lane.step_starts
+
+    @property
     def shared_keys(self):
         return kvq.as_float(self._shared_k)
 

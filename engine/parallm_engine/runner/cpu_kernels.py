@@ -461,8 +461,9 @@ def _engine_sdpa(orig_sdpa):
                 out = _native_attention(queries, paged[0], paged[1], scale, mask, shared,
                                         cache.shared_values if shared is not None else None,
                                         cache.shared_mask if shared is not None else None, table=paged[2])
-            elif sinks is None and gpu_attention.applies(queries, cache.keys, cache.mask_5d):
-                out = gpu_attention.attention(queries, cache.keys, cache.values, paged[2], cache.lane.step_starts,
+            elif sinks is None and getattr(cache, "step_starts", None) is not None \
+                    and gpu_attention.applies(queries, cache.keys, cache.mask_5d):  # a decode step's rows
+                out = gpu_attention.attention(queries, cache.keys, cache.values, paged[2], cache.step_starts,
                                               scale, shared, cache.shared_values if shared is not None else None,
                                               cache.shared_mask if shared is not None else None)
             if out is not None:

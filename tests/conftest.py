@@ -24,17 +24,17 @@ def chat_ids(engine, question: str, system: str | None = None) -> list[int]:
     return engine.apply_chat_template(msgs)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A 2-layer random-weight llama using the default model's real tokenizer: fast to run, real shapes of
-    everything the engine touches."""
+def write_tiny_llama(out: Path, **overrides) -> Path:
+    """A random-weight llama (2 layers, 64 wide, 4 / 2 heads of 16 unless ``overrides`` say otherwise) with the
+    default model's real tokenizer, written to ``out``: fast to run, real shapes of everything the engine
+    touches, embeddings scaled up so logits are far from ties (greedy comparisons stay meaningful)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     from .model_zoo import default_tokenizer
 
-    out = tmp_path_factory.mktemp("tiny-llama")
+    out.mkdir(parents=True, exist_ok=True)
     src, vocab_size = default_tokenizer()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (src / name).exists():
@@ -43,15 +43,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
         "vocab_size": vocab_size, "max_position_embeddings": 512,
-        "tie_word_embeddings": True, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "rope_theta": 10000.0, **overrides,
     }
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    # Scale up the embeddings so logits are far from ties (greedy comparisons stay meaningful).
     model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random-weight llama using the default model's real tokenizer (:func:`write_tiny_llama`)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -171,30 +171,11 @@ def test_kernel_matches_attention(heads, P, dtype):
 
 
 def _float32_model(root):
-    """A 2-layer float32 llama with 64-dim heads (2 query heads per KV head) and the default model's tokenizer,
-    its logits far from ties (greedy comparisons stay meaningful)."""
-    import json
-    import shutil
+    """A 2-layer float32 llama with 64-dim heads (2 query heads per KV head)."""
+    from .conftest import write_tiny_llama
 
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    from .model_zoo import default_tokenizer
-
-    tok, vocab = default_tokenizer()
-    model_dir = root / "m64"
-    model_dir.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(tok / name, model_dir / name)
-    config = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
-              "vocab_size": vocab, "max_position_embeddings": 1024, "tie_word_embeddings": True, "rope_theta": 1e4}
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
-    mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return model_dir
+    return write_tiny_llama(root / "m64", hidden_size=256, intermediate_size=512, head_dim=64,
+                            max_position_embeddings=1024)
 
 
 def _engine_tokens(model_dir) -> list[list[int]]:

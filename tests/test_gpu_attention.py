@@ -99,8 +99,8 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _lse_reference(q, k, table, lengths, scale) -> np.ndarray:
-    """(B, H) log2-sum-exp of each row's own scores, float64."""
+def _lse_reference(q, k, table, lengths, scale, shared=None) -> np.ndarray:
+    """(B, H) log2-sum-exp of each row's scores (the shared prefix's first where the row continues it), float64."""
     q, k, table = _f64(q), _f64(k), np.array(table)
     B, H = q.shape[:2]
     KH, T = k.shape[0], table.shape[1]
@@ -108,7 +108,10 @@ def _lse_reference(q, k, table, lengths, scale) -> np.ndarray:
     for b in range(B):
         cols = table[b, T - int(lengths[b]):]
         for h in range(H):
-            s = k[h // (H // KH), cols] @ q[b, h, 0] * scale * LOG2E
+            keys = k[h // (H // KH), cols]
+            if shared is not None and bool(np.array(shared[2])[b]):
+                keys = np.concatenate([_f64(shared[0])[0, h // (H // KH)], keys])
+            s = keys @ q[b, h, 0] * scale * LOG2E
             out[b, h] = s.max() + np.log2(np.exp2(s - s.max()).sum())
     return out
 
@@ -153,20 +156,25 @@ TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("P", [0, 53])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (8, 4, 256), (4, 4, 32)])
-def test_kernel_matches_attention(heads, P, dtype):
+def test_kernel_matches_attention(heads, P, dtype, monkeypatch):
     H, KH, D = heads  # 256 too: the engine uses the kernel only up to MAX_HEAD_DIM until this passes on a GPU
     for trial in range(3):  # fresh inputs each time: the same function on any valid input
         rng = np.random.default_rng([H, D, P, trial])
         q, k, v, table, starts, lengths, shared = _case(rng, int(rng.integers(1, 12)), H, KH, D, dtype, P)
         scale = D ** -0.5
-        out = gpu_attention.attention(q, k, v, table, starts, scale, *(shared or (None, None, None)))
         ref = _reference(q, k, v, table, lengths, scale, shared)
-        assert out.shape == q.shape and out.dtype == q.dtype
-        assert not np.isnan(np.array(out.astype(mx.float32))).any()
-        assert _rel(out, ref) < TOL[dtype], (heads, P, dtype, trial)
-        if shared is None:  # the log2-sum-exp the merge relies on
-            _, lse = gpu_attention.paged_decode(q, k, v, table, starts, scale)
-            assert _rel(lse, _lse_reference(q, k, table, lengths, scale)) < TOL[dtype]
+        for how in ("kernel", "cascade") if shared else ("kernel",):  # the prefix in the kernel or merged after
+            monkeypatch.setenv("PARALLM_GPU_SHARED_PREFIX", how)
+            out = gpu_attention.attention(q, k, v, table, starts, scale, *(shared or (None, None, None)))
+            assert out.shape == q.shape and out.dtype == q.dtype
+            assert not np.isnan(np.array(out.astype(mx.float32))).any()
+            assert _rel(out, ref) < TOL[dtype], (heads, P, dtype, trial, how)
+        # the log2-sum-exp the merge relies on (with the prefix: the whole row's)
+        _, lse = gpu_attention.paged_decode(q, k, v, table, starts, scale)
+        assert _rel(lse, _lse_reference(q, k, table, lengths, scale)) < TOL[dtype]
+        if shared is not None:
+            _, lse = gpu_attention.paged_decode(q, k, v, table, starts, scale, shared)
+            assert _rel(lse, _lse_reference(q, k, table, lengths, scale, shared)) < TOL[dtype]
 
 
 def _float32_model(root):
@@ -208,16 +216,26 @@ def test_engine_through_the_pool_reading_seam(tmp_path, monkeypatch):
     expected = _engine_tokens(model_dir)
     calls = []
 
-    def contract(queries, kpool, vpool, table, starts, scale):
-        calls.append(queries.shape[0])
+    def contract(queries, kpool, vpool, table, starts, scale, shared=None, out_dtype=mx.float32):
+        calls.append((queries.shape[0], shared is not None))
         B, T = table.shape
-        return _own_reference(queries, kpool[0] if kpool.ndim == 4 else kpool,
-                              vpool[0] if vpool.ndim == 4 else vpool, table, T - starts, scale)
+        own = _own_reference(queries, kpool[0] if kpool.ndim == 4 else kpool,
+                             vpool[0] if vpool.ndim == 4 else vpool, table, T - starts, scale)
+        if shared is None:
+            return own[0].astype(out_dtype), own[1]
+        part = gpu_attention.shared_part(queries, shared[0], shared[1], scale, shared[2])
+        both = mx.maximum(own[1], part[1])
+        lse = both + mx.log2(mx.power(2.0, own[1] - both) + mx.power(2.0, part[1] - both))
+        return gpu_attention.merge(own, part).astype(out_dtype), lse
 
     monkeypatch.setattr(gpu_attention, "available", lambda: True)
     monkeypatch.setattr(gpu_attention, "paged_decode", contract)
-    assert _engine_tokens(model_dir) == expected
-    assert calls and max(calls) >= 6  # the fan-out's rows decoded through it
+    for how in ("kernel", "cascade"):  # the shared prefix inside the kernel's call, or merged by MLX ops
+        monkeypatch.setenv("PARALLM_GPU_SHARED_PREFIX", how)
+        calls.clear()
+        assert _engine_tokens(model_dir) == expected, how
+        assert calls and max(n for n, _ in calls) >= 6  # the fan-out's rows decoded through it
+        assert any(with_shared for _, with_shared in calls) == (how == "kernel")
 
 
 @needs_cuda

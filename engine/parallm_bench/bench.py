@@ -193,7 +193,7 @@ def run_mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int, caches=No
     if callable(caches):
         caches = caches()
     gen = BatchGenerator(model, max_tokens=new_tokens, stop_tokens=None,
-                         completion_batch_size=batch, prefill_batch_size=batch)
+                         completion_batch_size=batch, prefill_batch_size=_mlx_lm_prefill_rows(prompts, batch))
     uids = gen.insert(prompts, [new_tokens] * len(prompts), caches=caches)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -214,6 +214,18 @@ def run_mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int, caches=No
     assert set(first) == set(uids)
     return _summary(tokens, wall, list(first.values()), itls, int(st.prompt_tokens) + prefill_extra,
                     len(prompts), mx.get_peak_memory())
+
+
+#: The most prompt tokens mlx-lm's BatchGenerator prefills in one forward here (its prefill batch is cut to
+#: fit): 32 prompts of 2,000 tokens in one forward ran an H100's 80 GB out of memory (its attention scores).
+MLX_LM_PREFILL_TOKENS = 16384
+
+
+def _mlx_lm_prefill_rows(prompts: list[list[int]], batch: int) -> int:
+    """Prompts mlx-lm prefills together: all of them (``batch``) while they fit MLX_LM_PREFILL_TOKENS
+    (every short-prompt workload), fewer for long prompts (its own default is 8)."""
+    longest = max((len(p) for p in prompts), default=1)
+    return max(1, min(batch, MLX_LM_PREFILL_TOKENS // max(1, longest)))
 
 
 def run_sequential(model, tokenizer, prompts: list[list[int]], new_tokens: int, prefix_cache=None,
@@ -489,8 +501,13 @@ def _without_prefix_cache(engine, prompts, new_tokens) -> dict:
 
 
 def _on_engine(engine, fn):
-    """Baselines run on the engine thread too (idle meanwhile): same MLX stream, nothing else running."""
-    return engine.run_on_engine_thread(fn)
+    """Baselines run on the engine thread too (idle meanwhile): same MLX stream, nothing else running. MLX's
+    buffer cache is emptied first, so the baseline can allocate what the engine freed."""
+    def run():
+        mx.clear_cache()
+        return fn()
+
+    return engine.run_on_engine_thread(run)
 
 
 def _env(engine, quick: bool) -> dict:

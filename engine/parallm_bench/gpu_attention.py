@@ -93,6 +93,63 @@ def attention_table(calls: int = 20, rows=(8, 32, 64), tokens=(1000, 4000)) -> l
     return table_rows
 
 
+def shared_prefix_table(calls: int = 20, rows=(8, 32, 64), prefixes=(512, 2000), own: int = 128) -> list[dict]:
+    """A fan-out's decode attention (Qwen3-4B heads, bf16): every row continues a shared prefix of P tokens
+    and has ``own`` tokens of its own in the pool. The kernel reading the prefix itself (one launch) vs the
+    kernel for the own part merged with the prefix read once by MLX ops (the cascade) vs what the engine does
+    without the kernel (gather the own part, the MLX-op cascade)."""
+    import os
+
+    import mlx.core as mx
+
+    from parallm_engine.kv.kv_pages import read_table, table_index
+    from parallm_engine.runner import cpu_kernels, gpu_attention
+
+    H, KH, D = 32, 8, 128
+    out = []
+    for B in rows:
+        for P in prefixes:
+            rng = np.random.default_rng(B * P)
+            page = 16
+            S = B * own + page
+            order = rng.permutation(np.arange(1, S // page))[: B * own // page]
+            tab = mx.array((order[:, None] * page + np.arange(page)).reshape(B, own).astype(np.int32))
+            k = mx.random.normal((KH, S, D)).astype(mx.bfloat16)
+            v = mx.random.normal((KH, S, D)).astype(mx.bfloat16)
+            sk = mx.random.normal((1, KH, P, D)).astype(mx.bfloat16)
+            sv = mx.random.normal((1, KH, P, D)).astype(mx.bfloat16)
+            qs = [mx.random.normal((B, H, 1, D)).astype(mx.bfloat16) for _ in range(calls)]
+            starts = mx.zeros((B,), dtype=mx.int32)
+            mx.eval(k, v, sk, sv, qs)
+            scale = D ** -0.5
+
+            def with_env(how):
+                def run():
+                    os.environ["PARALLM_GPU_SHARED_PREFIX"] = how
+                    return [gpu_attention.attention(q, k, v, tab, starts, scale, sk, sv, None) for q in qs]
+                return run
+
+            def gather_cascade():
+                res = []
+                for q in qs:
+                    i = table_index(tab, KH, S)
+                    res.append(cpu_kernels.cascade_attention(q, read_table(k, i), read_table(v, i), sk, sv, scale,
+                                                             None, None))
+                return res
+
+            entry = {"rows": B, "prefix": P, "own": own,
+                     "gather_cascade_ms": _time(gather_cascade) / calls * 1e3}
+            if gpu_attention.available():
+                entry["kernel_cascade_ms"] = _time(with_env("cascade")) / calls * 1e3
+                entry["kernel_shared_ms"] = _time(with_env("kernel")) / calls * 1e3
+                a = with_env("kernel")()[0].astype(mx.float32)
+                b = with_env("cascade")()[0].astype(mx.float32)
+                entry["rel_diff"] = float(mx.sqrt(mx.sum((a - b) ** 2) / mx.sum(b ** 2)).item())
+            os.environ.pop("PARALLM_GPU_SHARED_PREFIX", None)
+            out.append(entry)
+    return out
+
+
 def pool_write_check() -> dict:
     import mlx.core as mx
 
@@ -140,7 +197,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the numbers here")
-    ap.add_argument("--part", choices=("all", "attention", "write"), default="all")
+    ap.add_argument("--part", choices=("all", "attention", "shared", "write"), default="all")
     args = ap.parse_args()
     result = {"device": str(mx.default_device())}
     if args.part in ("all", "write"):
@@ -153,6 +210,13 @@ def main() -> int:
             print(f"{e['shape']:13} {e['rows']:4d} {e['tokens']:6d} {e['gather_sdpa_ms']:9.3f}ms {e['sdpa_only_ms']:7.3f}ms "
                   f"{e.get('kernel_ms', float('nan')):6.3f}ms {e.get('kernel_GBps', float('nan')):6.0f} "
                   f"{e.get('speedup_vs_gather', float('nan')):8.2f} {e.get('rel_err', float('nan')):8.1e}")
+    if args.part in ("all", "shared"):
+        result["shared_prefix"] = shared_prefix_table()
+        print(f"{'rows':>4} {'prefix':>6} {'gather+cascade':>14} {'kernel+cascade':>14} {'kernel, prefix in it':>20} {'rel diff':>8}")
+        for e in result["shared_prefix"]:
+            print(f"{e['rows']:4d} {e['prefix']:6d} {e['gather_cascade_ms']:12.3f}ms "
+                  f"{e.get('kernel_cascade_ms', float('nan')):12.3f}ms {e.get('kernel_shared_ms', float('nan')):18.3f}ms "
+                  f"{e.get('rel_diff', float('nan')):8.1e}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -10,9 +10,12 @@ memory-bound. This kernel reads each key and value once, where it is:
 - the block's warps take the row's tokens in turn; a warp's 32 lanes each hold ``D / 32`` elements of a
   key (one coalesced load per token), the dot product is a warp reduction, the softmax is online (a
   running max, sum and weighted value per warp), and the warps' partial results are merged at the end;
-- it returns the normalised output and the log2-sum-exp per (row, head), so the batch's shared prefix
-  (``kv_cache.SharedPrefix``, read once for all rows by MLX ops) merges with it exactly
-  (:func:`merge_shared`).
+- a row that continues the batch's shared prefix (``kv_cache.SharedPrefix``, contiguous (KH, P, D) arrays)
+  reads its P keys first in the same loop: a fan-out's attention is one launch per layer. With
+  ``PARALLM_GPU_SHARED_PREFIX=cascade`` the kernel covers only the rows' own keys and returns the
+  log2-sum-exp per (row, head), and the prefix, read once for all rows by MLX ops (:func:`shared_part`),
+  merges with it exactly (:func:`merge`): a dozen launches per layer more (``parallm_bench.gpu_attention
+  --part shared`` times both).
 
 It runs only for one position per row (a decode step: no ragged or multi-position step, where the
 gathered working set and MLX's SDPA stay) on float pools (float32 / float16 / bfloat16; quantized KV
@@ -28,6 +31,7 @@ import functools
 import os
 
 import mlx.core as mx
+import numpy as np
 
 LOG2E = 1.4426950408889634
 WARPS = 8  # warps per block: each takes every WARPS-th token of the row
@@ -38,6 +42,7 @@ MAX_HEAD_DIM = 128
 
 _SOURCE = r"""
     constexpr int E = D / 32;
+    const float QS = __int_as_float(QSCALE);  // the softmax scale times log2(e): scores in log2 units
     const int bk = blockIdx.x;
     const int b = bk / KH;
     const int kh = bk % KH;
@@ -57,20 +62,29 @@ _SOURCE = r"""
         l[r] = 0.0f;
         #pragma unroll
         for (int e = 0; e < E; ++e) {
-            qv[r][e] = q[((long)(b * H + kh * R + r)) * D + lane * E + e];
+            qv[r][e] = static_cast<float>(q[((long)(b * H + kh * R + r)) * D + lane * E + e]) * QS;
             acc[r][e] = 0.0f;
         }
     }
     const T* kbase = kpool + (long)kh * S * D + lane * E;
     const T* vbase = vpool + (long)kh * S * D + lane * E;
     const int* trow = table + (long)b * Tm;
-    for (int t = start + warp; t < Tm; t += NW) {
-        const long slot = trow[t];
+    //SHARED_SETUP
+    const int n = P + Tm - start;  // the row's keys: the shared prefix's P (if it continues it), then its own
+    for (int i = warp; i < n; i += NW) {
+        const T* kp;
+        const T* vp;
+        //SHARED_PICK
+        {
+            const long slot = trow[start + i - P];
+            kp = kbase + slot * D;
+            vp = vbase + slot * D;
+        }
         float kf[E], vf[E];
         #pragma unroll
         for (int e = 0; e < E; ++e) {
-            kf[e] = static_cast<float>(kbase[slot * D + e]);
-            vf[e] = static_cast<float>(vbase[slot * D + e]);
+            kf[e] = static_cast<float>(kp[e]);
+            vf[e] = static_cast<float>(vp[e]);
         }
         #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -112,12 +126,33 @@ _SOURCE = r"""
                 a += sm_acc[w][d];
             }
             const long o = (long)(b * H + kh * R + r);
-            out[o * D + d] = a / L;
+            out[o * D + d] = static_cast<TO>(a / L);
             if (d == 0) lse[o] = M + log2f(L);
         }
         __syncthreads();
     }
 """
+
+# The shared prefix inside the kernel: a row that continues it (``sflag``) reads its P keys first, from the
+# contiguous (KH, P, D) arrays, then its own through the table: one launch per layer, no merge. Every such
+# row's block reads the prefix (from L2 after the first: it is a few MB per layer); the MLX-op cascade
+# (``shared_part`` + ``merge``) reads it once from memory but costs a dozen launches per layer.
+_SHARED_SETUP = """
+    const int P = sflag[b] ? (int)sk_shape[1] : 0;
+    const T* skbase = sk + (long)kh * sk_shape[1] * D + lane * E;
+    const T* svbase = sv + (long)kh * sk_shape[1] * D + lane * E;"""
+_SHARED_PICK = """
+        if (i < P) {
+            kp = skbase + (long)i * D;
+            vp = svbase + (long)i * D;
+        } else"""
+
+
+def _source(shared: bool) -> str:
+    if shared:
+        return _SOURCE.replace("    //SHARED_SETUP", _SHARED_SETUP.strip("\n")).replace(
+            "        //SHARED_PICK", _SHARED_PICK.strip("\n"))
+    return _SOURCE.replace("    //SHARED_SETUP", "    const int P = 0;").replace("        //SHARED_PICK\n", "")
 
 
 def enabled_by_env() -> bool:
@@ -137,14 +172,20 @@ def available() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel():
+@functools.lru_cache(maxsize=2)
+def _kernel(shared: bool):
     return mx.fast.cuda_kernel(
-        name="parallm_paged_decode",
-        input_names=["q", "kpool", "vpool", "table", "starts"],
+        name="parallm_paged_decode_shared" if shared else "parallm_paged_decode",
+        input_names=["q", "kpool", "vpool", "table", "starts"] + (["sk", "sv", "sflag"] if shared else []),
         output_names=["out", "lse"],
-        source=_SOURCE,
+        source=_source(shared),
     )
+
+
+def shared_in_kernel() -> bool:
+    """Whether a shared prefix is read inside the kernel (default) or by the MLX-op cascade
+    (``PARALLM_GPU_SHARED_PREFIX=cascade``)."""
+    return os.environ.get("PARALLM_GPU_SHARED_PREFIX", "kernel").strip().lower() != "cascade"
 
 
 def applies(queries: mx.array, kpool, mask_5d: bool) -> bool:
@@ -155,22 +196,35 @@ def applies(queries: mx.array, kpool, mask_5d: bool) -> bool:
             and queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[1] % kpool.shape[-3] == 0)
 
 
+def _float_bits(x: float) -> int:
+    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
+
+
 def paged_decode(queries: mx.array, kpool: mx.array, vpool: mx.array, table: mx.array, starts: mx.array,
-                 scale: float) -> tuple[mx.array, mx.array]:
-    """(out (B, H, 1, D) float32, lse (B, H) float32 in log2 units) of each row's query over its own keys:
-    row b reads pool slots ``table[b, starts[b]:]``. ``kpool`` / ``vpool``: (KH, slots, D) or (1, KH, slots, D)."""
+                 scale: float, shared: tuple | None = None, out_dtype=mx.float32) -> tuple[mx.array, mx.array]:
+    """(out (B, H, 1, D) in ``out_dtype``, lse (B, H) float32 in log2 units) of each row's query over its own
+    keys: row b reads pool slots ``table[b, starts[b]:]``. ``kpool`` / ``vpool``: (KH, slots, D) or
+    (1, KH, slots, D). ``shared``: (keys, values (1, KH, P, D) in the pools' dtype, rows (B,) bool or None:
+    all): the batch's shared prefix, read first by the rows that continue it."""
     B, H, _, D = queries.shape
     if kpool.ndim == 4:
         kpool, vpool = kpool[0], vpool[0]
     KH = kpool.shape[0]
-    q = (queries.reshape(B, H, D).astype(mx.float32) * (scale * LOG2E))
-    out, lse = _kernel()(
-        inputs=[q, kpool, vpool, table.astype(mx.int32), starts.astype(mx.int32)],
-        template=[("T", kpool.dtype), ("D", D), ("R", H // KH), ("KH", KH), ("NW", WARPS)],
+    inputs = [queries.reshape(B, H, D), kpool, vpool, table if table.dtype == mx.int32 else table.astype(mx.int32),
+              starts if starts.dtype == mx.int32 else starts.astype(mx.int32)]
+    if shared is not None:
+        sk, sv, rows = shared
+        sk, sv = sk.astype(kpool.dtype), sv.astype(kpool.dtype)  # the kernel reads both as the pools' type
+        inputs += [sk.reshape(sk.shape[-3:]), sv.reshape(sv.shape[-3:]),
+                   rows if rows is not None else mx.ones((B,), dtype=mx.bool_)]
+    out, lse = _kernel(shared is not None)(
+        inputs=inputs,
+        template=[("T", kpool.dtype), ("TO", out_dtype), ("D", D), ("R", H // KH), ("KH", KH), ("NW", WARPS),
+                  ("QSCALE", _float_bits(scale * LOG2E))],
         grid=(B * KH * 32 * WARPS, 1, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(B, H, D), (B, H)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_dtypes=[out_dtype, mx.float32],
     )
     return out.reshape(B, H, 1, D), lse
 
@@ -208,7 +262,10 @@ def merge(a: tuple[mx.array, mx.array], b: tuple[mx.array, mx.array]) -> mx.arra
 def attention(queries, kpool, vpool, table, starts, scale, shared_keys=None, shared_values=None,
               shared_mask=None) -> mx.array:
     """The decode step's attention over the page pool (and the shared prefix, if any), in the queries' dtype."""
+    pool_dtype = kpool.dtype
+    if shared_keys is None or (shared_in_kernel() and shared_keys.dtype == pool_dtype
+                               and shared_values.dtype == pool_dtype):
+        shared = None if shared_keys is None else (shared_keys, shared_values, shared_mask)
+        return paged_decode(queries, kpool, vpool, table, starts, scale, shared, out_dtype=queries.dtype)[0]
     own = paged_decode(queries, kpool, vpool, table, starts, scale)
-    out = own[0] if shared_keys is None else merge(own, shared_part(queries, shared_keys, shared_values, scale,
-                                                                    shared_mask))
-    return out.astype(queries.dtype)
+    return merge(own, shared_part(queries, shared_keys, shared_values, scale, shared_mask)).astype(queries.dtype)

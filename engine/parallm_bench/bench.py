@@ -501,10 +501,12 @@ def _without_prefix_cache(engine, prompts, new_tokens) -> dict:
 
 
 def _on_engine(engine, fn):
-    """Baselines run on the engine thread too (idle meanwhile): same MLX stream, nothing else running. MLX's
-    buffer cache is emptied first, so the baseline can allocate what the engine freed."""
+    """Baselines run on the engine thread too (idle meanwhile): same MLX stream, nothing else running. On a
+    GPU MLX's buffer cache is emptied first, so the baseline can allocate what the engine freed (on the CPU
+    the cache stays: emptying it would make the baseline's first step fault its memory in again)."""
     def run():
-        mx.clear_cache()
+        if engine.backend.device != "cpu":
+            mx.clear_cache()
         return fn()
 
     return engine.run_on_engine_thread(run)

@@ -67,7 +67,7 @@ def _kv(tags: list[float]) -> mx.array:
 
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("join"), st.lists(st.integers(0, 20), min_size=1, max_size=3)),
-    st.tuples(st.just("step"), st.just(1)),
+    st.tuples(st.just("step"), st.integers(1, 4)),  # that many plain decode steps in a row (the kept working set)
     st.tuples(st.just("verify"), st.lists(st.integers(0, 5), min_size=6, max_size=6)),
     # a ragged step: row i verifies its own number of positions (speculative.verify's forward_ragged)
     st.tuples(st.just("ragged"), st.lists(st.integers(0, 15), min_size=6, max_size=6)),
@@ -111,32 +111,33 @@ def test_rows_read_exactly_their_tokens_and_pages_are_held_once(first, ops, P):
         if op == "join":
             join(arg, arg[0] % 3 if P else 0)
         elif op in ("step", "verify") and expect:
-            W = 1 if op == "step" else 4
-            new = [[float(next(tag)) for _ in range(W)] for _ in expect]
-            x = mx.array(np.broadcast_to(np.array(new, np.float32)[:, None, :, None], (len(new), H, W, D)).copy())
-            before = [len(e) for e in expect]
-            kv.begin(W)
-            for layer in kv.layers:
-                assert np.array(layer.offset).tolist() == before  # RoPE: each row's own position
-                mask = layer.make_mask(W)  # built before the write, as the models do
-                keys, values = layer.update_and_fetch(x, x + 0.5)
-                assert np.array(layer.offset).tolist() == [b + W for b in before]
-            keys, values = np.array(keys), np.array(values)
-            T = keys.shape[2]
-            for r, e in enumerate(expect):
-                own = e[P:] if kv.shared_rows[r] else e
-                for q in range(W):  # query q sees the row's own tokens up to its new position q
-                    seen = np.ones(T, bool) if mask is None else np.array(mask)[r, 0, q]
-                    cols = [c for c in range(T) if seen[c]]
-                    np.testing.assert_array_equal(keys[r, 1, cols, 3], own + new[r][: q + 1])
-                    np.testing.assert_array_equal(values[r, 0, cols, 0], np.array(own + new[r][: q + 1]) + 0.5)
-            if op == "step":
-                keeps = [1] * len(expect)
-            else:
-                keeps = [arg[i % len(arg)] % (W + 1) for i in range(len(expect))]
-                kv.rollback_rows(W, keeps)
-            for e, n, k in zip(expect, new, keeps):
-                e.extend(n[:k])
+            for _ in range(arg if op == "step" else 1):
+                W = 1 if op == "step" else 4
+                new = [[float(next(tag)) for _ in range(W)] for _ in expect]
+                x = mx.array(np.broadcast_to(np.array(new, np.float32)[:, None, :, None], (len(new), H, W, D)).copy())
+                before = [len(e) for e in expect]
+                kv.begin(W)
+                for layer in kv.layers:
+                    assert np.array(layer.offset).tolist() == before  # RoPE: each row's own position
+                    mask = layer.make_mask(W)  # built before the write, as the models do
+                    keys, values = layer.update_and_fetch(x, x + 0.5)
+                    assert np.array(layer.offset).tolist() == [b + W for b in before]
+                keys, values = np.array(keys), np.array(values)
+                T = keys.shape[2]
+                for r, e in enumerate(expect):
+                    own = e[P:] if kv.shared_rows[r] else e
+                    for q in range(W):  # query q sees the row's own tokens up to its new position q
+                        seen = np.ones(T, bool) if mask is None else np.array(mask)[r, 0, q]
+                        cols = [c for c in range(T) if seen[c]]
+                        np.testing.assert_array_equal(keys[r, 1, cols, 3], own + new[r][: q + 1])
+                        np.testing.assert_array_equal(values[r, 0, cols, 0], np.array(own + new[r][: q + 1]) + 0.5)
+                if op == "step":
+                    keeps = [1] * len(expect)
+                else:
+                    keeps = [arg[i % len(arg)] % (W + 1) for i in range(len(expect))]
+                    kv.rollback_rows(W, keeps)
+                for e, n, k in zip(expect, new, keeps):
+                    e.extend(n[:k])
         elif op == "ragged" and expect:
             widths = [1 + arg[i % len(arg)] % 4 for i in range(len(expect))]
             keeps = [arg[i % len(arg)] // 4 % (w + 1) for i, w in enumerate(widths)]
@@ -336,3 +337,57 @@ def test_a_row_joins_the_running_lane_that_holds_its_prefix(tiny_engine):
     step_until(lambda: not sched.has_work() or all(r.finished for r in (b, x, d, c2)))
     want = tiny_engine.generate([follow], max_tokens=6, temperature=0, ignore_eos=True)[0].token_ids
     assert c2.result.choices[0].token_ids == want
+
+
+def _steps(kv: PagedLaneKV, rows: list[list[float]], n: int) -> list[np.ndarray]:
+    """``n`` plain decode steps of every row (new token tags after the last); each step's keys as fetched."""
+    out = []
+    for _ in range(n):
+        new = [e[-1] + 1000.0 for e in rows]
+        x = mx.array(np.broadcast_to(np.array(new, np.float32)[:, None, None, None], (len(new), H, 1, D)).copy())
+        kv.begin(1)
+        for layer in kv.layers:
+            keys, _ = layer.update_and_fetch(x, x + 0.5)
+        out.append(np.array(keys))
+        for e, t in zip(rows, new):
+            e.append(t)
+    return out
+
+
+def test_the_decode_working_set_is_kept_and_equals_the_gather(monkeypatch):
+    """Plain decode steps of the same rows append one column to the kept working set (decode_working_set)
+    instead of gathering it: the keys attention gets are the gathered ones, step by step; a row leaving
+    drops it (the next step gathers, the one after rebuilds, then appends again)."""
+    def run(enabled: str):
+        monkeypatch.setenv("PARALLM_DECODE_WORKING_SET", enabled)
+        kv = PagedLaneKV(2)
+        rows = [[float(10 * r + t) for t in range(n)] for r, n in enumerate((3, 9, 14))]
+        kv.add([[(_kv(e), _kv(e) + 0.5) for e in rows]] * 2)
+        got = _steps(kv, rows, 6)
+        kv.keep([0, 2])
+        rows = [rows[0], rows[2]]
+        got += _steps(kv, rows, 5)
+        return got, kv.ws
+
+    kept, ws = run("1")
+    gathered, off = run("0")
+    assert len(kept) == len(gathered)
+    for a, b in zip(kept, gathered):
+        np.testing.assert_array_equal(a, b)
+    assert ws.appends == 7 and ws.rebuilds == 2  # 4 + 3 appends; one rebuild per stable stretch
+    assert off.appends == off.rebuilds == 0
+
+
+def test_the_decode_working_set_stays_within_its_limit():
+    kv = PagedLaneKV(2)
+    rows = [[float(t) for t in range(20)] for _ in range(4)]
+    kv.add([[(_kv(e), _kv(e) + 0.5) for e in rows]] * 2)
+    kv.ws.limit = 1  # no room: every step gathers, nothing is kept
+    _steps(kv, rows, 4)
+    assert kv.ws.appends == kv.ws.rebuilds == 0 and all(layer.ws is None for layer in kv.layers)
+    kv.ws.limit = None
+    _steps(kv, rows, 3)
+    assert kv.ws.rebuilds == 1 and kv.ws.appends == 2
+    assert kv.ws.nbytes(kv.layers) == 2 * 2 * 4 * H * kv.ws.capacity * D * 4  # layers x (K, V) x rows, float32
+    kv.keep([])
+    assert kv.ws.nbytes(kv.layers) == 0  # an idle lane keeps none

@@ -46,10 +46,17 @@ def resolve_kv_memory(kv_memory, device_bytes: int) -> int:
     return int(kv_memory)
 
 
+def buffer_cache_bytes(kv_budget: int) -> int:
+    """MLX's buffer cache for an engine with this KV budget: a step's intermediates (the decode working sets
+    among them) are reused from it instead of allocated anew. The decode batch keeps its working sets between
+    steps within the same bytes (``kv/decode_working_set.py``)."""
+    return max(CACHE_LIMIT_FLOOR, kv_budget // 4)
+
+
 def mlx_limits(device: str, device_bytes: int, kv_budget: int, weight_bytes: int) -> dict[str, int]:
     """The MLX limits an engine wants: ``cache`` (buffer cache) everywhere; on a GPU ``memory`` (the
     allocation limit) and on Metal ``wired``."""
-    limits = {"cache": max(CACHE_LIMIT_FLOOR, kv_budget // 4)}
+    limits = {"cache": buffer_cache_bytes(kv_budget)}
     if device in ("gpu", "cuda"):
         limits["memory"] = int(device_bytes)
     if device == "gpu":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from parallm_engine.core.memory_budget import buffer_cache_bytes
 from parallm_engine.kv import kv_quant
 from parallm_engine.runner.decode_batch import DecodeBatch
 from parallm_engine.kv.kv_manager import KVManager
@@ -61,6 +62,7 @@ class KVCacheManager(KVManager):
         self.meter = KVWriteMeter()  # KV bytes written into the pages (tests/test_kv_writes.py)
         if self.layout == "attention":
             batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format, self.meter)
+            batch.working_set_limit = buffer_cache_bytes(config.kv_budget_bytes)
             self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self.snapshots = None
         else:

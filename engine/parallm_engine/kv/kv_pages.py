@@ -47,6 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from parallm_engine.kv import kv_quant as kvq
+from parallm_engine.kv.decode_working_set import DecodeWorkingSet
 from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.runner import gpu_attention
 from parallm_engine.kv.page_pool import MIN_PAGES, PAGE, SHRINK_SLACK, PagedSegment, PagePool, PageRow  # noqa: F401 (re-exported)
@@ -95,6 +96,7 @@ class PagedLayerKV:
         self.values = None
         self.offset = mx.array([], dtype=mx.int32)
         self._shared_k = self._shared_v = None
+        self.ws = None  # the decode working set kept between steps (decode_working_set), if any
 
     @property
     def mask_5d(self) -> bool:
@@ -160,6 +162,8 @@ class PagedLayerKV:
         self.offset = self.offset + keys.shape[2]
         if self.native_inputs() is not None:
             return self.keys, self.values
+        if self.lane.ws.mode is not None:  # kept from the last step, this step's column written in
+            return self.lane.ws.fetch(self, keys, values)
         return self.working_set()
 
     def working_set(self):
@@ -232,6 +236,7 @@ class PagedLaneKV:
         self._step_index: dict = {}  # (KH, slots) -> the working set's gather index (step_index)
         self.ragged: RaggedStep | None = None  # a ragged step's layout (begin)
         self.native = None  # the native kernels module when it writes this step's KV (begin)
+        self.ws = DecodeWorkingSet()  # the working set kept between plain decode steps (decode_working_set)
         self.native_reads = False  # the model's attention hook reads the pool (native CPU kernel, gpu_attention)
 
     def lengths(self) -> list[int]:
@@ -348,6 +353,7 @@ class PagedLaneKV:
 
     def _shrink(self) -> None:
         """Renumber the used pages to the front and cut the arrays to match (one gather per array)."""
+        self.ws.invalidate(self.layers)
         mapping = self.pool.remap()
         order = [0] + sorted(mapping, key=mapping.get)
         gather = (np.asarray(order, dtype=np.int32)[:, None] * PAGE + np.arange(PAGE, dtype=np.int32)).ravel()
@@ -402,6 +408,10 @@ class PagedLaneKV:
         self.step_write = mx.array(np.concatenate(write) if write else np.zeros(0, dtype=np.int32))
         self.step_table = mx.array(table)
         self.step_starts = mx.array([T - L for L in lengths], dtype=mx.int32)  # each row's first column
+        keys = self.layers[0].keys
+        self.ws.plan(table, isinstance(n, int) and n == 1 and not self.native_reads and self.fmt is None
+                     and isinstance(keys, mx.array), self.nbytes() // keys.shape[1] if keys is not None else 0,
+                     self.layers)
         if W == 1 and len(set(lengths)) <= 1:
             self.step_mask = None  # every row sees every column: SDPA's unmasked path
         else:
@@ -435,6 +445,7 @@ class PagedLaneKV:
         return self._step_index[key]
 
     def _sync(self) -> None:
+        self.ws.invalidate(self.layers)  # the rows changed other than by a decode step's column
         self.step_write = self.step_table = self.step_mask = self.step_starts = None
         self._step_index = {}
         self.ragged = None

@@ -74,6 +74,9 @@ class DecodeBatch:
         # The model's attention takes the layer's keys and values only into the engine's attention hook,
         # whose native kernel can read the page pool (set by the scheduler): no working set is gathered.
         self.attention_reads_pool = False
+        # Bytes the lanes' decode working sets kept between steps may take (kv/decode_working_set.py; set by
+        # the KV cache manager: the MLX buffer cache the engine sets); None: no limit.
+        self.working_set_limit: int | None = None
 
     def _ensure_streams(self) -> None:
         if not self._streams_made:
@@ -236,6 +239,7 @@ class DecodeBatch:
             if not n:
                 continue
             mine = None
+            lane.kv.ws.limit = None if self.working_set_limit is None else self.working_set_limit // len(self.lanes)
             with lane.context():
                 if rows is not None:
                     mine = rows[start : start + n]
@@ -306,6 +310,10 @@ class DecodeBatch:
             "kv_pages_used": sum(lane.kv.pool.used for lane in self.lanes),
             "kv_pages_cached": self.cached_pages(),
             "kv_pages_free": sum(len(lane.kv.pool.free) for lane in self.lanes if lane.kv.layers[0].keys is not None),
+            # the decode working sets kept between steps: a read copy of the rows' own tokens (not KV budget)
+            "kv_working_set_bytes": sum(lane.kv.ws.nbytes(lane.kv.layers) for lane in self.lanes),
+            "kv_working_set_rebuilds": sum(lane.kv.ws.rebuilds for lane in self.lanes),
+            "kv_working_set_appends": sum(lane.kv.ws.appends for lane in self.lanes),
         }
 
     def cached_pages(self) -> int:

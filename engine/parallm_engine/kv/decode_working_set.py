@@ -1,0 +1,126 @@
+"""A decode lane's working set kept from step to step where attention cannot read the page pool.
+
+Where no kernel reads the pool through the slot table (MLX's SDPA on Metal, the CPU's MLX backend, MLA's
+latents), attention takes each layer's keys and values laid out ``(B, KV heads, T, D)``, left-padded, and
+``kv_pages`` gathers that working set from the pool: a copy of every row's KV, per layer, every step (on the
+2-core CI machine, 32 rows x 228 tokens of the default model: 1.7 ms a layer, ~52 ms of a ~300 ms step).
+Between two plain decode steps of the same rows the working set changes by one column, each row's newest
+token (the left-padded table grows by a column on the right and keeps the rest), so this keeps it and writes
+that column: one ``(B, KH, 1, D)`` write per layer per step, as mlx-lm's ``BatchKVCache`` does, with room for
+``ROOM`` more columns. Any other change (rows joining or leaving, a rollback, a multi-position step, a shared
+prefix set, pages renumbered) invalidates it (``kv_pages`` calls :meth:`invalidate`) and the next plain step
+gathers as before; the step after it, if the rows are unchanged, rebuilds the kept arrays with one gather
+(into the wider array directly), and the steps after that append.
+
+The pool stays the KV's home (the prefix cache's pages, prefills, preemption read it, and the KV budget counts
+it); these arrays are a read copy of the running rows' own tokens (a shared prefix is not in them), which the
+gather path built one layer at a time: kept, they take that memory once more for every layer (at 32 rows x
+~230 tokens of the default model, peak memory 856 -> 1,190 MB). So they are bounded by ``limit`` bytes per lane
+(set by the decode batch: its share of the MLX buffer cache the engine sets, a quarter of the KV budget),
+reported as ``kv_working_set_bytes`` beside the KV budget's figures; above the limit, and for quantized KV
+(whose working set is dequantized), every step gathers. ``PARALLM_DECODE_WORKING_SET=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+
+#: Columns a rebuilt working set has room for beyond the step's (a rebuild every ROOM steps at most).
+ROOM = 64
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("PARALLM_DECODE_WORKING_SET", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+class DecodeWorkingSet:
+    """What a lane's layers keep (``PagedLayerKV.ws``) and how this step updates it (``mode``)."""
+
+    def __init__(self):
+        self.table: np.ndarray | None = None  # the (B, T) slot table the layers' arrays hold
+        self.capacity = 0  # columns the arrays have
+        self.mode: str | None = None  # this step: "append", "rebuild", or None (gather, keep nothing)
+        self.limit: int | None = None  # bytes the arrays may take (None: no limit)
+        self._padded: np.ndarray | None = None  # the table widened to the capacity (padding: slot 0)
+        self.padded: mx.array | None = None  # the same on the device, made when a layer gathers
+        self._index: dict = {}
+        self.appends = 0
+        self.rebuilds = 0
+
+    def invalidate(self, layers) -> None:
+        """The rows' KV changed other than by a decode step's column: drop the arrays."""
+        self.table = None
+        self.capacity = 0
+        self._padded = self.padded = None
+        self._index = {}
+        for layer in layers:
+            layer.ws = None
+
+    def plan(self, table: np.ndarray, eligible: bool, slot_bytes: int, layers) -> None:
+        """Before a step whose left-padded slot table is ``table``: append its last column if the arrays
+        hold the table less that column, else rebuild them (``eligible``: a plain one-position step of float
+        KV that attention reads as a working set; ``slot_bytes``: one slot's KV over all layers)."""
+        B, T = table.shape
+        self.mode = None
+        if not eligible or not enabled_by_env() or not B:
+            if self.table is not None:
+                self.invalidate(layers)
+            return
+        prev = self.table
+        if prev is None or prev.shape[0] != B or prev.shape[1] != T - 1 or not np.array_equal(table[:, : T - 1], prev):
+            # The rows changed (joined, left, rolled back): this step gathers as it would without a kept
+            # working set; one built now would be thrown away at the next change of a churning batch.
+            self.invalidate(layers)
+            self.table = table
+            return
+        if T <= self.capacity:
+            self.mode = "append"
+            self.appends += 1
+            self._padded[:, T - 1] = table[:, T - 1]
+        else:  # the second step of the same rows (or out of room): gather once, with room to append
+            capacity = T + ROOM
+            self.invalidate(layers)
+            self.table = table
+            if self.limit is not None and B * capacity * slot_bytes > self.limit:
+                return
+            self.capacity = capacity
+            self._padded = np.zeros((B, capacity), dtype=np.int32)
+            self._padded[:, :T] = table
+            self.mode = "rebuild"
+            self.rebuilds += 1
+        self.padded = None  # made when a layer gathers (index)
+        self._index = {}
+        self.table = table
+
+    def index(self, KH: int, S: int) -> mx.array:
+        """A rebuild's (B, KH, capacity) gather index into a pool of KH x S slots (built once per step)."""
+        from parallm_engine.kv.kv_pages import table_index
+
+        key = (KH, S)
+        if key not in self._index:
+            if self.padded is None:
+                self.padded = mx.array(self._padded)
+            self._index[key] = table_index(self.padded, KH, S)
+        return self._index[key]
+
+    def fetch(self, layer, keys: mx.array, values: mx.array):
+        """The layer's working set for this step, (B, KH, T, D) views of its arrays: this step's new keys and
+        values (B, KH, 1, D) written as the last column (append), or the arrays gathered from the layer's pool."""
+        from parallm_engine.kv.kv_pages import read_table
+
+        T = self.table.shape[1]
+        if self.mode == "append" and layer.ws is not None:
+            K, V = layer.ws
+            K[:, :, T - 1 : T] = keys
+            V[:, :, T - 1 : T] = values
+        else:
+            K = read_table(layer.keys, self.index(layer.keys.shape[0], layer.keys.shape[1]))
+            V = read_table(layer.values, self.index(layer.values.shape[0], layer.values.shape[1]))
+        layer.ws = (K, V)
+        return K[:, :, :T], V[:, :, :T]
+
+    def nbytes(self, layers) -> int:
+        return sum(a.nbytes for layer in layers if layer.ws is not None for a in layer.ws)

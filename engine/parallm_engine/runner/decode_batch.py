@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 
 import mlx.core as mx
-import numpy as np
 
 from parallm_engine.runner import cpu_kernels
 from parallm_engine.kv.kv_cache import SharedPrefix

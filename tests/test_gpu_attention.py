@@ -17,7 +17,7 @@ import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
 
 from parallm_engine.runner import cpu_kernels, gpu_attention
-from parallm_engine.kv.kv_pages import read_table, table_index
+from parallm_engine.kv.table_reads import read_table, table_index
 
 LOG2E = gpu_attention.LOG2E
 

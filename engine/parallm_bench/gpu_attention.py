@@ -41,7 +41,7 @@ def _time(fn, reps: int = 5) -> float:
 def attention_table(calls: int = 20, rows=(8, 32, 64), tokens=(1000, 4000)) -> list[dict]:
     import mlx.core as mx
 
-    from parallm_engine.kv.kv_pages import read_table, table_index
+    from parallm_engine.kv.table_reads import read_table, table_index
     from parallm_engine.runner import gpu_attention
 
     table_rows = []
@@ -102,7 +102,7 @@ def shared_prefix_table(calls: int = 20, rows=(8, 32, 64), prefixes=(512, 2000),
 
     import mlx.core as mx
 
-    from parallm_engine.kv.kv_pages import read_table, table_index
+    from parallm_engine.kv.table_reads import read_table, table_index
     from parallm_engine.runner import cpu_kernels, gpu_attention
 
     H, KH, D = 32, 8, 128

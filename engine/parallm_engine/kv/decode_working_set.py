@@ -28,6 +28,8 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from parallm_engine.kv.table_reads import read_table, table_index
+
 #: Columns a rebuilt working set has room for beyond the step's (a rebuild every ROOM steps at most).
 ROOM = 64
 
@@ -97,8 +99,6 @@ class DecodeWorkingSet:
 
     def index(self, KH: int, S: int) -> mx.array:
         """A rebuild's (B, KH, capacity) gather index into a pool of KH x S slots (built once per step)."""
-        from parallm_engine.kv.kv_pages import table_index
-
         key = (KH, S)
         if key not in self._index:
             if self.padded is None:
@@ -109,8 +109,6 @@ class DecodeWorkingSet:
     def fetch(self, layer, keys: mx.array, values: mx.array):
         """The layer's working set for this step, (B, KH, T, D) views of its arrays: this step's new keys and
         values (B, KH, 1, D) written as the last column (append), or the arrays gathered from the layer's pool."""
-        from parallm_engine.kv.kv_pages import read_table
-
         T = self.table.shape[1]
         if self.mode == "append" and layer.ws is not None:
             K, V = layer.ws

@@ -48,6 +48,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.decode_working_set import DecodeWorkingSet
+from parallm_engine.kv.table_reads import read_table, table_index
 from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.runner import gpu_attention
 from parallm_engine.kv.page_pool import MIN_PAGES, PAGE, SHRINK_SLACK, PagedSegment, PagePool, PageRow  # noqa: F401 (re-exported)
@@ -61,21 +62,6 @@ class RaggedStep(NamedTuple):
     width: int  # W
     mask: mx.array | None  # the rectangle's (B, 1, W, T) mask (left padding, causal, cells no row fills
     # see nothing); None: every cell sees every column
-
-
-def table_index(table: mx.array, KH: int, S: int) -> mx.array:
-    """(B, KH, T) rows of a pool flattened to (KH x S, D) that read a (B, T) slot table."""
-    return table[:, None, :] + mx.arange(KH, dtype=mx.int32)[None, :, None] * S
-
-
-def read_table(pool, index: mx.array):
-    """(B, KH, T, D) KV as stored (float or ``kv_quant.QuantizedKV``) at ``index`` (:func:`table_index`):
-    one gather per array from the pool seen as (KH x slots) rows, straight into that layout."""
-    KH, S = pool.shape[0], pool.shape[1]
-    flat = lambda a: a.reshape(KH * S, a.shape[-1])[index]  # noqa: E731
-    if isinstance(pool, kvq.QuantizedKV):
-        return pool._like(tuple(flat(p) for p in pool._parts()))
-    return flat(pool)
 
 
 def by_slot(x):

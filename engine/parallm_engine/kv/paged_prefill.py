@@ -33,7 +33,7 @@ import numpy as np
 
 from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.kv_cache import prefill_layout
-from parallm_engine.kv.kv_pages import read_table, table_index
+from parallm_engine.kv.table_reads import read_table, table_index
 from parallm_engine.kv.page_pool import PageRow
 
 

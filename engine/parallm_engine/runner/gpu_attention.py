@@ -1,7 +1,7 @@
 """Decode attention that reads the page pool through the slot table on CUDA (``mx.fast.cuda_kernel``).
 
 Without it, a decode step on Metal / CUDA gathers every row's keys and values from the pool into a
-(B, KV heads, T, D) working set per layer (``kv_pages.read_table``) and hands that to MLX's fused SDPA:
+(B, KV heads, T, D) working set per layer (``table_reads.read_table``) and hands that to MLX's fused SDPA:
 one more read and write of all the rows' KV per step beside attention's own read, where decode is
 memory-bound. This kernel reads each key and value once, where it is:
 

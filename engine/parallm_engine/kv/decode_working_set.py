@@ -54,6 +54,8 @@ class DecodeWorkingSet:
 
     def invalidate(self, layers) -> None:
         """The rows' KV changed other than by a decode step's column: drop the arrays."""
+        if self.table is None and not self.capacity:  # nothing kept (a layer keeps arrays only with a capacity)
+            return
         self.table = None
         self.capacity = 0
         self._padded = self.padded = None
@@ -67,35 +69,30 @@ class DecodeWorkingSet:
         KV that attention reads as a working set; ``slot_bytes``: one slot's KV over all layers)."""
         B, T = table.shape
         self.mode = None
-        if not eligible or not enabled_by_env() or not B:
-            if self.table is not None:
-                self.invalidate(layers)
-            return
+        eligible = eligible and B > 0 and enabled_by_env()
         prev = self.table
-        if prev is None or prev.shape[0] != B or prev.shape[1] != T - 1 or not np.array_equal(table[:, : T - 1], prev):
-            # The rows changed (joined, left, rolled back): this step gathers as it would without a kept
-            # working set; one built now would be thrown away at the next change of a churning batch.
-            self.invalidate(layers)
-            self.table = table
-            return
-        if T <= self.capacity:
+        grew = eligible and prev is not None and prev.shape == (B, T - 1) and np.array_equal(table[:, : T - 1], prev)
+        if grew and T <= self.capacity:
             self.mode = "append"
             self.appends += 1
             self._padded[:, T - 1] = table[:, T - 1]
-        else:  # the second step of the same rows (or out of room): gather once, with room to append
-            capacity = T + ROOM
-            self.invalidate(layers)
-            self.table = table
-            if self.limit is not None and B * capacity * slot_bytes > self.limit:
-                return
+            self.padded, self._index, self.table = None, {}, table
+            return
+        self.invalidate(layers)
+        if not eligible:
+            return
+        # Rows that changed (joined, left, rolled back) gather this step as without a kept working set (one
+        # built now would be thrown away at the next change of a churning batch); the table is remembered so
+        # the next step can tell. The second step of the same rows (or one out of room) gathers once, with
+        # room to append, within the limit.
+        self.table = table
+        capacity = T + ROOM
+        if grew and (self.limit is None or B * capacity * slot_bytes <= self.limit):
             self.capacity = capacity
             self._padded = np.zeros((B, capacity), dtype=np.int32)
             self._padded[:, :T] = table
             self.mode = "rebuild"
             self.rebuilds += 1
-        self.padded = None  # made when a layer gathers (index)
-        self._index = {}
-        self.table = table
 
     def index(self, KH: int, S: int) -> mx.array:
         """A rebuild's (B, KH, capacity) gather index into a pool of KH x S slots (built once per step)."""

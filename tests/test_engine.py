@@ -352,3 +352,26 @@ def test_step_time_breakdown_adds_up(engine):
     parts = engine.stats()["step_ms"]
     assert all(v >= 0 for v in parts.values()) and 0 <= parts["host_share"] <= 1
     assert parts["decode_host"] + parts["device_wait"] > 0
+
+
+def test_step_trace_has_a_line_per_step_that_adds_up(engine, tmp_path, monkeypatch):
+    """PARALLM_STEP_TRACE: one JSON line per engine step whose parts sum to stats()'s totals, so a slow
+    step can be found and tied to what it did (prefill, joins, retirements, KV moved)."""
+    import json
+    from parallm_bench.step_trace import summary
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PARALLM_STEP_TRACE", str(path))
+    traced = Engine(None, backend=engine.backend.name)
+    try:
+        before = traced.stats()["step_totals_s"]
+        traced.generate([chat_ids(engine, q) for q in QUESTIONS[:3]], max_tokens=6, temperature=0, ignore_eos=True)
+        after = traced.stats()["step_totals_s"]
+    finally:
+        traced.shutdown()
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(steps) == after["steps"] - before["steps"] > 0
+    assert sum(s["decode_ms"] for s in steps) == pytest.approx(1e3 * (after["decode"] - before["decode"]), rel=1e-3, abs=0.05)
+    assert sum(s["joined"] for s in steps) == 3 and sum(s["finished"] for s in steps) == 3
+    assert sum(s["prefill_tokens"] for s in steps) > 0 and max(s["rows"] for s in steps) == 3
+    assert all(0 <= s["wait_ms"] <= s["decode_ms"] + s["prefill_ms"] + 1e-3 for s in steps)
+    assert summary(steps)[0].startswith(f"{len(steps)} steps")

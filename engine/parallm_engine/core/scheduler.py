@@ -33,7 +33,7 @@ from parallm_engine.core.output_processor import OutputProcessor
 from parallm_engine.core.prefill_planner import PrefillPlanner
 from parallm_engine.core.request import Request
 from parallm_engine.core.sequence import Sequence
-from parallm_engine.core.stats import EngineStats
+from parallm_engine.core.stats import EngineStats, step_trace
 from parallm_engine.core.step_plan import StepPlan
 
 @dataclass
@@ -81,6 +81,7 @@ class Scheduler(PrefillPlanner):
         # Measured, for the step-time bound: prefill tokens per second and the rest of a step's time.
         self._prefill_rate: float | None = None
         self._other_step_s = 0.0
+        self._trace = step_trace()  # a JSON line per step where PARALLM_STEP_TRACE names a file
 
     # Views of the parts this scheduler plans for (tests, benchmarks and the engine read them here).
     running = property(lambda self: self.kv.running, doc="The decoding sequences (row i of the logits).")
@@ -217,6 +218,8 @@ class Scheduler(PrefillPlanner):
         if plain_rows and not plan.joined and not plan.prefill_tokens:  # a steady decode step: what it costs
             self.speculator.observe_plain_step(plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
+        if self._trace is not None:
+            self._trace.record(plan, self.stats, self.kv.meter.moved)
         self._plan = None
         memory_recovery.step_succeeded(self)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections import deque
@@ -23,6 +25,33 @@ def step_breakdown_ms(steps: int, plan: float, prefill: float, decode: float, de
     return {"plan": round(1e3 * plan / n, 3), "prefill": round(1e3 * prefill / n, 3),
             "decode_host": round(1e3 * host / n, 3), "device_wait": round(1e3 * device_wait / n, 3),
             "host_share": round((plan + host) / (plan + decode), 3) if plan + decode > 0 else 0.0}
+
+
+class StepTrace:
+    """One JSON line per engine step, to find which steps are slow and why (``PARALLM_STEP_TRACE=<path>``;
+    off by default). Each line: start time, milliseconds planning / prefilling / decoding and, within the
+    decode, blocked on the device; prefill tokens, decode rows, rows joined and retired, and the KV bytes the
+    pools relocated during the step (a pool grown by a copy, a shrink)."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)  # line-buffered: complete lines whenever the engine stops
+        self._wait = 0.0
+        self._moved = 0
+
+    def record(self, plan, stats, moved: int) -> None:
+        wait, self._wait = stats.device_wait_s - self._wait, stats.device_wait_s
+        moved, self._moved = moved - self._moved, moved
+        self._file.write(json.dumps({
+            "t": round(plan.started, 6), "plan_ms": round(1e3 * plan.plan_s, 3),
+            "prefill_ms": round(1e3 * plan.prefill_s, 3), "decode_ms": round(1e3 * plan.decode_s, 3),
+            "wait_ms": round(1e3 * wait, 3), "prefill_tokens": plan.prefill_tokens,
+            "rows": len(plan.decode_rows), "joined": len(plan.joined), "finished": len(plan.finished),
+            "moved_bytes": moved}) + "\n")
+
+
+def step_trace() -> StepTrace | None:
+    path = os.environ.get("PARALLM_STEP_TRACE")
+    return StepTrace(path) if path else None
 
 
 class EngineStats:

@@ -43,10 +43,11 @@ TIME = {"type": "function", "function": {
 
 def test_sampled_outputs_always_match_a_nested_schema(engine):
     prompt = chat_ids(engine, "Describe a fictional person as JSON with name, age, address (city, zip) and tags.")
-    results = engine.generate([prompt] * 100, max_tokens=88, temperature=1.0, response_format=RF)
+    n = 48  # 100 when written (100/100 stopped); 48 keeps a full batch of samples at half the CI time
+    results = engine.generate([prompt] * n, max_tokens=88, temperature=1.0, response_format=RF)
     stopped = [r for r in results if r.finish_reason == "stop"]
-    print(f"{len(stopped)} of 100 sampled outputs finished with 'stop'")  # 100/100 when written
-    assert len(stopped) >= 80, f"only {len(stopped)} of 100 finished"
+    print(f"{len(stopped)} of {n} sampled outputs finished with 'stop'")
+    assert len(stopped) >= 0.8 * n, f"only {len(stopped)} of {n} finished"
     for r in stopped:
         jsonschema.validate(json.loads(r.text), PERSON)
     for r in results:

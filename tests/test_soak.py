@@ -1,4 +1,4 @@
-"""A two-minute soak (bench_soak.py, the same harness as `parallm bench --workloads soak --minutes N`): the
+"""A one-minute soak (bench_soak.py, the same harness as `parallm bench --workloads soak --minutes N`): the
 in-process engine behind the real HTTP app on loopback, a seeded mix of agent loops, fan-outs, streams, tools,
 JSON schemas, n > 1, seeded and speculative requests, disconnects, cancellations, bad inputs and bursts past the
 queue, under a KV budget small enough to evict all the time. Asserts what must hold however slow the machine:
@@ -13,8 +13,10 @@ from parallm_bench.soak import SoakConfig, format_lines, run_soak
 
 
 @pytest.mark.timeout(900)
-def test_two_minute_soak_ends_clean_with_probes_unchanged():
-    result = run_soak(SoakConfig(minutes=2, interval_s=30, workers=6, target="inproc", seed=7))
+def test_one_minute_soak_ends_clean_with_probes_unchanged():
+    # One minute in four 15 s intervals (two minutes cost the CI run more than they found; the hours-long soak
+    # is `parallm bench --workloads soak`, docs/benchmarks.md).
+    result = run_soak(SoakConfig(minutes=1, interval_s=15, workers=6, target="inproc", seed=7))
     report = "\n".join(format_lines(result))
     assert len(result.intervals) == 4, report
     assert result.server_errors == 0, report

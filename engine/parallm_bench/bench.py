@@ -176,7 +176,7 @@ def _step_ms(start: dict, end: dict) -> dict | None:
         return None
     a, b = start["step_totals_s"], end["step_totals_s"]
     d = {k: b[k] - a[k] for k in a}
-    return step_breakdown_ms(d["steps"], d["plan"], d["prefill"], d["decode"], d["device_wait"])
+    return step_breakdown_ms(d["steps"], d["plan"], d["prefill"], d["decode"], d["device_wait"], d.get("launch", 0.0))
 
 
 # -- mlx-lm baselines ------------------------------------------------------------------------------
@@ -598,6 +598,7 @@ def format_table(result: dict) -> str:
         if steps:  # host work per step beside the device wait: what a GPU's short step would expose
             console.print(f"{name} ParaLLM step ms: plan {steps['plan']:.2f}, prefill {steps['prefill']:.1f}, "
                           f"decode host {steps['decode_host']:.1f}, device wait {steps['device_wait']:.1f} "
+                          f"(launch {steps.get('launch', 0):.1f}) "
                           f"(host share {steps['host_share']:.0%})", highlight=False)
     for name, entry in result["workloads"].items():
         if "skipped" in entry:

@@ -17,13 +17,17 @@ def _percentile(values, q: float) -> float:
     return v[k]
 
 
-def step_breakdown_ms(steps: int, plan: float, prefill: float, decode: float, device_wait: float) -> dict:
+def step_breakdown_ms(steps: int, plan: float, prefill: float, decode: float, device_wait: float,
+                      launch: float = 0.0) -> dict:
     """Mean ms per step: planning, prefill, decode host work (decode minus the device wait), device wait,
-    and the share of plan + decode spent on the host (what must stay small where a GPU step is short)."""
+    of that the launch (``mx.async_eval``: on a GPU, MLX encoding the step's kernels on this thread, host
+    work too; on MLX's CPU backend most of the step's compute), and the share of plan + decode spent on the
+    host (what must stay small where a GPU step is short)."""
     n = max(steps, 1)
     host = max(decode - device_wait, 0.0)
     return {"plan": round(1e3 * plan / n, 3), "prefill": round(1e3 * prefill / n, 3),
             "decode_host": round(1e3 * host / n, 3), "device_wait": round(1e3 * device_wait / n, 3),
+            "launch": round(1e3 * launch / n, 3),
             "host_share": round((plan + host) / (plan + decode), 3) if plan + decode > 0 else 0.0}
 
 
@@ -36,15 +40,17 @@ class StepTrace:
     def __init__(self, path: str):
         self._file = open(path, "a", buffering=1)  # line-buffered: complete lines whenever the engine stops
         self._wait = 0.0
+        self._launch = 0.0
         self._moved = 0
 
     def record(self, plan, stats, moved: int) -> None:
         wait, self._wait = stats.device_wait_s - self._wait, stats.device_wait_s
+        launch, self._launch = stats.launch_s - self._launch, stats.launch_s
         moved, self._moved = moved - self._moved, moved
         self._file.write(json.dumps({
             "t": round(plan.started, 6), "plan_ms": round(1e3 * plan.plan_s, 3),
             "prefill_ms": round(1e3 * plan.prefill_s, 3), "decode_ms": round(1e3 * plan.decode_s, 3),
-            "wait_ms": round(1e3 * wait, 3), "prefill_tokens": plan.prefill_tokens,
+            "wait_ms": round(1e3 * wait, 3), "launch_ms": round(1e3 * launch, 3), "prefill_tokens": plan.prefill_tokens,
             "rows": len(plan.decode_rows), "joined": len(plan.joined), "finished": len(plan.finished),
             "moved_bytes": moved}) + "\n")
 
@@ -94,6 +100,7 @@ class EngineStats:
         self.step_prefill_s = 0.0
         self.step_decode_s = 0.0
         self.device_wait_s = 0.0
+        self.launch_s = 0.0  # of the device wait, inside mx.async_eval (see step_breakdown_ms)
         self.embeddings_finished = 0  # embedding requests delivered (embedding.py)
         self.embedding_tokens = 0  # ... and the tokens they embedded
         self._occupancy_sum = 0
@@ -159,7 +166,7 @@ class EngineStats:
     def step_breakdown_ms(self) -> dict:
         """Mean milliseconds per engine step in each part (see ``__init__``)."""
         return step_breakdown_ms(self.steps, self.step_plan_s, self.step_prefill_s, self.step_decode_s,
-                                 self.device_wait_s)
+                                 self.device_wait_s, self.launch_s)
 
     def publish(self, gauges: dict) -> None:
         """Engine thread, between steps. The dict is replaced whole and never mutated afterwards, so a
@@ -213,7 +220,8 @@ class EngineStats:
             "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "step_ms": self.step_breakdown_ms(),
             "step_totals_s": {"steps": self.steps, "plan": self.step_plan_s, "prefill": self.step_prefill_s,
-                              "decode": self.step_decode_s, "device_wait": self.device_wait_s},
+                              "decode": self.step_decode_s, "device_wait": self.device_wait_s,
+                              "launch": self.launch_s},
             "ttft_p50_s": _percentile(ttft, 0.5),
             "ttft_p95_s": _percentile(ttft, 0.95),
             "itl_p50_s": _percentile(itl, 0.5),

@@ -90,7 +90,9 @@ class DecodeRunner:
         here counts as device time in the step breakdown (stats.step_breakdown_ms)."""
         t0 = time.perf_counter()
         mx.async_eval([x for x in sampled if x is not None])
-        self.stats.device_wait_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.device_wait_s += dt
+        self.stats.launch_s += dt
 
     # The speculator's view of the engine: it verifies on this runner's batch and model.
     @property

@@ -341,14 +341,20 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
     # On a GPU MLX compiles kernels the first time it meets a graph, and the systems share that cache: the one
     # run first would pay for the others (measured on an H100: ParaLLM 1.72 s TTFT cold, 0.18 s warm; mlx-lm
-    # 3.96 s / 0.06 s). There each system runs the workload once untimed first. The CPU compiles nothing.
-    warm = (lambda fn: (fn(), fn())[1]) if engine.backend.device != "cpu" else (lambda fn: fn())
-    result["env"]["warm_up_runs"] = engine.backend.device != "cpu"
+    # 3.96 s / 0.06 s). There each system runs the workload untimed first: mlx-lm once (its graph is the same
+    # every run), ParaLLM twice, because its steps follow the measured prefill rate: a second run of the same
+    # fan-out split its joins in two waves where the first had one, met the late join onto a shared prefix for
+    # the first time and stalled 4.1 s compiling (H200, 2026-11-26; the step trace showed it). The CPU compiles
+    # nothing.
+    gpu = engine.backend.device != "cpu"
+    warm = (lambda fn: (fn(), fn())[1]) if gpu else (lambda fn: fn())
+    warm_parallm = (lambda fn: (fn(), fn(), fn())[2]) if gpu else (lambda fn: fn())
+    result["env"]["warm_up_runs"] = {"parallm": 2, "baselines": 1} if gpu else 0
 
     if "throughput" in workloads:
         prompts = [p[: sz.prompt_len - (i % 7)] for i, p in enumerate(_prompts(rng, sz.n, sz.prompt_len, vocab))]
         tick("throughput: parallm")
-        entry = {"parallm": warm(lambda: run_parallm(engine, prompts, sz.new_tokens))}
+        entry = {"parallm": warm_parallm(lambda: run_parallm(engine, prompts, sz.new_tokens))}
         tick("throughput: mlx-lm BatchGenerator")
         entry["mlx_lm_batch"] = _on_engine(engine, lambda: warm(lambda: run_mlx_lm_batch(model, prompts, sz.new_tokens)))
         tick("throughput: sequential mlx_lm.generate")
@@ -362,7 +368,7 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
         prefix = _prompts(rng, 1, sz.prefix_len, vocab)[0]
         prompts = [prefix + s for s in _prompts(rng, sz.n, sz.suffix_len, vocab)]
         tick("fanout: parallm")
-        entry = {"parallm": warm(lambda: run_parallm(engine, prompts, sz.fan_new))}
+        entry = {"parallm": warm_parallm(lambda: run_parallm(engine, prompts, sz.fan_new))}
         tick("fanout: parallm, prefix cache off")
         entry["parallm_no_prefix_cache"] = warm(lambda: _without_prefix_cache(engine, prompts, sz.fan_new))
 

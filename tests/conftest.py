@@ -14,6 +14,10 @@ import pytest
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import parallm_engine  # noqa: E402,F401  (preloads BLAS before mlx)
+from parallm_engine.kv.kv_pages import PagedLaneKV  # noqa: E402
+
+# Every engine step in the suite checks the slot table it kept from the last step against a full build.
+PagedLaneKV.VERIFY_TABLE = True
 
 
 @pytest.fixture(scope="session")

@@ -201,6 +201,8 @@ class PagedLaneKV:
     """A decode lane's KV: the page pool, each row's pages, and one :class:`PagedLayerKV` per layer
     (``layers``: what the model is called with)."""
 
+    VERIFY_TABLE = False  # tests set it: every step's kept slot table is checked against a full build
+
     def __init__(self, n_layers: int, fmt=None, meter: KVWriteMeter | None = None):
         self.fmt = fmt
         self.meter = meter if meter is not None else KVWriteMeter()
@@ -224,6 +226,8 @@ class PagedLaneKV:
         self.native = None  # the native kernels module when it writes this step's KV (begin)
         self.ws = DecodeWorkingSet()  # the working set kept between plain decode steps (decode_working_set)
         self.native_reads = False  # the model's attention hook reads the pool (native CPU kernel, gpu_attention)
+        self._kept_table: np.ndarray | None = None  # the last plain step's slot table (_table)
+        self._kept_lengths: list[int] = []
 
     def lengths(self) -> list[int]:
         """Each row's own tokens (after the shared prefix when it continues one)."""
@@ -340,6 +344,7 @@ class PagedLaneKV:
     def _shrink(self) -> None:
         """Renumber the used pages to the front and cut the arrays to match (one gather per array)."""
         self.ws.invalidate(self.layers)
+        self._kept_table = None
         mapping = self.pool.remap()
         order = [0] + sorted(mapping, key=mapping.get)
         gather = (np.asarray(order, dtype=np.int32)[:, None] * PAGE + np.arange(PAGE, dtype=np.int32)).ravel()
@@ -378,20 +383,15 @@ class PagedLaneKV:
         self.native = native
         self.native_reads = native_reads and (native is not None or gpu_attention.available())
         before = self.positions()
-        write = []
+        starts = [row.length for row in self.rows]
         for row, w in zip(self.rows, widths):
-            start = row.length
             row.grow(self.pool, w)
-            write.append(row.slots(start))
         lengths = self.lengths()
         T = max(lengths, default=0)
         W = max(widths, default=0)
-        table = np.zeros((len(self.rows), T), dtype=np.int32)  # padding reads page 0
-        for i, row in enumerate(self.rows):
-            if row.length:
-                table[i, T - row.length :] = row.slots()
+        table, write = self._table(T, starts, widths)
         self._step_index = {}
-        self.step_write = mx.array(np.concatenate(write) if write else np.zeros(0, dtype=np.int32))
+        self.step_write = mx.array(write)
         self.step_table = mx.array(table)
         self.step_starts = mx.array([T - L for L in lengths], dtype=mx.int32)  # each row's first column
         keys = self.layers[0].keys
@@ -422,6 +422,34 @@ class PagedLaneKV:
         for layer in self.layers:
             layer.offset = offset
 
+    def _table(self, T: int, starts: list[int], widths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The step's left-padded (B, T) slot table and the slots its new positions are written to. After a
+        plain decode step of the same rows (nothing else changed them: :meth:`_sync` and :meth:`_shrink`
+        forget the kept table) that is the last step's table plus one column, built from the rows' new
+        slots alone (the full build walks every row's pages: host time a short GPU step waits for)."""
+        kept, self._kept_table = self._kept_table, None
+        B = len(self.rows)
+        if kept is not None and kept.shape == (B, T - 1) and all(w == 1 for w in widths) \
+                and self._kept_lengths == starts and B:
+            write = np.fromiter((row.slot(row.length - 1) for row in self.rows), dtype=np.int32, count=B)
+            table = np.concatenate([kept, write[:, None]], axis=1)
+        else:
+            table = np.zeros((B, T), dtype=np.int32)  # padding reads page 0
+            for i, row in enumerate(self.rows):
+                if row.length:
+                    table[i, T - row.length :] = row.slots()
+            parts = [row.slots(s) for row, s in zip(self.rows, starts)]
+            write = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        if self.VERIFY_TABLE:  # tests: the kept table equals the full build
+            full = np.zeros((B, T), dtype=np.int32)
+            for i, row in enumerate(self.rows):
+                if row.length:
+                    full[i, T - row.length :] = row.slots()
+            assert np.array_equal(table, full), "kept slot table differs from the rows' pages"
+        if all(w == 1 for w in widths):
+            self._kept_table, self._kept_lengths = table, [row.length for row in self.rows]
+        return table, write
+
     def step_index(self, KH: int, S: int) -> mx.array:
         """(B, KH, T) rows of a pool flattened to (KH x S, D) that make this step's working set (built once
         per step and pool shape, shared by the layers)."""
@@ -432,6 +460,7 @@ class PagedLaneKV:
 
     def _sync(self) -> None:
         self.ws.invalidate(self.layers)  # the rows changed other than by a decode step's column
+        self._kept_table = None
         self.step_write = self.step_table = self.step_mask = self.step_starts = None
         self._step_index = {}
         self.ragged = None

@@ -160,6 +160,14 @@ class PageRow:
         own = self._own_slots(max(start, B) - B, end - B)
         return own if start >= B else np.concatenate([self.borrowed[start:], own])
 
+    def slot(self, t: int) -> int:
+        """The pool slot of token ``t`` (one token: :meth:`slots` without building arrays)."""
+        B = len(self.borrowed)
+        if t < B:
+            return int(self.borrowed[t])
+        k = self.head + t - B
+        return self.pages[k // PAGE] * PAGE + k % PAGE
+
     def _own_slots(self, start: int, end: int) -> np.ndarray:
         first, last = (self.head + start) // PAGE, (self.head + end - 1) // PAGE + 1
         base = np.asarray(self.pages[first:last], dtype=np.int32)[:, None] * PAGE

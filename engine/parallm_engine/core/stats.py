@@ -34,7 +34,7 @@ def step_breakdown_ms(steps: int, plan: float, prefill: float, decode: float, de
 class StepTrace:
     """One JSON line per engine step, to find which steps are slow and why (``PARALLM_STEP_TRACE=<path>``;
     off by default). Each line: start time, milliseconds planning / prefilling / decoding and, within the
-    decode, blocked on the device; prefill tokens, decode rows, rows joined and retired, and the KV bytes the
+    decode, blocked on the device (``wait_ms``; of that inside ``mx.async_eval``: ``launch_ms``); prefill tokens, decode rows, rows joined and retired, and the KV bytes the
     pools relocated during the step (a pool grown by a copy, a shrink)."""
 
     def __init__(self, path: str):

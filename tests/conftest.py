@@ -20,6 +20,20 @@ from parallm_engine.kv.kv_pages import PagedLaneKV  # noqa: E402
 PagedLaneKV.VERIFY_TABLE = True
 
 
+# The files that take longest (per-file times of a CI-class run), started first: `scripts/test` hands whole
+# files to two workers in collection order, and a long file handed out last keeps one worker busy alone.
+_LONG_FILES_FIRST = ("test_soak.py", "integration_tests/", "test_model_zoo.py", "test_kv_quant.py",
+                     "test_remote_without_mlx.py", "test_llama_index_remote.py", "test_clients.py", "test_vision.py",
+                     "test_constrained.py", "test_engine.py", "test_speculative_draft.py", "test_server.py", "test_bf16.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        return next((i for i, name in enumerate(_LONG_FILES_FIRST) if name in item.nodeid), len(_LONG_FILES_FIRST))
+
+    items.sort(key=rank)  # stable: a file's tests keep their order, other files theirs
+
+
 @pytest.fixture(scope="session")
 def engine():
     """The process-wide engine on the embedded default model (SmolLM2-135M-Instruct, fp32 on CPU)."""

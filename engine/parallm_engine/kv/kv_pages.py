@@ -429,26 +429,26 @@ class PagedLaneKV:
         slots alone (the full build walks every row's pages: host time a short GPU step waits for)."""
         kept, self._kept_table = self._kept_table, None
         B = len(self.rows)
-        if kept is not None and kept.shape == (B, T - 1) and all(w == 1 for w in widths) \
-                and self._kept_lengths == starts and B:
+        plain = all(w == 1 for w in widths)
+        if kept is not None and kept.shape == (B, T - 1) and plain and self._kept_lengths == starts and B:
             write = np.fromiter((row.slot(row.length - 1) for row in self.rows), dtype=np.int32, count=B)
             table = np.concatenate([kept, write[:, None]], axis=1)
+            if self.VERIFY_TABLE:  # tests: the kept table equals the full build
+                assert np.array_equal(table, self._full_table(T)), "kept slot table differs from the rows' pages"
         else:
-            table = np.zeros((B, T), dtype=np.int32)  # padding reads page 0
-            for i, row in enumerate(self.rows):
-                if row.length:
-                    table[i, T - row.length :] = row.slots()
+            table = self._full_table(T)
             parts = [row.slots(s) for row, s in zip(self.rows, starts)]
             write = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        if self.VERIFY_TABLE:  # tests: the kept table equals the full build
-            full = np.zeros((B, T), dtype=np.int32)
-            for i, row in enumerate(self.rows):
-                if row.length:
-                    full[i, T - row.length :] = row.slots()
-            assert np.array_equal(table, full), "kept slot table differs from the rows' pages"
-        if all(w == 1 for w in widths):
+        if plain:
             self._kept_table, self._kept_lengths = table, [row.length for row in self.rows]
         return table, write
+
+    def _full_table(self, T: int) -> np.ndarray:
+        table = np.zeros((len(self.rows), T), dtype=np.int32)  # padding reads page 0
+        for i, row in enumerate(self.rows):
+            if row.length:
+                table[i, T - row.length :] = row.slots()
+        return table
 
     def step_index(self, KH: int, S: int) -> mx.array:
         """(B, KH, T) rows of a pool flattened to (KH x S, D) that make this step's working set (built once

@@ -408,3 +408,27 @@ def test_context_and_concurrency_knobs_and_the_path_heading(tiny_engine):
     assert result["env"]["sizes"]["prompt_len"] == 40 and result["env"]["sizes"]["n"] == 3
     table = bench.format_table(result)
     assert f"engine path: {bench.PATH_TITLES[tiny_engine.backend.name]}; 3 concurrent, 40-token prompts" in table
+
+
+def test_launch_probe_times_mlx_lm_s_decode_step_in_three_parts(tiny_engine):
+    """parallm_bench.launch_probe's replay of mlx-lm's batched decode step: its parts add up to the step, and
+    the replay's greedy tokens are mlx-lm's own (what the probe times is the real step)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    from parallm_bench.launch_probe import mlx_lm_steps
+
+    prompts = [[200 + (i * 37 + j * 11) % 500 for j in range(12)] for i in range(4)]
+    got = mlx_lm_steps(tiny_engine.model, prompts, 12, tokens=True)
+    assert all(got[k] >= 0 for k in ("build", "launch", "wait"))
+    assert abs(got["build"] + got["launch"] + got["wait"] - got["step"]) < 0.01  # ms, each rounded to 0.001
+    gen = BatchGenerator(tiny_engine.model, max_tokens=13, stop_tokens=None, completion_batch_size=4,
+                         prefill_batch_size=4)
+    uids = gen.insert(prompts, [13] * 4)
+    ref = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            ref[r.uid].append(r.token)
+    gen.close()
+    assert got["tokens"] == [ref[u] for u in uids]
+    mx.clear_cache()

@@ -18,8 +18,9 @@ import statistics
 import time
 
 
-def mlx_lm_steps(model, prompts: list[list[int]], steps: int) -> dict:
-    """Mean ms per decode step of mlx-lm's batched decode, split into graph build, launch and wait."""
+def mlx_lm_steps(model, prompts: list[list[int]], steps: int, tokens: bool = False) -> dict:
+    """Mean ms per decode step of mlx-lm's batched decode, split into graph build, launch and wait
+    (``tokens``: also each prompt's greedy tokens, the prefill's first, under "tokens")."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
@@ -29,7 +30,8 @@ def mlx_lm_steps(model, prompts: list[list[int]], steps: int) -> dict:
     lp = list(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     mx.eval(y, lp)
     build, launch, wait, total = [], [], [], []
-    for _ in range(steps):
+    out = [[t] for t in y.tolist()]
+    for i in range(steps):
         t0 = time.perf_counter()
         logits = model(y[:, None], cache=cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -39,8 +41,11 @@ def mlx_lm_steps(model, prompts: list[list[int]], steps: int) -> dict:
         mx.async_eval(nxt, nxt_lp)
         t2 = time.perf_counter()
         mx.eval(y, lp)
-        y.tolist()
+        prev = y.tolist()
         t3 = time.perf_counter()
+        if tokens and i > 0:
+            for row, t in zip(out, prev):
+                row.append(t)
         y, lp = nxt, nxt_lp
         build.append(t1 - t0)
         launch.append(t2 - t1)
@@ -48,7 +53,12 @@ def mlx_lm_steps(model, prompts: list[list[int]], steps: int) -> dict:
         total.append(t3 - t0)
     skip = min(8, steps // 4)  # the first steps compile
     ms = lambda xs: round(1e3 * statistics.mean(xs[skip:]), 3)  # noqa: E731
-    return {"build": ms(build), "launch": ms(launch), "wait": ms(wait), "step": ms(total)}
+    result = {"build": ms(build), "launch": ms(launch), "wait": ms(wait), "step": ms(total)}
+    if tokens:
+        for row, t in zip(out, y.tolist()):
+            row.append(t)
+        result["tokens"] = out
+    return result
 
 
 def main() -> int:
@@ -71,8 +81,8 @@ def main() -> int:
     if args.only != "mlx-lm":
         for rep in ("warm 1", "warm 2", "timed"):
             r = run_parallm(eng, prompts, args.steps)
-            print(f"parallm {rep:7} itl50 {r['itl_p50_s'] * 1e3:7.2f} ms  tok/s {r['tok_s']:8.1f}  step_ms {r['step_ms']}",
-                  flush=True)
+            print(f"parallm {rep:7} itl50 {r['itl_p50_s'] * 1e3:7.2f} ms  tok/s {r['tok_s']:8.1f}"
+                  f"  step_ms {r['step_ms']}", flush=True)
     model = eng.model
     eng.shutdown()
     if args.only != "parallm":

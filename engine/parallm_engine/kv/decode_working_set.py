@@ -63,15 +63,16 @@ class DecodeWorkingSet:
         for layer in layers:
             layer.ws = None
 
-    def plan(self, table: np.ndarray, eligible: bool, slot_bytes: int, layers) -> None:
+    def plan(self, table: np.ndarray, extends: bool, eligible: bool, slot_bytes: int, layers) -> None:
         """Before a step whose left-padded slot table is ``table``: append its last column if the arrays
-        hold the table less that column, else rebuild them (``eligible``: a plain one-position step of float
-        KV that attention reads as a working set; ``slot_bytes``: one slot's KV over all layers)."""
+        hold the table less that column, else rebuild them. ``extends``: ``table`` is the previous step's
+        table plus a column (the lane knows: :meth:`PagedLaneKV._table`); ``eligible``: a plain one-position
+        step of float KV that attention reads as a working set; ``slot_bytes``: one slot's KV over all layers."""
         B, T = table.shape
         self.mode = None
         eligible = eligible and B > 0 and enabled_by_env()
-        prev = self.table
-        grew = eligible and prev is not None and prev.shape == (B, T - 1) and np.array_equal(table[:, : T - 1], prev)
+        prev = self.table  # the previous step's table where it was eligible too (else invalidated: None)
+        grew = eligible and extends and prev is not None and prev.shape == (B, T - 1)
         if grew and T <= self.capacity:
             self.mode = "append"
             self.appends += 1

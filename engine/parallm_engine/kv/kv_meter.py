@@ -11,6 +11,8 @@ reports the three under ``"memory"``.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from parallm_engine.kv import kv_quant as kvq
 
 
@@ -29,6 +31,14 @@ class KVWriteMeter:
 
     def wrote(self, *xs) -> None:
         self.written += nbytes(*xs)
+
+    def wrote_pair(self, keys, values) -> None:
+        """One layer's keys and values (every layer of every step: float arrays counted without the
+        general walk)."""
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+            self.written += keys.nbytes + values.nbytes
+        else:
+            self.written += nbytes(keys, values)
 
     def as_dict(self) -> dict:
         return {"kv_bytes_written": self.written, "kv_bytes_moved": self.moved, "kv_positions_decoded": self.decoded}

@@ -106,7 +106,7 @@ class PagedLayerKV:
         self._ensure(keys, values)
         self.keys[:, slots] = keys
         self.values[:, slots] = values
-        self.lane.meter.wrote(keys, values)
+        self.lane.meter.wrote_pair(keys, values)
 
     def write_new(self, keys: mx.array, values: mx.array, slots: mx.array, native=None, real=None) -> None:
         """Store a forward's (B, KH, n, D) new keys and values at ``slots`` (one per position, row by row).
@@ -119,7 +119,7 @@ class PagedLayerKV:
             self._ensure(keys, values)
             self.keys = native.paged_write(self.keys, keys, slots)
             self.values = native.paged_write(self.values, values, slots)
-            self.lane.meter.wrote(keys, values)
+            self.lane.meter.wrote_pair(keys, values)
             return
         k, v = by_slot(kvq.store(keys, fmt)), by_slot(kvq.store(values, fmt))
         if real is not None:
@@ -168,12 +168,13 @@ class PagedLayerKV:
         return mask[:, :, None]
 
     def native_inputs(self):
-        """(keys pool, values pool, slot table) for the native kernel, each pool (1, KH, slots, D), or
-        None where it must not read them: quantized KV, or a model whose attention is not just the
-        layer's keys and values into the engine's hook (MLA attends over its latents as keys and values)."""
+        """(keys pool, values pool, slot table) for the kernel reading the pool, each pool (KH, slots, D),
+        or None where it must not read them: quantized KV, or a model whose attention is not just the
+        layer's keys and values into the engine's hook (MLA attends over its latents as keys and values).
+        Called for every layer of every step: no MLX op here (host time a short GPU step waits for)."""
         if not self.lane.native_reads or self.keys is None or isinstance(self.keys, kvq.QuantizedKV):
             return None
-        return self.keys[None], self.values[None], self.lane.step_table
+        return self.keys, self.values, self.lane.step_table
 
     @property
     def ragged(self) -> "RaggedStep | None":
@@ -389,13 +390,16 @@ class PagedLaneKV:
         lengths = self.lengths()
         T = max(lengths, default=0)
         W = max(widths, default=0)
-        table, write = self._table(T, starts, widths)
+        table, write, extends = self._table(T, starts, widths)
         self._step_index = {}
         self.step_write = mx.array(write)
         self.step_table = mx.array(table)
         self.step_starts = mx.array([T - L for L in lengths], dtype=mx.int32)  # each row's first column
         keys = self.layers[0].keys
-        self.ws.plan(table, isinstance(n, int) and n == 1 and not self.native_reads and self.fmt is None
+        held = self.ws.table
+        if self.VERIFY_TABLE and extends and held is not None and held.shape == (len(self.rows), T - 1):
+            assert np.array_equal(table[:, :-1], held), "the working set holds another table"
+        self.ws.plan(table, extends, isinstance(n, int) and n == 1 and not self.native_reads and self.fmt is None
                      and isinstance(keys, mx.array), self.nbytes() // keys.shape[1] if keys is not None else 0,
                      self.layers)
         if W == 1 and len(set(lengths)) <= 1:
@@ -422,15 +426,17 @@ class PagedLaneKV:
         for layer in self.layers:
             layer.offset = offset
 
-    def _table(self, T: int, starts: list[int], widths: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The step's left-padded (B, T) slot table and the slots its new positions are written to. After a
-        plain decode step of the same rows (nothing else changed them: :meth:`_sync` and :meth:`_shrink`
-        forget the kept table) that is the last step's table plus one column, built from the rows' new
-        slots alone (the full build walks every row's pages: host time a short GPU step waits for)."""
+    def _table(self, T: int, starts: list[int], widths: list[int]) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The step's left-padded (B, T) slot table, the slots its new positions are written to, and whether
+        the table extends the last step's by a column. After a plain decode step of the same rows (nothing
+        else changed them: :meth:`_sync` and :meth:`_shrink` forget the kept table) it does, and is built
+        from the rows' new slots alone (the full build walks every row's pages: host time a short GPU step
+        waits for)."""
         kept, self._kept_table = self._kept_table, None
         B = len(self.rows)
         plain = all(w == 1 for w in widths)
-        if kept is not None and kept.shape == (B, T - 1) and plain and self._kept_lengths == starts and B:
+        extends = kept is not None and kept.shape == (B, T - 1) and plain and self._kept_lengths == starts and B > 0
+        if extends:
             write = np.fromiter((row.slot(row.length - 1) for row in self.rows), dtype=np.int32, count=B)
             table = np.concatenate([kept, write[:, None]], axis=1)
             if self.VERIFY_TABLE:  # tests: the kept table equals the full build
@@ -441,7 +447,7 @@ class PagedLaneKV:
             write = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
         if plain:
             self._kept_table, self._kept_lengths = table, [row.length for row in self.rows]
-        return table, write
+        return table, write, extends
 
     def _full_table(self, T: int) -> np.ndarray:
         table = np.zeros((len(self.rows), T), dtype=np.int32)  # padding reads page 0

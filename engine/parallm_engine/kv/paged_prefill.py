@@ -160,7 +160,7 @@ class PagedPrefillKV:
     def native_inputs(self):
         if not self.step.reads_pool or isinstance(self.layer.keys, kvq.QuantizedKV):
             return None
-        return self.layer.keys[None], self.layer.values[None], self.step.table
+        return self.layer.keys, self.layer.values, self.step.table
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:

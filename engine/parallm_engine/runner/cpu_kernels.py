@@ -457,13 +457,13 @@ def _engine_sdpa(orig_sdpa):
         paged = cache.native_inputs() if hasattr(cache, "native_inputs") else None
         if paged is not None:
             out = None
-            if sinks is None and is_enabled():
-                out = _native_attention(queries, paged[0], paged[1], scale, mask, shared,
+            if sinks is None and is_enabled():  # the CPU kernel reads (1, KH, slots, D) pools
+                out = _native_attention(queries, paged[0][None], paged[1][None], scale, mask, shared,
                                         cache.shared_values if shared is not None else None,
                                         cache.shared_mask if shared is not None else None, table=paged[2])
             elif sinks is None and getattr(cache, "step_starts", None) is not None \
-                    and gpu_attention.applies(queries, cache.keys, cache.mask_5d):  # a decode step's rows
-                out = gpu_attention.attention(queries, cache.keys, cache.values, paged[2], cache.step_starts,
+                    and gpu_attention.applies(queries, paged[0], cache.mask_5d):  # a decode step's rows
+                out = gpu_attention.attention(queries, paged[0], paged[1], paged[2], cache.step_starts,
                                               scale, shared, cache.shared_values if shared is not None else None,
                                               cache.shared_mask if shared is not None else None)
             if out is not None:

@@ -196,7 +196,9 @@ def applies(queries: mx.array, kpool, mask_5d: bool) -> bool:
             and queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[1] % kpool.shape[-3] == 0)
 
 
+@functools.lru_cache(maxsize=16)
 def _float_bits(x: float) -> int:
+    """A float32's bits as an int (a template argument); cached: every layer of every step asks for one."""
     return int(np.array([x], dtype=np.float32).view(np.int32)[0])
 
 

@@ -375,3 +375,44 @@ def test_step_trace_has_a_line_per_step_that_adds_up(engine, tmp_path, monkeypat
     assert sum(s["prefill_tokens"] for s in steps) > 0 and max(s["rows"] for s in steps) == 3
     assert all(0 <= s["launch_ms"] <= s["wait_ms"] <= s["decode_ms"] + s["prefill_ms"] + 1e-3 for s in steps)
     assert summary(steps)[0].startswith(f"{len(steps)} steps")
+
+
+def test_async_deliveries_reach_a_loop_once_per_step(tiny_engine):
+    """The engine thread hands each event loop a step's deliveries in one call (core.request.batched_deliveries):
+    8 streams on one loop wake it about once per step, not once per row and token, and every stream still gets
+    its tokens, in order, equal to a plain generate."""
+    calls = []
+
+    class CountingLoop(asyncio.SelectorEventLoop):
+        def call_soon_threadsafe(self, callback, *args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                calls.append(callback)
+            return super().call_soon_threadsafe(callback, *args, **kwargs)
+
+    prompts = [[300 + 7 * i + j for j in range(10)] for i in range(8)]
+    expected = [r.token_ids for r in tiny_engine.generate(prompts, max_tokens=24, temperature=0, ignore_eos=True)]
+    steps0 = tiny_engine.stats()["decode_steps"]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [tiny_engine.submit(p, loop=loop, max_tokens=24, temperature=0, ignore_eos=True) for p in prompts]
+
+        async def collect(h):
+            ids = []
+            async for d in h:
+                ids.extend(d.token_ids)
+            return ids
+
+        return await asyncio.gather(*(collect(h) for h in handles))
+
+    loop = CountingLoop()
+    try:
+        got = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert got == expected
+    steps = tiny_engine.stats()["decode_steps"] - steps0
+    assert 0 < steps < 40
+    # one call per engine step that delivered anything (prefill steps included), never one per row
+    assert len(calls) <= steps + 8, (len(calls), steps)
+    assert len(calls) < 8 * 24 / 3

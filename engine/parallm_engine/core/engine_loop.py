@@ -18,6 +18,7 @@ from parallm_engine.runner import lora
 from parallm_engine.core import memory_recovery
 from parallm_engine.errors import EngineDeadError
 from parallm_engine.core.memory_recovery import is_allocation_failure
+from parallm_engine.core.request import batched_deliveries
 
 logger = logging.getLogger("parallm_engine")
 
@@ -137,7 +138,8 @@ class EngineLoop:
                 continue
             t0 = time.monotonic()
             try:
-                sched.step()  # schedule() -> runner.execute(plan) -> update(plan)
+                with batched_deliveries():  # each consumer loop gets the step's deliveries at once
+                    sched.step()  # schedule() -> runner.execute(plan) -> update(plan)
             except Exception as exc:
                 if is_allocation_failure(exc):  # preempt and resume; fails no request that can still run
                     memory_recovery.recover(sched, exc)

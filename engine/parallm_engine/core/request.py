@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +126,38 @@ class _Done:
         self.error = error
 
 
+_delivery = threading.local()  # the engine thread's deliveries of the current step, per event loop
+
+
+@contextlib.contextmanager
+def batched_deliveries():
+    """Deliveries to async consumers made in the block on this thread reach each event loop in one call at
+    its end (the engine thread wraps each step). One ``call_soon_threadsafe`` per row and token would wake
+    the consumers' loop once per row; the woken loop then asks for the GIL while the engine thread is still
+    delivering, and the engine thread is made to yield it at the next switch interval (5 ms): on a GPU,
+    where a step is a few ms of host work, that is a step's length. Once per step, the loop runs while the
+    engine thread waits in MLX (which releases the GIL)."""
+    if getattr(_delivery, "pending", None) is not None:  # already inside a step's block
+        yield
+        return
+    pending: dict = {}
+    _delivery.pending = pending
+    try:
+        yield
+    finally:
+        _delivery.pending = None
+        for loop, items in pending.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                pass
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class Channel:
     """Carries deliveries from the engine thread to one consumer.
 
@@ -142,6 +176,10 @@ class Channel:
     def put(self, item) -> None:
         if self.loop is None:
             self._q.put(item)
+            return
+        pending = getattr(_delivery, "pending", None)
+        if pending is not None:  # inside an engine step: handed over with the step's others
+            pending.setdefault(self.loop, []).append((self._q, item))
         else:
             try:
                 self.loop.call_soon_threadsafe(self._q.put_nowait, item)

@@ -137,9 +137,6 @@ def batched_deliveries():
     delivering, and the engine thread is made to yield it at the next switch interval (5 ms): on a GPU,
     where a step is a few ms of host work, that is a step's length. Once per step, the loop runs while the
     engine thread waits in MLX (which releases the GIL)."""
-    if getattr(_delivery, "pending", None) is not None:  # already inside a step's block
-        yield
-        return
     pending: dict = {}
     _delivery.pending = pending
     try:

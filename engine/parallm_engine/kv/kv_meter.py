@@ -17,8 +17,15 @@ from parallm_engine.kv import kv_quant as kvq
 
 
 def nbytes(*xs) -> int:
-    """Bytes of stored KV (float arrays or ``kv_quant.QuantizedKV``)."""
-    return sum(a.nbytes for x in xs if x is not None for a in kvq.arrays(x))
+    """Bytes of stored KV (float arrays or ``kv_quant.QuantizedKV``). Every layer of every step counts its
+    writes here: a float array is counted without the walk over a quantized one's parts."""
+    total = 0
+    for x in xs:
+        if isinstance(x, mx.array):
+            total += x.nbytes
+        elif x is not None:
+            total += sum(a.nbytes for a in kvq.arrays(x))
+    return total
 
 
 class KVWriteMeter:
@@ -31,14 +38,6 @@ class KVWriteMeter:
 
     def wrote(self, *xs) -> None:
         self.written += nbytes(*xs)
-
-    def wrote_pair(self, keys, values) -> None:
-        """One layer's keys and values (every layer of every step: float arrays counted without the
-        general walk)."""
-        if isinstance(keys, mx.array) and isinstance(values, mx.array):
-            self.written += keys.nbytes + values.nbytes
-        else:
-            self.written += nbytes(keys, values)
 
     def as_dict(self) -> dict:
         return {"kv_bytes_written": self.written, "kv_bytes_moved": self.moved, "kv_positions_decoded": self.decoded}

@@ -106,7 +106,7 @@ class PagedLayerKV:
         self._ensure(keys, values)
         self.keys[:, slots] = keys
         self.values[:, slots] = values
-        self.lane.meter.wrote_pair(keys, values)
+        self.lane.meter.wrote(keys, values)
 
     def write_new(self, keys: mx.array, values: mx.array, slots: mx.array, native=None, real=None) -> None:
         """Store a forward's (B, KH, n, D) new keys and values at ``slots`` (one per position, row by row).
@@ -119,7 +119,7 @@ class PagedLayerKV:
             self._ensure(keys, values)
             self.keys = native.paged_write(self.keys, keys, slots)
             self.values = native.paged_write(self.values, values, slots)
-            self.lane.meter.wrote_pair(keys, values)
+            self.lane.meter.wrote(keys, values)
             return
         k, v = by_slot(kvq.store(keys, fmt)), by_slot(kvq.store(values, fmt))
         if real is not None:

@@ -74,6 +74,42 @@ def test_mlx_limits_per_device(clean_limits):
     assert mlx_limits("cpu", 2 * GiB, 256 << 20, 0)["cache"] == memory_budget.CACHE_LIMIT_FLOOR
 
 
+def test_working_sets_take_what_the_kv_budget_leaves_free():
+    """The kept decode working sets (a copy of the running rows' own tokens where attention reads no pool):
+    memory left beside the weights, the KV budget and a headroom, at most the budget, at least the buffer
+    cache's share (what the engine allowed before)."""
+    ws = memory_budget.working_set_bytes
+    assert ws(24 * GiB, 6 * GiB, GiB) == 6 * GiB  # plenty free: as much as the rows could hold
+    assert ws(16 * GiB, 8 * GiB, 5 * GiB) == memory_budget.buffer_cache_bytes(8 * GiB)  # nothing free: the floor
+    free = int(16 * GiB * (1 - memory_budget.WORKING_SET_HEADROOM)) - 2 * GiB - 6 * GiB
+    assert ws(16 * GiB, 6 * GiB, 2 * GiB) == free and memory_budget.buffer_cache_bytes(6 * GiB) < free < 6 * GiB
+
+
+def test_the_kept_working_set_limit_follows_the_kv_budget(tiny_engine):
+    """The decode batch's limit is the engine's working-set bytes within the KV budget in effect: an
+    allocation failure that lowers the budget (memory_recovery) lowers it too."""
+    from parallm_engine.core.engine import _weight_bytes
+
+    sched = tiny_engine._scheduler
+    config, kv = sched.config, sched.kv
+    assert config.working_set_bytes == memory_budget.working_set_bytes(
+        tiny_engine.backend.memory_bytes, config.kv_budget_bytes, _weight_bytes(tiny_engine.model))
+    saved = config.kv_budget_bytes, config.working_set_bytes
+    try:
+        kv.reserve_decode()
+        assert kv.batch.working_set_limit == max(memory_budget.buffer_cache_bytes(saved[0]),
+                                                 min(saved[1], saved[0]))
+        config.kv_budget_bytes, config.working_set_bytes = 4 * GiB, 16 * GiB
+        kv.reserve_decode()
+        assert kv.batch.working_set_limit == 4 * GiB
+        config.kv_budget_bytes = 256 << 20  # lowered after a failure: the buffer cache's floor
+        kv.reserve_decode()
+        assert kv.batch.working_set_limit == memory_budget.CACHE_LIMIT_FLOOR
+    finally:
+        config.kv_budget_bytes, config.working_set_bytes = saved
+        kv.reserve_decode()
+
+
 def test_apply_never_lowers_another_engines_limit(clean_limits):
     fake = _FakeMX()
     apply_mlx_limits({"cache": 2 * GiB, "memory": 16 * GiB}, mx=fake)

@@ -106,3 +106,44 @@ def test_a_batch_of_uneven_prompts_and_a_chunked_prompt_write_only_real_position
     uneven = [words(n, seed=n) for n in (9, 23, 40, 17)]
     _once(eng, *_run(eng, uneven))
     _once(eng, *_run(eng, [words(300, seed=3)]))
+
+
+def test_long_prompts_chunk_side_by_side_on_the_lanes_streams(fresh, words):
+    """Where prefill forwards run one per lane's stream (a multi-lane CPU without the native kernels: each
+    on its own core), long contexts are chunked one per stream in the same step: both cores prefill. Each
+    KV token is still written once, the answers equal each prompt alone, and a prompt whose uncached
+    prefix another chunked prompt is computing waits for the radix tree instead (computed once)."""
+    eng = fresh(backend="cpu-mlx", decode_lanes=2, prefill_chunk=64, prefill_budget=128)
+    runner = eng._scheduler.runner
+    assert runner.prefill_streams == 2
+    items = []
+    prefill = runner.prefill
+
+    def record(work):
+        items.append((work.kind, len(work.seqs), list(work.new)))
+        return prefill(work)
+
+    runner.prefill = record
+    prompts = [words(200, seed=s) for s in (1, 2, 3)]
+    alone = []
+    for p in prompts:
+        eng.clear_prefix_cache()
+        alone.append(eng.generate([p], max_tokens=4, temperature=0, ignore_eos=True)[0].token_ids)
+    eng.clear_prefix_cache()
+    items.clear()
+    written, prefilled, decoded = _run(eng, prompts, max_tokens=4)
+    _once(eng, written, prefilled, decoded)
+    assert sum(len(p) - 1 for p in prompts) - 16 <= prefilled <= sum(len(p) - 1 for p in prompts)
+    side_by_side = [new for kind, n, new in items if kind == "chunk" and n == 2]
+    assert side_by_side and all(sum(new) <= 128 for new in side_by_side), items
+    together = eng.generate(prompts, max_tokens=4, temperature=0, ignore_eos=True)
+    eng.clear_prefix_cache()
+    assert [c.token_ids for c in eng.generate(prompts, max_tokens=4, temperature=0, ignore_eos=True)] == alone
+    assert [c.token_ids for c in together] == alone  # the second run hit the cache: equal too
+
+    # Two prompts over one long uncached prefix: the second does not recompute it beside the first.
+    eng.clear_prefix_cache()
+    doc = words(240, seed=7)
+    written, prefilled, decoded = _run(eng, [doc + words(6, seed=8), doc + words(7, seed=9)])
+    assert prefilled <= len(doc) + 6 + 7 + 16
+    _once(eng, written, prefilled, decoded)

@@ -35,7 +35,7 @@ from parallm_engine.sampling.sampler import SamplingParams
 from parallm_engine.sampling.sampling_params import apply_model_defaults
 from parallm_engine.spec.spec_config import parse_speculative
 from parallm_engine.kv.kv_quant import resolve_kv_bits
-from parallm_engine.core.memory_budget import apply_mlx_limits, mlx_limits
+from parallm_engine.core.memory_budget import apply_mlx_limits, mlx_limits, working_set_bytes
 from parallm_engine.embed.embedding_api import EmbeddingAPI
 from parallm_engine.core.engine_api import EngineConvenienceAPI, Prompt
 from parallm_engine.core.engine_base import EngineBase
@@ -154,6 +154,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
             prefill_chunk=self.backend.prefill_chunk if prefill_chunk is None else prefill_chunk,
             prefill_budget=self.backend.prefill_budget if prefill_budget is None else prefill_budget,
             kv_budget_bytes=budget,
+            working_set_bytes=working_set_bytes(self.backend.memory_bytes, budget, _weight_bytes(self.model)),
             radix_budget_bytes=min(budget, prefix_cache_bytes) if prefix_cache_bytes is not None else budget,
             enable_prefix_cache=enable_prefix_cache,
             decode_lanes=decode_lanes or _lanes_for(self.backend, self.model),

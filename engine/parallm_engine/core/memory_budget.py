@@ -53,6 +53,21 @@ def buffer_cache_bytes(kv_budget: int) -> int:
     return max(CACHE_LIMIT_FLOOR, kv_budget // 4)
 
 
+#: Memory kept free beside the weights, the KV budget and the kept working sets: a step's intermediates
+#: (activations, logits, a prefill chunk's attention scores) and the rest of the process.
+WORKING_SET_HEADROOM = 0.125
+
+
+def working_set_bytes(device_bytes: int, kv_budget: int, weight_bytes: int) -> int:
+    """Bytes the decode batch may keep as its working sets where attention cannot read the page pool
+    (``kv/decode_working_set.py``): a second copy of the running rows' own tokens, as mlx-lm's batch caches
+    are their only copy. They take memory the KV budget leaves free (the device's, less the weights, the
+    budget and a headroom of ``WORKING_SET_HEADROOM``), never more than the budget itself (the rows they copy
+    never hold more), never less than the buffer cache's share the engine always allowed."""
+    free = int(device_bytes * (1 - WORKING_SET_HEADROOM)) - weight_bytes - kv_budget
+    return max(buffer_cache_bytes(kv_budget), min(kv_budget, free))
+
+
 def mlx_limits(device: str, device_bytes: int, kv_budget: int, weight_bytes: int) -> dict[str, int]:
     """The MLX limits an engine wants: ``cache`` (buffer cache) everywhere; on a GPU ``memory`` (the
     allocation limit) and on Metal ``wired``."""

@@ -76,11 +76,16 @@ class PrefillPlanner:
                 self._prompts_done(work.finished, plan.joined)
                 continue
             if self.layout == "mixed" or head.cache is not None or remaining > chunk:
-                work = PrefillWork("chunk", [head], self._chunk_len(head, min(chunk, budget)))
+                seqs = [head, *self._parallel_chunks(head, chunk)]
+                per = min(chunk, budget) if len(seqs) == 1 else max(1, min(chunk, budget // len(seqs)))
+                new = [self._chunk_len(s, per) for s in seqs]
+                work = PrefillWork("chunk", seqs, sum(new), new=new)
                 yield work
-                self.kv.commit_split(head)
+                for s in seqs:
+                    self.kv.commit_split(s)
+                for s, _ in work.finished:
+                    self.prefilling.remove(s)
                 if work.finished:
-                    self.prefilling.popleft()
                     self._prompts_done(work.finished, plan.joined)
                 budget -= work.n_tokens
                 continue
@@ -106,6 +111,30 @@ class PrefillPlanner:
             yield work
             self._prompts_done(work.finished, plan.joined)
             budget -= used
+
+    def _parallel_chunks(self, head: Sequence, chunk: int) -> list[Sequence]:
+        """Long contexts whose chunks run beside ``head``'s, one per further prefill stream of the runner
+        (a multi-lane CPU without the native kernels runs each lane's forward on its own core): those
+        prefilling in chunks already, and waiting ones longer than a chunk whose uncached prefix no chosen
+        one is computing (that one waits for the radix tree, as in a group)."""
+        streams = self.runner.prefill_streams
+        if streams <= 1 or self.layout == "mixed":
+            return []
+        chosen: list[Sequence] = []
+        for seq in list(self.prefilling)[1:]:
+            if len(chosen) + 1 >= streams:
+                break
+            if seq.embedding:
+                continue
+            cached = seq.pos if seq.started else self.kv.peek(seq)
+            if seq.cache is None and len(seq.prefill_ids) - cached <= chunk:
+                continue  # short: a group's
+            if not seq.started and self._uncached_overlap(seq, [head, *chosen], cached):
+                continue
+            if not seq.started:
+                self._start_prefill(seq)
+            chosen.append(seq)
+        return chosen
 
     @staticmethod
     def _chunk_len(seq: Sequence, n_max: int) -> int:

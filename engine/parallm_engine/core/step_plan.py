@@ -13,14 +13,16 @@ from typing import Iterator
 
 @dataclass
 class PrefillWork:
-    """One prefill forward (or none): ``kind`` is "chunk" (``n_tokens`` more context tokens of the one
-    sequence in ``seqs``, through its own caches), "group" (several short contexts together, all their
-    uncached tokens: ``n_tokens`` in all) or "cached" (a context the prefix cache holds whole: no forward).
-    The runner fills ``finished``: the ``(sequence, its caches)`` whose context is now prefilled."""
+    """One prefill forward (or none): ``kind`` is "chunk" (``new[i]`` more context tokens of each long
+    context ``seqs[i]``: one, or one per prefill stream where the runner has several), "group" (several
+    short contexts together, all their uncached tokens) or "cached" (a context the prefix cache holds
+    whole: no forward); ``n_tokens`` in all. The runner fills ``finished``: the ``(sequence, its caches)``
+    whose context is now prefilled."""
 
     kind: str
     seqs: list
     n_tokens: int
+    new: list = field(default_factory=list)  # a chunk's tokens per sequence
     finished: list = field(default_factory=list)
 
 

@@ -16,9 +16,10 @@ The pool stays the KV's home (the prefix cache's pages, prefills, preemption rea
 it); these arrays are a read copy of the running rows' own tokens (a shared prefix is not in them), which the
 gather path built one layer at a time: kept, they take that memory once more for every layer (at 32 rows x
 ~230 tokens of the default model, peak memory 856 -> 1,190 MB). So they are bounded by ``limit`` bytes per lane
-(set by the decode batch: its share of the MLX buffer cache the engine sets, a quarter of the KV budget),
-reported as ``kv_working_set_bytes`` beside the KV budget's figures; above the limit, and for quantized KV
-(whose working set is dequantized), every step gathers. ``PARALLM_DECODE_WORKING_SET=0`` turns it off.
+(the decode batch's share of ``memory_budget.working_set_bytes``: memory the KV budget leaves free, at most the
+budget itself, as mlx-lm's batch caches hold the rows' tokens once), reported as ``kv_working_set_bytes`` beside
+the KV budget's figures; above the limit, and for quantized KV (whose working set is dequantized), every step
+gathers. ``PARALLM_DECODE_WORKING_SET=0`` turns it off.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class KVCacheManager(KVManager):
         self.meter = KVWriteMeter()  # KV bytes written into the pages (tests/test_kv_writes.py)
         if self.layout == "attention":
             batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format, self.meter)
-            batch.working_set_limit = buffer_cache_bytes(config.kv_budget_bytes)
+            batch.working_set_limit = self._working_set_limit(config)
             self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
             self.snapshots = None
         else:
@@ -278,9 +278,18 @@ class KVCacheManager(KVManager):
             self.batch.trim()
 
     def reserve_decode(self) -> None:
-        """Before a decode step: page pools grow only into budget nobody holds."""
+        """Before a decode step: page pools grow only into budget nobody holds; the kept working sets stay
+        within theirs (lowered with the KV budget after an allocation failure, ``memory_recovery``)."""
         if self.layout == "attention":
             self.batch.set_spare(self.spare_bytes(), self.kv_bytes_per_token)
+            self.batch.working_set_limit = self._working_set_limit(self.config)
+
+    @staticmethod
+    def _working_set_limit(config) -> int:
+        """Bytes the decode batch's kept working sets may take: ``memory_budget.working_set_bytes``, never
+        more than the KV budget in effect, never less than the buffer cache's share."""
+        floor = buffer_cache_bytes(config.kv_budget_bytes)
+        return max(floor, min(config.working_set_bytes or floor, config.kv_budget_bytes))
 
     # -- what is held ---------------------------------------------------------------------------
     def running_bytes(self) -> int:

@@ -55,6 +55,9 @@ class ModelRunner(DecodeRunner):
         if speculator is not None:  # a draft model's KV for its rows counts with the rows (draft_model.py)
             kv.draft_kv_bytes = speculator.draft_rows.nbytes
         family.prepare_batch(kv.batch, kv.layout)
+        # Prefill forwards that run at once: a multi-lane CPU without the native kernels runs a forward per
+        # lane's stream, each on one core (``_prefill_paged``), so long contexts are chunked one per stream.
+        self.prefill_streams = len(kv.batch.lanes) if kv.layout == "attention" and not self.native_kernels else 1
         super().__init__(model, kv.batch, out, stats, pipeline=config.pipeline, speculator=speculator,
                          retire=retire)
 
@@ -96,7 +99,7 @@ class ModelRunner(DecodeRunner):
         if work.kind == "cached":
             self.kv.open_rows(seqs)
         else:
-            new = [work.n_tokens] if work.kind == "chunk" else [len(s.prefill_ids) - s.pos for s in seqs]
+            new = work.new if work.kind == "chunk" else [len(s.prefill_ids) - s.pos for s in seqs]
             self._prefill_paged(seqs, new)
         work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
 

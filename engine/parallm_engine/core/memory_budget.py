@@ -48,8 +48,8 @@ def resolve_kv_memory(kv_memory, device_bytes: int) -> int:
 
 def buffer_cache_bytes(kv_budget: int) -> int:
     """MLX's buffer cache for an engine with this KV budget: a step's intermediates (the decode working sets
-    among them) are reused from it instead of allocated anew. The decode batch keeps its working sets between
-    steps within the same bytes (``kv/decode_working_set.py``)."""
+    among them) are reused from it instead of allocated anew. The decode batch's kept working sets may take at
+    least as much (:func:`working_set_bytes`)."""
     return max(CACHE_LIMIT_FLOOR, kv_budget // 4)
 
 

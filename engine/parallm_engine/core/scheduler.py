@@ -43,7 +43,7 @@ class SchedulerConfig:
     prefill_budget: int = 2048  # prefill tokens per step, so decoding keeps moving
     kv_budget_bytes: int = 4 << 30  # running-batch KV: admission and preemption
     radix_budget_bytes: int = 1 << 30  # prefix cache
-    working_set_bytes: int | None = None  # kept decode working sets (memory_budget.working_set_bytes); None: the buffer cache's
+    working_set_bytes: int | None = None  # kept decode working sets (memory_budget.working_set_bytes)
     enable_prefix_cache: bool = True
     pipeline: bool = True  # overlap host work with the next decode step (see decode_runner)
     decode_lanes: int = 1  # parallel decode lanes (CPU cores; see decode_batch)

@@ -147,14 +147,15 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
             self.backend.dtype = ("bfloat16 weights and matmul inputs (float32 sums), float32 activations and KV"
                                   + ("; AVX512_BF16 kernel" if self.backend.name == "cpu-native" and _bf16_dot_kernel() else ""))
         budget = kv_budget_bytes or self.backend.kv_budget(kv_memory)
+        weight_bytes = _weight_bytes(self.model)
         self.mlx_limits = apply_mlx_limits(mlx_limits(self.backend.device, self.backend.memory_bytes, budget,
-                                                      _weight_bytes(self.model)))
+                                                      weight_bytes))
         self.config = SchedulerConfig(
             max_batch_size=max_batch_size,
             prefill_chunk=self.backend.prefill_chunk if prefill_chunk is None else prefill_chunk,
             prefill_budget=self.backend.prefill_budget if prefill_budget is None else prefill_budget,
             kv_budget_bytes=budget,
-            working_set_bytes=working_set_bytes(self.backend.memory_bytes, budget, _weight_bytes(self.model)),
+            working_set_bytes=working_set_bytes(self.backend.memory_bytes, budget, weight_bytes),
             radix_budget_bytes=min(budget, prefix_cache_bytes) if prefix_cache_bytes is not None else budget,
             enable_prefix_cache=enable_prefix_cache,
             decode_lanes=decode_lanes or _lanes_for(self.backend, self.model),

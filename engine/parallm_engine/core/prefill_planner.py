@@ -77,7 +77,7 @@ class PrefillPlanner:
                 continue
             if self.layout == "mixed" or head.cache is not None or remaining > chunk:
                 seqs = [head, *self._parallel_chunks(head, chunk)]
-                per = min(chunk, budget) if len(seqs) == 1 else max(1, min(chunk, budget // len(seqs)))
+                per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
                 new = [self._chunk_len(s, per) for s in seqs]
                 work = PrefillWork("chunk", seqs, sum(new), new=new)
                 yield work
@@ -97,12 +97,8 @@ class PrefillPlanner:
                     continue
                 cached = seq.pos if seq.started else self.kv.peek(seq)
                 left = len(seq.prefill_ids) - cached
-                if left == 0 or used + left > min(chunk, budget):
+                if left == 0 or used + left > min(chunk, budget) or not self._joins(seq, group, cached):
                     continue
-                if not seq.started and self._uncached_overlap(seq, group, cached):
-                    continue
-                if not seq.started:
-                    self._start_prefill(seq)
                 group.append(seq)
                 used += len(seq.prefill_ids) - seq.pos
             for seq in group:
@@ -129,12 +125,19 @@ class PrefillPlanner:
             cached = seq.pos if seq.started else self.kv.peek(seq)
             if seq.cache is None and len(seq.prefill_ids) - cached <= chunk:
                 continue  # short: a group's
-            if not seq.started and self._uncached_overlap(seq, [head, *chosen], cached):
-                continue
-            if not seq.started:
-                self._start_prefill(seq)
-            chosen.append(seq)
+            if self._joins(seq, [head, *chosen], cached):
+                chosen.append(seq)
         return chosen
+
+    def _joins(self, seq: Sequence, others: list[Sequence], cached: int) -> bool:
+        """Whether ``seq`` may prefill in the same step as ``others`` (``cached``: its tokens the prefix cache
+        holds): not if it would recompute an uncached prefix one of them is computing. Started here if so."""
+        if seq.started:
+            return True
+        if self._uncached_overlap(seq, others, cached):
+            return False
+        self._start_prefill(seq)
+        return True
 
     @staticmethod
     def _chunk_len(seq: Sequence, n_max: int) -> int:

@@ -147,3 +147,45 @@ def test_long_prompts_chunk_side_by_side_on_the_lanes_streams(fresh, words):
     written, prefilled, decoded = _run(eng, [doc + words(6, seed=8), doc + words(7, seed=9)])
     assert prefilled <= len(doc) + 6 + 7 + 16
     _once(eng, written, prefilled, decoded)
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_chunk_computed_in_the_decode_forward_is_written_once_and_equals_alone(fresh, words, lanes):
+    """A long prompt's chunks that spend the step's prefill budget while rows decode run in the decode
+    forward (``kv/fused_step.py``): the same tokens as each prompt alone and as unfused steps, each KV token
+    written once. With two lanes and the chunk's row in the lane that decodes nothing, its forward runs
+    beside the other lane's."""
+    eng = fresh(prefill_chunk=64, prefill_budget=64, decode_lanes=lanes)
+    if lanes == 2:
+        eng._scheduler.batch.fill_rows = 3  # the three short rows fill lane 0: the long prompt's row opens in lane 1
+    short = [words(12, seed=s) for s in (1, 2, 3)]
+    long = words(300, seed=4)
+    alone = []
+    for p in short + [long]:
+        eng.clear_prefix_cache()
+        alone.append(eng.generate([p], max_tokens=24, temperature=0, ignore_eos=True)[0].token_ids)
+
+    def together():
+        eng.clear_prefix_cache()
+        handles = [eng.submit(p, max_tokens=24, temperature=0, ignore_eos=True) for p in short]
+        streams = [iter(h) for h in handles]
+        assert all(next(it).token_ids for it in streams)  # every short row decodes before the long prompt arrives
+        eng.clear_prefix_cache()  # no hit for the long prompt (one held in lane 0's pool would be copied)
+        w0, p0, d0 = _counts(eng)
+        late = eng.submit(long, max_tokens=24, temperature=0, ignore_eos=True)
+        for it in streams:
+            for _ in it:
+                pass
+        results = [h.request.result.token_ids for h in handles] + [eng._collect(late).token_ids]
+        w1, p1, d1 = _counts(eng)
+        return results, (w1 - w0, p1 - p0, d1 - d0)
+
+    fused0 = eng.stats()["fused_prefill_tokens"]
+    results, counts = together()
+    assert eng.stats()["fused_prefill_tokens"] - fused0 >= 128  # at least two of the long prompt's chunks
+    assert results == alone
+    _once(eng, *counts)
+    eng.config.fuse_prefill = False
+    fused0 = eng.stats()["fused_prefill_tokens"]
+    assert together()[0] == alone
+    assert eng.stats()["fused_prefill_tokens"] == fused0

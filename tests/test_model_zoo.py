@@ -80,6 +80,22 @@ def _check_family(family: str, tmp_path, tokenizer_dir, quantize_bits=None, **bu
         together = eng.generate(prompts, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         assert [r.token_ids for r in together] == want, f"{family}: batched differs from alone"
 
+        # A long prompt prefilled chunk by chunk while the others decode equals alone: each chunk spends the
+        # step's whole prefill budget, so where the family allows it runs in the decode forward (fused step).
+        long = prompt_ids(150, vocab, seed=5)
+        eng.clear_prefix_cache()
+        budget = eng.config.prefill_budget
+        fused = eng.stats()["fused_prefill_tokens"]
+        eng.config.prefill_budget = eng.config.prefill_chunk
+        try:
+            beside = eng.generate(prompts + [long], max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        finally:
+            eng.config.prefill_budget = budget
+        assert [r.token_ids for r in beside] == want + [reference_greedy(ref, long, NEW_TOKENS)], \
+            f"{family}: a prompt chunked beside decoding rows differs"
+        if eng._scheduler.runner.split is not None:
+            assert eng.stats()["fused_prefill_tokens"] - fused >= 64, f"{family}: no chunk ran in a decode forward"
+
         # A cache hit equals the cold run: the same prompts again, now cached (prompt + output stored).
         again = eng.generate(prompts, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
         assert [r.token_ids for r in again] == want, f"{family}: cache hit differs from cold run"

@@ -80,6 +80,9 @@ class PrefillPlanner:
                 per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
                 new = [self._chunk_len(s, per) for s in seqs]
                 work = PrefillWork("chunk", seqs, sum(new), new=new)
+                if self._fuses(work, budget):
+                    plan.fused = work  # the step's last prefill: it runs in the decode forward
+                    return
                 yield work
                 for s in seqs:
                     self.kv.commit_split(s)
@@ -107,6 +110,16 @@ class PrefillPlanner:
             yield work
             self._prompts_done(work.finished, plan.joined)
             budget -= used
+
+    def _fuses(self, work: PrefillWork, budget: int) -> bool:
+        """Whether a chunk runs in this step's decode forward (``kv.fused_step``): rows decode this step, it
+        is one prompt's and not its last (that token runs in a decode step, as every prompt's does), it
+        spends what is left of the step's budget (nothing is planned after it), and the runner can."""
+        if not self.config.fuse_prefill or not self.running or len(work.seqs) != 1 or self.layout != "attention":
+            return False
+        seq = work.seqs[0]
+        return work.n_tokens >= budget and seq.pos + work.n_tokens < len(seq.prefill_ids) \
+            and self.runner.fuses(seq)
 
     def _parallel_chunks(self, head: Sequence, chunk: int) -> list[Sequence]:
         """Long contexts whose chunks run beside ``head``'s, one per further prefill stream of the runner

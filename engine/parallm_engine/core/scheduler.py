@@ -17,9 +17,10 @@ from the prefix cache): it continues with the tokens it would have produced.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parallm_engine.embed import embedding
 
@@ -55,6 +56,9 @@ class SchedulerConfig:
     min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
     speculative: object = None  # the engine-wide default SpeculativeConfig (speculative.py), or None
     kv_bits: int | None = None  # KV stored at 8 or 4 bits (kv_quant.py); None: the model's dtype
+    # A long prompt's chunk computed in the decode forward where it can be (kv/fused_step.py);
+    # PARALLM_FUSE_PREFILL=0 turns it off (measurements).
+    fuse_prefill: bool = field(default_factory=lambda: os.environ.get("PARALLM_FUSE_PREFILL", "1") != "0")
 
 
 class Scheduler(PrefillPlanner):
@@ -211,12 +215,16 @@ class Scheduler(PrefillPlanner):
         """After the runner executed ``plan``: the measured rates and the step's statistics."""
         self.stats.on_step_times(plan.plan_s, plan.prefill_s, plan.decode_s)
         if plan.prefill_tokens >= 16 and plan.prefill_s > 0:
-            rate = plan.prefill_tokens / plan.prefill_s
-            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+            self._observe_prefill(plan.prefill_tokens / plan.prefill_s)
         other = time.perf_counter() - plan.started - plan.prefill_s
-        self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
+        if plan.fused_tokens and self._other_step_s:
+            # The chunk ran in the decode forward: its cost is what the step took beyond a plain one (at
+            # least a tenth of it: the plain steps' average is noisy); the plain steps' average stays theirs.
+            self._observe_prefill(plan.fused_tokens / max(other - self._other_step_s, 0.1 * other))
+        else:
+            self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
         plain_rows = self.runner.plain_rows
-        if plain_rows and not plan.joined and not plan.prefill_tokens:  # a steady decode step: what it costs
+        if plain_rows and not plan.joined and not plan.prefill_tokens and not plan.fused_tokens:  # a steady decode step: what it costs
             self.speculator.observe_plain_step(plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         if self._trace is not None:
@@ -224,6 +232,10 @@ class Scheduler(PrefillPlanner):
         self._plan = None
         memory_recovery.step_succeeded(self)
 
+
+    def _observe_prefill(self, rate: float) -> None:
+        """A measured prefill rate (tokens per second) into the running estimate."""
+        self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
 
     def prefill_token_budget(self) -> int:
         """Prefill tokens this step may spend: what fits in the step-time target next to the rest of

@@ -51,6 +51,7 @@ class StepTrace:
             "t": round(plan.started, 6), "plan_ms": round(1e3 * plan.plan_s, 3),
             "prefill_ms": round(1e3 * plan.prefill_s, 3), "decode_ms": round(1e3 * plan.decode_s, 3),
             "wait_ms": round(1e3 * wait, 3), "launch_ms": round(1e3 * launch, 3), "prefill_tokens": plan.prefill_tokens,
+            "fused_tokens": plan.fused_tokens,
             "rows": len(plan.decode_rows), "joined": len(plan.joined), "finished": len(plan.finished),
             "moved_bytes": moved}) + "\n")
 
@@ -76,6 +77,8 @@ class EngineStats:
         self.generated_tokens = 0
         self.decode_steps = 0
         self.prefill_forwards = 0  # forward passes spent on prompts (a batched group counts once per lane)
+        self.fused_prefill_tokens = 0  # of prefill_tokens, those computed in a decode forward (kv/fused_step.py)
+        self.fused_prefill_chunks = 0  # chunks computed in a decode forward (not counted in prefill_forwards)
         self.steps = 0
         self.busy_time = 0.0
         self.running = 0
@@ -200,6 +203,8 @@ class EngineStats:
             "steps": self.steps,
             "decode_steps": self.decode_steps,
             "prefill_forwards": self.prefill_forwards,
+            "fused_prefill_tokens": self.fused_prefill_tokens,
+            "fused_prefill_chunks": self.fused_prefill_chunks,
             "busy_s": self.busy_time,
             "generation_tps_busy": self.generated_tokens / self.busy_time if self.busy_time else 0.0,
             "mean_batch_occupancy": self._occupancy_sum / self.steps if self.steps else 0.0,

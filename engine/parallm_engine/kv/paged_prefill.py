@@ -142,10 +142,8 @@ class PagedPrefillKV:
         from the pool followed by the new ones."""
         step = self.step
         if not step.deferred:
-            step.write(self.layer, keys, values)
-            if self.native_inputs() is not None:
-                return self.layer.keys, self.layer.values  # stand-ins: the native kernel reads the pool
-            return self.working_set()
+            self.write(keys, values)
+            return self.fetch()
         fmt = step.lane_kv.fmt
         self.new_k, self.new_v = kvq.store(keys, fmt), kvq.store(values, fmt)
         k, v = self.new_k, self.new_v
@@ -153,6 +151,17 @@ class PagedPrefillKV:
             k = kvq.concatenate([step.read(self.layer.keys), k], axis=2)
             v = kvq.concatenate([step.read(self.layer.values), v], axis=2)
         return kvq.as_float(k), kvq.as_float(v)
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Not deferred: the new (B, KH, L, D) keys and values into the rows' pages now."""
+        self.step.write(self.layer, keys, values)
+
+    def fetch(self):
+        """Not deferred, after :meth:`write`: the keys and values attention reads (the pools as stand-ins
+        where the native kernel reads them)."""
+        if self.native_inputs() is not None:
+            return self.layer.keys, self.layer.values
+        return self.working_set()
 
     def working_set(self):
         return kvq.as_float(self.step.read(self.layer.keys)), kvq.as_float(self.step.read(self.layer.values))

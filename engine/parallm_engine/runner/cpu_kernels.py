@@ -49,6 +49,7 @@ import types
 import mlx.core as mx
 import mlx.nn as nn
 
+from parallm_engine.kv.fused_step import fused_attention
 from parallm_engine.runner import gpu_attention
 from parallm_engine.runner.bf16_embedding import bf16_embedding_class
 
@@ -444,6 +445,9 @@ def _engine_sdpa(orig_sdpa):
     mlx-lm's own function otherwise."""
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        fused = getattr(cache, "fused", None)
+        if fused is not None:  # decode rows and a prompt's chunk in one forward (kv.fused_step)
+            return fused_attention(attend, queries, keys, values, fused, scale, sinks)
         ragged = getattr(cache, "ragged", None)
         if ragged is not None:  # a ragged step (kv_pages.PagedLaneKV.begin): the rows' rectangle
             return ragged_attention(attend, queries, keys, values, cache, scale, sinks, ragged)

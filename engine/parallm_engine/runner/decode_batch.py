@@ -33,9 +33,11 @@ import contextlib
 import mlx.core as mx
 
 from parallm_engine.runner import cpu_kernels
+from parallm_engine.kv.fused_step import FusedChunk, FusedLayerKV, chunk_offsets
 from parallm_engine.kv.kv_cache import SharedPrefix
 from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.kv.kv_pages import PAGE, PagedLaneKV, PagedSegment
+from parallm_engine.kv.paged_prefill import PagedPrefillStep
 from parallm_engine.runner.lora import adapter_rows
 
 #: Rows a lane takes before the next lane gets any (see the module docstring).
@@ -203,10 +205,11 @@ class DecodeBatch:
         return old
 
     # -- compute --------------------------------------------------------------------------------
-    def forward(self, model, tokens: mx.array) -> mx.array:
+    def forward(self, model, tokens: mx.array, chunk: FusedChunk | None = None) -> mx.array:
         """Lazy float32 logits, one row per running sequence, for ``tokens`` (one per row): the
-        model's own forward (final norm, soft-caps and logit scaling included)."""
-        return self._per_lane(model, tokens[:, None], last_only=True)
+        model's own forward (final norm, soft-caps and logit scaling included). ``chunk``: a prompt's
+        chunk whose row is in a running lane, computed in that lane's forward (``kv.fused_step``)."""
+        return self._per_lane(model, tokens[:, None], last_only=True, chunk=chunk)
 
     def forward_block(self, model, tokens: mx.array) -> mx.array:
         """Lazy float32 logits (B, W, V) for ``tokens`` (B, W): W positions per row in one forward
@@ -226,15 +229,27 @@ class DecodeBatch:
         :meth:`rollback_rows` then drops the positions each row does not keep. Needs :meth:`ragged_ok`."""
         return self._per_lane(model, None, last_only=True, rows=rows)
 
-    def _per_lane(self, model, tokens: mx.array | None, last_only: bool, rows: list[list[int]] | None = None):
+    def _per_lane(self, model, tokens: mx.array | None, last_only: bool, rows: list[list[int]] | None = None,
+                  chunk: FusedChunk | None = None):
         """Each lane's rows through the model on the lane's stream; the lanes' logits in row order.
-        ``rows``: a ragged step instead of ``tokens`` (one model row per position)."""
+        ``rows``: a ragged step instead of ``tokens`` (one model row per position); ``chunk``: see
+        :meth:`forward`."""
         parts = []
         start = 0
-        solo = sum(1 for lane in self.lanes if lane.seqs) == 1  # one lane has the cores' kernels to itself
+        busy = sum(1 for lane in self.lanes if lane.seqs or (chunk is not None and chunk.lane is lane))
+        solo = busy == 1  # one lane has the cores' kernels to itself
         nat = cpu_kernels.native_module()
         for lane in self.lanes:
             n = len(lane.seqs)
+            if chunk is not None and chunk.lane is lane:
+                # The chunk runs in this lane's forward; in a lane that decodes nothing, beside the others'.
+                lane.kv.ws.limit = None if self.working_set_limit is None else self.working_set_limit // len(self.lanes)
+                with lane.context(), cpu_kernels.solo_lane(solo):
+                    logits = self._fused_forward(model, lane, tokens[start : start + n] if n else None, chunk, nat)
+                if logits is not None:
+                    parts.append(logits)
+                start += n
+                continue
             if not n:
                 continue
             mine = None
@@ -255,6 +270,31 @@ class DecodeBatch:
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def _fused_forward(self, model, lane: DecodeLane, x: mx.array | None, chunk: FusedChunk, nat) -> mx.array | None:
+        """Lazy float32 logits of ``lane``'s rows (``x``: their tokens, (B, 1)), with ``chunk``'s positions in
+        the same forward (``kv.fused_step``): B + n model rows, logits for the first B only. A lane with no
+        rows (``x`` None) runs the chunk's forward alone (no logits)."""
+        n = chunk.n
+        step = PagedPrefillStep(lane.kv, [chunk.seq.cache], [n], self.shared.kv if self.shared is not None else None,
+                                native=nat, reads_pool=self.attention_reads_pool)
+        if x is None:
+            with adapter_rows(model, [chunk.seq]):
+                model(mx.array(chunk.tokens(), dtype=mx.int32)[None], cache=step.layers)  # its logits: never read
+            chunk.arrays = step.arrays()
+            return None
+        B = x.shape[0]
+        lane.kv.begin(1, nat, self.attention_reads_pool)
+        offset = mx.concatenate([lane.kv.layers[0].offset, chunk_offsets(step, n)])
+        caches = [FusedLayerKV(d, c, B, offset) for d, c in zip(lane.kv.layers, step.layers)]
+        ids = mx.array(chunk.tokens(), dtype=x.dtype)[:, None]
+        backbone, head = chunk.split
+        with adapter_rows(model, lane.seqs + [chunk.seq], [1] * B + [n]):
+            hidden = backbone(mx.concatenate([x, ids]), cache=caches)
+            logits = head(hidden[:B])
+        chunk.arrays = step.arrays()
+        self.meter.decoded += B
+        return logits[:, -1, :].astype(mx.float32)
 
     def rollback_rows(self, widths: int | list[int], keeps: list[int]) -> None:
         """After :meth:`forward_block` of ``widths`` positions per row (or :meth:`forward_ragged`, a list:

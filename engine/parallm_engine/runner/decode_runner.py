@@ -42,8 +42,10 @@ class DecodeRunner:
     def in_flight(self) -> bool:
         return self.pending is not None
 
-    def step(self) -> None:
-        """One decode step for every running sequence (speculative where the speculator chooses to)."""
+    def step(self, chunk=None) -> None:
+        """One decode step for every running sequence (speculative where the speculator chooses to).
+        ``chunk`` (``kv.fused_step.FusedChunk``): a prompt's chunk to compute in the same forward (a plain
+        step only; ``chunk.ran`` says whether it did)."""
         if self.speculator is not None and self.speculator.step(self):  # verified drafts (speculative.py)
             self._retire_finished()
             return
@@ -62,34 +64,40 @@ class DecodeRunner:
             inputs = next_inputs(running, self.pending[0], self.pending[1])
         else:
             inputs = mx.array([s.last_token for s in running])
-        logits = self.batch.forward(self.model, inputs)
+        logits = self.batch.forward(self.model, inputs) if chunk is None else \
+            self.batch.forward(self.model, inputs, chunk)  # the mixed layout never fuses
+        extra = []  # the chunk's writes: no logit may depend on them
+        if chunk is not None:
+            chunk.ran, extra = True, chunk.arrays
         for s in running:
             s.consumed += 1
         self.stats.decode_steps += 1
         if constrained:  # masks need the previous tokens: deliver them while the forward runs
-            mx.async_eval(logits)
+            mx.async_eval(logits, *extra)
             previous, self.pending = self.pending, None
             if previous is not None:
                 self.out.deliver(*previous)
             sampled = self.sample(running, logits)
-            self._launch(sampled)
+            self._launch(sampled, extra)
             self.pending = (list(running), *sampled)
         elif pipelined:
             sampled = self.sample(running, logits)
-            self._launch(sampled)
+            self._launch(sampled, extra)
             previous, self.pending = self.pending, (list(running), *sampled)
             if previous is not None:
                 self.out.deliver(*previous)
         else:
+            if extra:
+                mx.async_eval(extra)
             self.out.deliver(running, *self.sample(running, logits))
         self._retire_finished()
 
-    def _launch(self, sampled) -> None:
+    def _launch(self, sampled, extra=()) -> None:
         """Start the step on the device. On a GPU this returns at once; MLX's CPU backend runs all but the
         last few of the graph's tasks before returning (it bounds the tasks in flight), so the time spent
         here counts as device time in the step breakdown (stats.step_breakdown_ms)."""
         t0 = time.perf_counter()
-        mx.async_eval([x for x in sampled if x is not None])
+        mx.async_eval([x for x in sampled if x is not None] + list(extra))
         dt = time.perf_counter() - t0
         self.stats.device_wait_s += dt
         self.stats.launch_s += dt

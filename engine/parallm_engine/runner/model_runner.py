@@ -22,6 +22,9 @@ from parallm_engine.runner import cpu_kernels
 from parallm_engine.embed import embedding
 
 from parallm_engine.kv import kv_quant
+from parallm_engine.kv.fused_step import FusedChunk
+from parallm_engine.runner import lora
+from parallm_engine.runner.logits_head import split_head
 from parallm_engine.runner.decode_runner import DecodeRunner
 from parallm_engine.kv.paged_prefill import PagedPrefillStep
 from parallm_engine.spec.speculative import TOKEN_BUDGET, Speculator
@@ -55,6 +58,10 @@ class ModelRunner(DecodeRunner):
         if speculator is not None:  # a draft model's KV for its rows counts with the rows (draft_model.py)
             kv.draft_kv_bytes = speculator.draft_rows.nbytes
         family.prepare_batch(kv.batch, kv.layout)
+        # Decode steps that compute a prompt's chunk in their forward (kv.fused_step) need the exact split
+        # of the model into hidden states and head, and attention through the hook as a ragged step's.
+        self.split = split_head(model) if config.fuse_prefill and kv.layout == "attention" \
+            and kv.batch.ragged_ok(model) else None
         # Prefill forwards that run at once: a multi-lane CPU without the native kernels runs a forward per
         # lane's stream, each on one core (``_prefill_paged``), so long contexts are chunked one per stream.
         self.prefill_streams = len(kv.batch.lanes) if kv.layout == "attention" and not self.native_kernels else 1
@@ -64,14 +71,20 @@ class ModelRunner(DecodeRunner):
     # -- the step -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> None:
         """Run ``plan``: its prefill work as the scheduler hands it out (each item planned once the one
-        before has run), the mixed layout's late joins, then one decode step for every running row."""
+        before has run), the mixed layout's late joins, then one decode step for every running row, with
+        the plan's fused chunk in its forward (``kv.fused_step``; alone after it where the step could not
+        take it: a speculative step, no running row left)."""
         self.plain_rows = 0
         with cpu_kernels.enabled(self.cpu_kernels):
             t0 = time.perf_counter()
             before = self.stats.prefill_tokens
+            chunk = None
             try:
                 for work in plan.prefill:
                     self.prefill(work)
+                if plan.fused is not None:
+                    self.kv.open_rows(plan.fused.seqs)
+                    chunk = FusedChunk(plan.fused.seqs[0], plan.fused.n_tokens, self.split)
             finally:
                 self.kv.end_reads()
             plan.prefill_s = time.perf_counter() - t0
@@ -81,10 +94,31 @@ class ModelRunner(DecodeRunner):
             if self.batch.running:
                 self.kv.reserve_decode()
                 plan.decode_rows = list(self.batch.running)
-                self.step()
+                self.step(chunk)
             elif self.in_flight:
                 self.flush()
+            if chunk is not None and chunk.ran:
+                chunk.seq.pos += chunk.n
+                self.stats.prefill_tokens += chunk.n
+                self.stats.fused_prefill_tokens += chunk.n
+                self.stats.fused_prefill_chunks += 1
+                plan.fused_tokens = chunk.n
+            elif chunk is not None:  # the step could not take it: alone, timed as prefill
+                t1 = time.perf_counter()
+                self.prefill(plan.fused)
+                alone = time.perf_counter() - t1
+                plan.prefill_s += alone
+                plan.prefill_tokens += chunk.n
+                t_decode += alone
         plan.decode_s = time.perf_counter() - t_decode
+
+    def fuses(self, seq) -> bool:
+        """Whether a chunk of ``seq``'s prompt may run in the decode forward (``kv.fused_step``): the model
+        splits exactly into its hidden-state forward and its head (``logits_head``), its attention runs
+        through the engine's hook as a ragged step's does, and nothing per row needs more than token ids
+        (no image inputs, no embedding pooling, no LoRA adapters: their bindings cover whole forwards)."""
+        return self.split is not None and not seq.embedding and getattr(seq.request, "vision", None) is None \
+            and lora.runtime(self.model) is None
 
     def prefill(self, work: PrefillWork) -> None:
         """One prefill work item; the prompts it finished go to ``work.finished`` with their KV."""

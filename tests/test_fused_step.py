@@ -1,0 +1,71 @@
+"""A long prompt's chunk computed in the decode forward (``kv/fused_step.py``), and when it is not.
+
+The model zoo checks every family with a prompt chunked beside decoding rows (greedy == mlx-lm) and
+tests/test_kv_writes.py the bytes written; here: the exact hidden-state / head split the fused step needs
+(``runner/logits_head.py``: found where it is exact, refused where the family transforms its logits), and
+the step that cannot take its chunk (a speculative verify step) running it alone, the answers unchanged.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
+from parallm_engine import Engine
+from parallm_engine.runner.logits_head import split_head
+
+from .model_zoo import build, default_tokenizer, prompt_ids
+
+
+@pytest.mark.parametrize("family, exact", [("llama", True), ("qwen3", True), ("granite", False), ("cohere", False)])
+def test_split_head_is_exact_or_refused(family, exact, tmp_path):
+    """llama / qwen3: ``head(backbone(x)) == model(x)`` bitwise; granite (logits divided by a scale) and
+    cohere (logits times a scale) have no exact split: None, and their steps are never fused."""
+    from mlx_lm.utils import load
+
+    tok_dir, vocab = default_tokenizer()
+    model, _ = load(str(build(family, tmp_path / family, tok_dir, vocab)))
+    split = split_head(model)
+    assert (split is not None) == exact
+    if split is not None:
+        x = mx.array([prompt_ids(37, vocab, seed=3)])
+        backbone, head = split
+        assert mx.array_equal(head(backbone(x)), model(x)).item()
+
+
+def test_a_speculative_step_runs_the_planned_chunk_alone(tiny_model_dir):
+    """Rows that speculate take the step as a verify step: the chunk planned for its forward then runs
+    alone after it; every answer equals the prompt alone."""
+    eng = Engine(str(tiny_model_dir), speculative={"method": "ngram", "num_tokens": 4}, prefill_chunk=64,
+                 prefill_budget=64, decode_lanes=1)
+    try:
+        vocab = eng.model_info.vocab_size
+        loop = prompt_ids(8, vocab, seed=1) * 4  # repeats: the n-gram drafts find continuations
+        long = prompt_ids(260, vocab, seed=2)
+        alone = []
+        for p in (loop, long):
+            eng.clear_prefix_cache()
+            alone.append(eng.generate([p], max_tokens=40, temperature=0, ignore_eos=True)[0].token_ids)
+        eng.clear_prefix_cache()
+        runner = eng._scheduler.runner
+        ran_alone = []
+        prefill = runner.prefill
+
+        def record(work):
+            if work is eng._scheduler._plan.fused:
+                ran_alone.append(work.n_tokens)
+            return prefill(work)
+
+        runner.prefill = record
+        handle = eng.submit(loop, max_tokens=40, temperature=0, ignore_eos=True)
+        stream = iter(handle)
+        assert next(stream).token_ids
+        late = eng.submit(long, max_tokens=40, temperature=0, ignore_eos=True)
+        for _ in stream:
+            pass
+        assert [handle.request.result.token_ids, eng._collect(late).token_ids] == alone
+        assert eng.stats()["spec_steps"] > 0
+        assert ran_alone, "no planned chunk met a speculative step"
+    finally:
+        eng.shutdown()

@@ -149,13 +149,14 @@ def test_long_prompts_chunk_side_by_side_on_the_lanes_streams(fresh, words):
     _once(eng, written, prefilled, decoded)
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_a_chunk_computed_in_the_decode_forward_is_written_once_and_equals_alone(fresh, words, lanes):
+@pytest.mark.parametrize("lanes, kv_bits", [(1, None), (2, None), (1, 8)])
+def test_a_chunk_computed_in_the_decode_forward_is_written_once_and_equals_alone(fresh, words, lanes, kv_bits):
     """A long prompt's chunks that spend the step's prefill budget while rows decode run in the decode
     forward (``kv/fused_step.py``): the same tokens as each prompt alone and as unfused steps, each KV token
-    written once. With two lanes and the chunk's row in the lane that decodes nothing, its forward runs
-    beside the other lane's."""
-    eng = fresh(prefill_chunk=64, prefill_budget=64, decode_lanes=lanes)
+    written once (8-bit KV too: the default model). With two lanes and the chunk's row in the lane that
+    decodes nothing, its forward runs beside the other lane's."""
+    config = dict(prefill_chunk=64, prefill_budget=64, decode_lanes=lanes)
+    eng = fresh(None, kv_bits=8, **config) if kv_bits else fresh(**config)
     if lanes == 2:
         eng._scheduler.batch.fill_rows = 3  # the three short rows fill lane 0: the long prompt's row opens in lane 1
     short = [words(12, seed=s) for s in (1, 2, 3)]

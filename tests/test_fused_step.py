@@ -34,38 +34,31 @@ def test_split_head_is_exact_or_refused(family, exact, tmp_path):
         assert mx.array_equal(head(backbone(x)), model(x)).item()
 
 
-def test_a_speculative_step_runs_the_planned_chunk_alone(tiny_model_dir):
-    """Rows that speculate take the step as a verify step: the chunk planned for its forward then runs
-    alone after it; every answer equals the prompt alone."""
+def test_speculating_rows_and_a_fused_prompt(tiny_model_dir):
+    """A step whose forward computes prompt tokens is a plain decode step (no verify step: the prompts it
+    finishes join its decode rows); speculation goes on in the other steps, and every answer equals the
+    prompt alone."""
     eng = Engine(str(tiny_model_dir), speculative={"method": "ngram", "num_tokens": 4}, prefill_chunk=64,
                  prefill_budget=64, decode_lanes=1)
     try:
         vocab = eng.model_info.vocab_size
         loop = prompt_ids(8, vocab, seed=1) * 4  # repeats: the n-gram drafts find continuations
-        long = prompt_ids(260, vocab, seed=2)
+        late = [prompt_ids(260, vocab, seed=2), prompt_ids(30, vocab, seed=3)]
         alone = []
-        for p in (loop, long):
+        for p in [loop, *late]:
             eng.clear_prefix_cache()
             alone.append(eng.generate([p], max_tokens=40, temperature=0, ignore_eos=True)[0].token_ids)
         eng.clear_prefix_cache()
-        runner = eng._scheduler.runner
-        ran_alone = []
-        prefill = runner.prefill
-
-        def record(work):
-            if work is eng._scheduler._plan.fused:
-                ran_alone.append(work.n_tokens)
-            return prefill(work)
-
-        runner.prefill = record
+        before = eng.stats()
         handle = eng.submit(loop, max_tokens=40, temperature=0, ignore_eos=True)
         stream = iter(handle)
         assert next(stream).token_ids
-        late = eng.submit(long, max_tokens=40, temperature=0, ignore_eos=True)
+        others = [eng.submit(p, max_tokens=40, temperature=0, ignore_eos=True) for p in late]
         for _ in stream:
             pass
-        assert [handle.request.result.token_ids, eng._collect(late).token_ids] == alone
-        assert eng.stats()["spec_steps"] > 0
-        assert ran_alone, "no planned chunk met a speculative step"
+        assert [handle.request.result.token_ids] + [eng._collect(h).token_ids for h in others] == alone
+        after = eng.stats()
+        assert after["spec_steps"] > before["spec_steps"]
+        assert after["fused_prefill_tokens"] - before["fused_prefill_tokens"] >= 128
     finally:
         eng.shutdown()

@@ -190,3 +190,40 @@ def test_a_chunk_computed_in_the_decode_forward_is_written_once_and_equals_alone
     fused0 = eng.stats()["fused_prefill_tokens"]
     assert together()[0] == alone
     assert eng.stats()["fused_prefill_tokens"] == fused0
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_prompts_that_join_the_decode_forward_that_prefills_them(fresh, words, lanes):
+    """Short prompts of different lengths arriving while rows decode are the step's last prefill: one
+    padded group in the decode forward (``kv/fused_step.py``), and they join that forward's decode rows
+    (their last context token is one of its positions, reading in each layer what their other tokens wrote
+    just before). Equal to each prompt alone, each KV token written once, no forward of their own (where
+    the runner has one prefill stream)."""
+    eng = fresh(prefill_chunk=256, prefill_budget=256, decode_lanes=lanes)
+    running = [words(12, seed=s) for s in (1, 2)]
+    arriving = [words(n, seed=n) for n in (9, 23, 40)]
+    alone = []
+    for p in running + arriving:
+        eng.clear_prefix_cache()
+        alone.append(eng.generate([p], max_tokens=16, temperature=0, ignore_eos=True)[0].token_ids)
+    eng.clear_prefix_cache()
+    handles = [eng.submit(p, max_tokens=16, temperature=0, ignore_eos=True) for p in running]
+    streams = [iter(h) for h in handles]
+    assert all(next(it).token_ids for it in streams)
+    eng.clear_prefix_cache()
+    before = eng.stats()
+    w0, p0, d0 = _counts(eng)
+    late = [eng.submit(p, max_tokens=16, temperature=0, ignore_eos=True) for p in arriving]
+    for it in streams:
+        for _ in it:
+            pass
+    results = [h.request.result.token_ids for h in handles] + [eng._collect(h).token_ids for h in late]
+    w1, p1, d1 = _counts(eng)
+    after = eng.stats()
+    assert results == alone
+    _once(eng, w1 - w0, p1 - p0, d1 - d0)
+    if eng._scheduler.runner.prefill_streams == 1:
+        assert after["fused_prefill_tokens"] - before["fused_prefill_tokens"] == sum(len(p) - 1 for p in arriving)
+        assert after["prefill_forwards"] == before["prefill_forwards"]
+    # else (two lanes' streams, each on one core: the pure-MLX path on this CPU) a group of several prompts
+    # is split over both cores' streams instead, and only a group of one runs in the decode forward

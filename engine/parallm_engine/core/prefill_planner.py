@@ -6,7 +6,10 @@ it: the step's prefill stops on the clock (``Scheduler.prefill_token_budget`` an
 set its token budget and time), and a prompt whose uncached prefix a member of the step's group is
 computing waits one step and finds it in the radix tree (in-flight dedup). A context longer than one
 chunk is prefilled alone, chunk by chunk, across steps; shorter ones (attention layout) together in
-groups of at most one chunk of tokens; a context the prefix cache holds whole needs no forward.
+groups of at most one chunk of tokens; a context the prefix cache holds whole needs no forward. While rows
+decode, the step's last item (a chunk or group that spends the rest of the budget, or finishes the last
+prompts waiting) is marked ``fused``: the decode forward computes it (``kv.fused_step``), and the prompts
+it finishes join the decode rows of that same forward.
 """
 
 from __future__ import annotations
@@ -80,16 +83,16 @@ class PrefillPlanner:
                 per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
                 new = [self._chunk_len(s, per) for s in seqs]
                 work = PrefillWork("chunk", seqs, sum(new), new=new)
-                if self._fuses(work, budget):
-                    plan.fused = work  # the step's last prefill: it runs in the decode forward
-                    return
+                work.fused = self._fuses(work, budget)
                 yield work
                 for s in seqs:
                     self.kv.commit_split(s)
                 for s, _ in work.finished:
                     self.prefilling.remove(s)
                 if work.finished:
-                    self._prompts_done(work.finished, plan.joined)
+                    self._prompts_done(work.finished, plan.joined, work.fused)
+                if work.fused:
+                    return  # the step's last prefill: the decode forward computes it
                 budget -= work.n_tokens
                 continue
             group, used = [head], remaining
@@ -107,19 +110,26 @@ class PrefillPlanner:
             for seq in group:
                 self.prefilling.remove(seq)
             work = PrefillWork("group", group, used)
+            work.fused = self._fuses(work, budget)
             yield work
-            self._prompts_done(work.finished, plan.joined)
+            self._prompts_done(work.finished, plan.joined, work.fused)
+            if work.fused:
+                return
             budget -= used
 
     def _fuses(self, work: PrefillWork, budget: int) -> bool:
-        """Whether a chunk runs in this step's decode forward (``kv.fused_step``): rows decode this step, it
-        is one prompt's and not its last (that token runs in a decode step, as every prompt's does), it
-        spends what is left of the step's budget (nothing is planned after it), and the runner can."""
-        if not self.config.fuse_prefill or not self.running or len(work.seqs) != 1 or self.layout != "attention":
+        """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step, it
+        is the step's last prefill (it spends what is left of the budget, or it finishes its prompts and no
+        other prompt waits), its forward would run on one core's stream anyway (where the runner has several
+        prefill streams, one prompt only), and the runner can run each of its prompts so."""
+        if not self.config.fuse_prefill or not self.running or self.layout != "attention":
             return False
-        seq = work.seqs[0]
-        return work.n_tokens >= budget and seq.pos + work.n_tokens < len(seq.prefill_ids) \
-            and self.runner.fuses(seq)
+        if len(work.seqs) > 1 and self.runner.prefill_streams > 1:
+            return False
+        finishes = work.kind == "group" or all(s.pos + n == len(s.prefill_ids) for s, n in zip(work.seqs, work.new))
+        others = any(s not in work.seqs for s in self.prefilling)
+        last = work.n_tokens >= budget or (finishes and not others)
+        return last and all(self.runner.fuses(s) for s in work.seqs)
 
     def _parallel_chunks(self, head: Sequence, chunk: int) -> list[Sequence]:
         """Long contexts whose chunks run beside ``head``'s, one per further prefill stream of the runner
@@ -160,15 +170,16 @@ class PrefillPlanner:
             end = seq.split
         return end - seq.pos
 
-    def _prompts_done(self, finished: list[tuple[Sequence, list]], done: list[Sequence]) -> None:
+    def _prompts_done(self, finished: list[tuple[Sequence, list]], done: list[Sequence], fused: bool = False) -> None:
         """Contexts prefilled (all but their last token): the KV cache manager stores them in the prefix
         cache and hands them to the decode batch. Embedding rows are delivered here and go no further
-        (``embedding.finish_embeddings``)."""
+        (``embedding.finish_embeddings``). ``fused``: their KV is written by this step's decode forward,
+        which they join (``kv.fused_step``)."""
         for seq, _ in finished:
             if seq.embedding:  # delivered here: its KV (and the row holding it) goes
                 self.kv.release(seq)
         finished = embedding.finish_embeddings(finished, self.out, self.stats)
-        self.kv.commit_prompts(finished)
+        self.kv.commit_prompts(finished, fused)
         for seq, _ in finished:
             seq.consumed = len(seq.prefill_ids)
             if not seq.preemptions:

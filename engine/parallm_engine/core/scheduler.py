@@ -224,7 +224,7 @@ class Scheduler(PrefillPlanner):
         else:
             self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
         plain_rows = self.runner.plain_rows
-        if plain_rows and not plan.joined and not plan.prefill_tokens and not plan.fused_tokens:  # a steady decode step: what it costs
+        if plain_rows and not (plan.joined or plan.prefill_tokens or plan.fused_tokens):  # a steady decode step
             self.speculator.observe_plain_step(plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         if self._trace is not None:

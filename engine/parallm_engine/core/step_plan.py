@@ -23,6 +23,7 @@ class PrefillWork:
     seqs: list
     n_tokens: int
     new: list = field(default_factory=list)  # a chunk's tokens per sequence
+    fused: bool = False  # computed in the step's decode forward (kv/fused_step.py): the step's last item
     finished: list = field(default_factory=list)
 
 
@@ -33,14 +34,11 @@ class StepPlan:
     admitted: list = field(default_factory=list)  # sequences moved from waiting to prefilling
     preempted: list = field(default_factory=list)  # running sequences sent back to waiting
     prefill: Iterator[PrefillWork] = field(default_factory=lambda: iter(()))  # planned as the runner draws them
-    # A long prompt's chunk (not its last) that the decode forward computes beside the rows (kv.fused_step);
-    # the runner runs it alone if the step cannot take it.
-    fused: PrefillWork | None = None
     joined: list = field(default_factory=list)  # sequences whose prefill ended this step (decode rows next)
     finished: list = field(default_factory=list)  # sequences retired this step (their KV cached)
     # Filled by the runner:
     decode_rows: list = field(default_factory=list)  # the rows of the step's decode forward
     prefill_s: float = 0.0
     prefill_tokens: int = 0  # computed in prefill forwards (not the fused chunk's)
-    fused_tokens: int = 0  # the fused chunk's, where the decode forward computed it
+    fused_tokens: int = 0  # the fused work's (PrefillWork.fused), where the decode forward computed it
     decode_s: float = 0.0

@@ -194,12 +194,15 @@ class KVCacheManager(KVManager):
         if self.snapshots is not None and seq.pos == seq.split:
             self.snapshots.insert(seq.prefill_ids[: seq.pos], seq.cache, ns=seq.adapter_key)
 
-    def commit_prompts(self, finished: list[tuple]) -> None:
+    def commit_prompts(self, finished: list[tuple], fused: bool = False) -> None:
         """Contexts prefilled (all but their last token), ``(sequence, its caches)``: store them in the
         prefix cache. Attention layout: the sequences join the batch now (one write per layer for all
         of them), each reading the prefix the tree holds in its lane's pool from there (borrowed pages)
         and writing the rest into its own pages, which the tree then holds by reference: a prompt's KV
-        is held once, and a prefill later in this step finds it in the tree (in-flight dedup)."""
+        is held once, and a prefill later in this step finds it in the tree (in-flight dedup). ``fused``: the
+        step's decode forward has yet to write their new tokens (``kv.fused_step``): the tree holds those pages
+        now, to be read by later steps, and the rows join as they were prefilled (no shared prefix is chosen
+        from them, whose one copy would be read now)."""
         seqs = [seq for seq, _ in finished]
         for seq, cache in finished:
             seq.cache = cache
@@ -214,7 +217,7 @@ class KVCacheManager(KVManager):
                     held = self.radix.match(ids, record=False, ns=seq.adapter_key).length if ids else 0
                     held = max([held] + [shared_context_len(seq, s) for s in seqs[:i]])
                     seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
-            self._join(seqs)
+            self._join(seqs, fused)
             if self.radix is not None:
                 for seq in seqs:
                     if seq.prefill_ids:
@@ -230,11 +233,14 @@ class KVCacheManager(KVManager):
         if seqs and self.layout == "mixed":
             self._join(seqs)
 
-    def _join(self, seqs: list) -> None:
+    def _join(self, seqs: list, as_prefilled: bool = False) -> None:
         if self.layout == "mixed":
             self.batch.join(seqs, None)
             return
-        flags = shared_prefix_flags(self.batch, self.radix, seqs) if self.share_prefix else None
+        if as_prefilled:  # each row keeps reading the shared prefix it was prefilled over, or holds its own
+            flags = [bool(s.cache.shared) for s in seqs] if self.batch.shared is not None else None
+        else:
+            flags = shared_prefix_flags(self.batch, self.radix, seqs) if self.share_prefix else None
         self.batch.join(seqs, flags)
 
     def _lend(self, seq, lane_kv: PagedLaneKV, start: int):

@@ -57,9 +57,13 @@ class PagedPrefillStep:
     (deferred: the writes; otherwise the forward made them)."""
 
     def __init__(self, lane_kv, rows: list[PrefillRow], new: list[int], shared_kv: list | None, *,
-                 native=None, reads_pool: bool = False, deferred: bool = False, mask_5d: bool = False):
+                 native=None, reads_pool: bool = False, deferred: bool = False, mask_5d: bool = False,
+                 grown: bool = False):
+        """``grown``: the rows hold pages for their ``new`` tokens already (a fused step's rows that joined
+        the batch before its forward: ``kv.fused_step``)."""
         self.lane_kv = lane_kv
-        held = [r.row.length for r in rows]
+        held = [r.row.length - (n if grown else 0) for r, n in zip(rows, new)]
+        self.starts = [h + r.shared for h, r in zip(held, rows)]  # each row's first new position
         self.offset, mask, P, L = prefill_layout(held, new)
         if any(r.shared for r in rows):
             self.offset = self.offset + mx.array([r.shared for r in rows])
@@ -72,7 +76,8 @@ class PagedPrefillStep:
         for i, (r, p, n) in enumerate(zip(rows, held, new)):
             if p:
                 table[i, P - p : P] = r.row.slots(0, p)
-            r.row.grow(lane_kv.pool, n)
+            if not grown:
+                r.row.grow(lane_kv.pool, n)
             writes.append(r.row.slots(p, p + n))
             if not deferred:
                 table[i, P + L - n :] = writes[-1]

@@ -31,9 +31,10 @@ from __future__ import annotations
 import contextlib
 
 import mlx.core as mx
+import numpy as np
 
 from parallm_engine.runner import cpu_kernels
-from parallm_engine.kv.fused_step import FusedChunk, FusedLayerKV, chunk_offsets
+from parallm_engine.kv.fused_step import FusedLayerKV, FusedWork, PromptLayout
 from parallm_engine.kv.kv_cache import SharedPrefix
 from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.kv.kv_pages import PAGE, PagedLaneKV, PagedSegment
@@ -205,11 +206,11 @@ class DecodeBatch:
         return old
 
     # -- compute --------------------------------------------------------------------------------
-    def forward(self, model, tokens: mx.array, chunk: FusedChunk | None = None) -> mx.array:
+    def forward(self, model, tokens: mx.array, work: FusedWork | None = None) -> mx.array:
         """Lazy float32 logits, one row per running sequence, for ``tokens`` (one per row): the
-        model's own forward (final norm, soft-caps and logit scaling included). ``chunk``: a prompt's
-        chunk whose row is in a running lane, computed in that lane's forward (``kv.fused_step``)."""
-        return self._per_lane(model, tokens[:, None], last_only=True, chunk=chunk)
+        model's own forward (final norm, soft-caps and logit scaling included). ``work``: the step's prefill
+        work, computed in the forward of the lanes its rows are in (``kv.fused_step``)."""
+        return self._per_lane(model, tokens[:, None], last_only=True, work=work)
 
     def forward_block(self, model, tokens: mx.array) -> mx.array:
         """Lazy float32 logits (B, W, V) for ``tokens`` (B, W): W positions per row in one forward
@@ -230,31 +231,31 @@ class DecodeBatch:
         return self._per_lane(model, None, last_only=True, rows=rows)
 
     def _per_lane(self, model, tokens: mx.array | None, last_only: bool, rows: list[list[int]] | None = None,
-                  chunk: FusedChunk | None = None):
+                  work: FusedWork | None = None):
         """Each lane's rows through the model on the lane's stream; the lanes' logits in row order.
-        ``rows``: a ragged step instead of ``tokens`` (one model row per position); ``chunk``: see
+        ``rows``: a ragged step instead of ``tokens`` (one model row per position); ``work``: see
         :meth:`forward`."""
         parts = []
         start = 0
-        busy = sum(1 for lane in self.lanes if lane.seqs or (chunk is not None and chunk.lane is lane))
-        solo = busy == 1  # one lane has the cores' kernels to itself
+        fused = {id(lane): work.in_lane(lane) for lane in self.lanes} if work is not None else {}
+        solo = sum(1 for lane in self.lanes if lane.seqs or fused.get(id(lane))) == 1  # one lane has the cores
         nat = cpu_kernels.native_module()
         for lane in self.lanes:
             n = len(lane.seqs)
-            if chunk is not None and chunk.lane is lane:
-                # The chunk runs in this lane's forward; in a lane that decodes nothing, beside the others'.
-                lane.kv.ws.limit = None if self.working_set_limit is None else self.working_set_limit // len(self.lanes)
-                with lane.context(), cpu_kernels.solo_lane(solo):
-                    logits = self._fused_forward(model, lane, tokens[start : start + n] if n else None, chunk, nat)
-                if logits is not None:
-                    parts.append(logits)
-                start += n
-                continue
-            if not n:
+            prompts = fused.get(id(lane))
+            if not n and not prompts:
                 continue
             mine = None
             lane.kv.ws.limit = None if self.working_set_limit is None else self.working_set_limit // len(self.lanes)
             with lane.context():
+                if prompts:  # the work's rows in this lane run in its forward (alone where the lane decodes nothing)
+                    with cpu_kernels.solo_lane(solo):
+                        logits = self._fused_forward(model, lane, tokens[start : start + n] if n else None,
+                                                     work, prompts, nat)
+                    if logits is not None:
+                        parts.append(logits)
+                    start += n
+                    continue
                 if rows is not None:
                     mine = rows[start : start + n]
                     lane.kv.begin([len(r) for r in mine], nat, self.attention_reads_pool)
@@ -271,28 +272,34 @@ class DecodeBatch:
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
-    def _fused_forward(self, model, lane: DecodeLane, x: mx.array | None, chunk: FusedChunk, nat) -> mx.array | None:
-        """Lazy float32 logits of ``lane``'s rows (``x``: their tokens, (B, 1)), with ``chunk``'s positions in
-        the same forward (``kv.fused_step``): B + n model rows, logits for the first B only. A lane with no
-        rows (``x`` None) runs the chunk's forward alone (no logits)."""
-        n = chunk.n
-        step = PagedPrefillStep(lane.kv, [chunk.seq.cache], [n], self.shared.kv if self.shared is not None else None,
-                                native=nat, reads_pool=self.attention_reads_pool)
+    def _fused_forward(self, model, lane: DecodeLane, x: mx.array | None, work: FusedWork, mine: list[int],
+                       nat) -> mx.array | None:
+        """Lazy float32 logits of ``lane``'s rows (``x``: their tokens, (B, 1)), with the prefill ``work``'s
+        rows ``mine`` (in this lane) in the same forward (``kv.fused_step``): B + n model rows, logits for the
+        first B only. A lane with no rows (``x`` None) runs the prompts' forward alone (no logits)."""
+        new = [work.new[i] for i in mine]
+        step = PagedPrefillStep(lane.kv, [work.rows[i] for i in mine], new,
+                                self.shared.kv if self.shared is not None else None, native=nat,
+                                reads_pool=self.attention_reads_pool, grown=True)
         if x is None:
-            with adapter_rows(model, [chunk.seq]):
-                model(mx.array(chunk.tokens(), dtype=mx.int32)[None], cache=step.layers)  # its logits: never read
-            chunk.arrays = step.arrays()
+            L = max(new)
+            ids = mx.array([[0] * (L - n) + work.tokens[i] for i, n in zip(mine, new)], dtype=mx.int32)
+            with adapter_rows(model, [work.seqs[i] for i in mine]):
+                model(ids, cache=step.layers)  # its logits: never read
+            work.arrays += step.arrays()
             return None
         B = x.shape[0]
-        lane.kv.begin(1, nat, self.attention_reads_pool)
-        offset = mx.concatenate([lane.kv.layers[0].offset, chunk_offsets(step, n)])
-        caches = [FusedLayerKV(d, c, B, offset) for d, c in zip(lane.kv.layers, step.layers)]
-        ids = mx.array(chunk.tokens(), dtype=x.dtype)[:, None]
-        backbone, head = chunk.split
-        with adapter_rows(model, lane.seqs + [chunk.seq], [1] * B + [n]):
+        lane.kv.begin(1, nat, self.attention_reads_pool)  # after the step: a row that joined grows past its prompt
+        positions = np.concatenate([p + np.arange(n) for p, n in zip(step.starts, new)]).astype(np.int32)
+        offset = mx.concatenate([lane.kv.layers[0].offset, mx.array(positions)])
+        layout = PromptLayout(new)
+        caches = [FusedLayerKV(d, c, B, layout, offset) for d, c in zip(lane.kv.layers, step.layers)]
+        ids = mx.array([t for i in mine for t in work.tokens[i]], dtype=x.dtype)[:, None]
+        backbone, head = work.split
+        with adapter_rows(model, lane.seqs + [work.seqs[i] for i in mine], [1] * B + new):
             hidden = backbone(mx.concatenate([x, ids]), cache=caches)
             logits = head(hidden[:B])
-        chunk.arrays = step.arrays()
+        work.arrays += step.arrays()
         self.meter.decoded += B
         return logits[:, -1, :].astype(mx.float32)
 

@@ -42,11 +42,11 @@ class DecodeRunner:
     def in_flight(self) -> bool:
         return self.pending is not None
 
-    def step(self, chunk=None) -> None:
+    def step(self, work=None) -> None:
         """One decode step for every running sequence (speculative where the speculator chooses to).
-        ``chunk`` (``kv.fused_step.FusedChunk``): a prompt's chunk to compute in the same forward (a plain
-        step only; ``chunk.ran`` says whether it did)."""
-        if self.speculator is not None and self.speculator.step(self):  # verified drafts (speculative.py)
+        ``work`` (``kv.fused_step.FusedWork``): the step's prefill work, computed in the same forward (the
+        step is then a plain one; ``work.ran`` says whether it ran: not where no row was left)."""
+        if work is None and self.speculator is not None and self.speculator.step(self):  # verified drafts
             self._retire_finished()
             return
         running = self.batch.running
@@ -64,11 +64,11 @@ class DecodeRunner:
             inputs = next_inputs(running, self.pending[0], self.pending[1])
         else:
             inputs = mx.array([s.last_token for s in running])
-        logits = self.batch.forward(self.model, inputs) if chunk is None else \
-            self.batch.forward(self.model, inputs, chunk)  # the mixed layout never fuses
-        extra = []  # the chunk's writes: no logit may depend on them
-        if chunk is not None:
-            chunk.ran, extra = True, chunk.arrays
+        logits = self.batch.forward(self.model, inputs) if work is None else \
+            self.batch.forward(self.model, inputs, work)  # the mixed layout never fuses
+        extra = []  # the prompts' writes: no logit may depend on them
+        if work is not None:
+            work.ran, extra = True, work.arrays
         for s in running:
             s.consumed += 1
         self.stats.decode_steps += 1

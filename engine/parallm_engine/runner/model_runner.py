@@ -22,7 +22,7 @@ from parallm_engine.runner import cpu_kernels
 from parallm_engine.embed import embedding
 
 from parallm_engine.kv import kv_quant
-from parallm_engine.kv.fused_step import FusedChunk
+from parallm_engine.kv.fused_step import FusedWork
 from parallm_engine.runner import lora
 from parallm_engine.runner.logits_head import split_head
 from parallm_engine.runner.decode_runner import DecodeRunner
@@ -72,21 +72,18 @@ class ModelRunner(DecodeRunner):
     def execute(self, plan: StepPlan) -> None:
         """Run ``plan``: its prefill work as the scheduler hands it out (each item planned once the one
         before has run), the mixed layout's late joins, then one decode step for every running row, with
-        the plan's fused chunk in its forward (``kv.fused_step``; alone after it where the step could not
-        take it: a speculative step, no running row left)."""
+        the plan's fused work in its forward (``kv.fused_step``; alone after it where no row was left)."""
         self.plain_rows = 0
         with cpu_kernels.enabled(self.cpu_kernels):
             t0 = time.perf_counter()
             before = self.stats.prefill_tokens
-            chunk = None
+            self._fused = None
             try:
                 for work in plan.prefill:
                     self.prefill(work)
-                if plan.fused is not None:
-                    self.kv.open_rows(plan.fused.seqs)
-                    chunk = FusedChunk(plan.fused.seqs[0], plan.fused.n_tokens, self.split)
             finally:
                 self.kv.end_reads()
+            fused, self._fused = self._fused, None
             plan.prefill_s = time.perf_counter() - t0
             plan.prefill_tokens = self.stats.prefill_tokens - before
             self.kv.join_late(plan.joined)
@@ -94,35 +91,40 @@ class ModelRunner(DecodeRunner):
             if self.batch.running:
                 self.kv.reserve_decode()
                 plan.decode_rows = list(self.batch.running)
-                self.step(chunk)
+                self.step(fused)
             elif self.in_flight:
                 self.flush()
-            if chunk is not None and chunk.ran:
-                chunk.seq.pos += chunk.n
-                self.stats.prefill_tokens += chunk.n
-                self.stats.fused_prefill_tokens += chunk.n
+            if fused is not None and fused.ran:
+                self.stats.prefill_tokens += fused.n_tokens
+                self.stats.fused_prefill_tokens += fused.n_tokens
                 self.stats.fused_prefill_chunks += 1
-                plan.fused_tokens = chunk.n
-            elif chunk is not None:  # the step could not take it: alone, timed as prefill
+                plan.fused_tokens = fused.n_tokens
+            elif fused is not None:  # no row decoded this step: the work alone, timed as prefill
+                assert not fused.finishes(), "a prompt joined the batch without its prefill"
                 t1 = time.perf_counter()
-                self.prefill(plan.fused)
+                self._run_alone(fused)
                 alone = time.perf_counter() - t1
                 plan.prefill_s += alone
-                plan.prefill_tokens += chunk.n
+                plan.prefill_tokens += fused.n_tokens
+                self.stats.prefill_tokens += fused.n_tokens
                 t_decode += alone
         plan.decode_s = time.perf_counter() - t_decode
 
     def fuses(self, seq) -> bool:
-        """Whether a chunk of ``seq``'s prompt may run in the decode forward (``kv.fused_step``): the model
-        splits exactly into its hidden-state forward and its head (``logits_head``), its attention runs
-        through the engine's hook as a ragged step's does, and nothing per row needs more than token ids
-        (no image inputs, no embedding pooling, no LoRA adapters: their bindings cover whole forwards)."""
+        """Whether ``seq``'s prefill may run in the decode forward (``kv.fused_step``): the model splits
+        exactly into its hidden-state forward and its head (``logits_head``), its attention runs through
+        the engine's hook as a ragged step's does, and nothing per row needs more than token ids (no image
+        inputs, no embedding pooling, no LoRA adapters: their bindings cover whole forwards)."""
         return self.split is not None and not seq.embedding and getattr(seq.request, "vision", None) is None \
             and lora.runtime(self.model) is None
 
     def prefill(self, work: PrefillWork) -> None:
-        """One prefill work item; the prompts it finished go to ``work.finished`` with their KV."""
+        """One prefill work item; the prompts it finished go to ``work.finished`` with their KV. Work the
+        scheduler fused into the decode step is only prepared here (``_prepare_fused``)."""
         seqs = work.seqs
+        if work.fused:
+            self._prepare_fused(work)
+            return
         if self.kv.layout == "mixed":
             if work.kind == "cached":  # the whole context is cached: no forward
                 work.finished = [(seqs[0], self.kv.prompt_cache(seqs[0]))]
@@ -133,9 +135,46 @@ class ModelRunner(DecodeRunner):
         if work.kind == "cached":
             self.kv.open_rows(seqs)
         else:
-            new = work.new if work.kind == "chunk" else [len(s.prefill_ids) - s.pos for s in seqs]
-            self._prefill_paged(seqs, new)
+            self._prefill_paged(seqs, self._new_tokens(work))
         work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
+
+    @staticmethod
+    def _new_tokens(work: PrefillWork) -> list[int]:
+        return work.new if work.kind == "chunk" else [len(s.prefill_ids) - s.pos for s in work.seqs]
+
+    def _prepare_fused(self, work: PrefillWork) -> None:
+        """The work the decode forward computes (``kv.fused_step``): rows opened and grown by the new
+        tokens' pages, positions advanced; prompts it finishes go to ``work.finished`` (they join the batch
+        before the forward, their last context token one of its decode rows)."""
+        seqs, new = work.seqs, self._new_tokens(work)
+        self.kv.open_rows(seqs)
+        rows = [s.cache for s in seqs]
+        tokens = []
+        for s, n, r in zip(seqs, new, rows):
+            tokens.append(s.prefill_ids[s.pos : s.pos + n])
+            r.row.grow(r.lane.kv.pool, n)
+            s.pos += n
+        self._fused = FusedWork(seqs, new, rows, tokens, self.split)
+        work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
+
+    def _run_alone(self, work: FusedWork) -> None:
+        """Fused work no decode step took (no row left to decode): its forward alone, one per lane."""
+        batch, nat = self.batch, cpu_kernels.native_module()
+        for lane in batch.lanes:
+            mine = work.in_lane(lane)
+            if not mine:
+                continue
+            new = [work.new[i] for i in mine]
+            step = PagedPrefillStep(lane.kv, [work.rows[i] for i in mine], new,
+                                    batch.shared.kv if batch.shared is not None else None, native=nat,
+                                    reads_pool=batch.attention_reads_pool, grown=True)
+            L = max(new)
+            with lane.context():
+                ids = mx.array([[0] * (L - n) + work.tokens[i] for i, n in zip(mine, new)])
+                embedding.prefill_forward(self.model, ids, step.layers,
+                                          [(work.seqs[i], work.seqs[i].pos - n, n) for i, n in zip(mine, new)])
+                mx.eval(step.arrays())
+        self.stats.prefill_forwards += 1
 
     def _prefill_paged(self, seqs: list, new: list[int]) -> None:
         """Attention layout: ``new[i]`` more context tokens of each sequence, their KV written once into

@@ -39,6 +39,6 @@ class StepPlan:
     # Filled by the runner:
     decode_rows: list = field(default_factory=list)  # the rows of the step's decode forward
     prefill_s: float = 0.0
-    prefill_tokens: int = 0  # computed in prefill forwards (not the fused chunk's)
+    prefill_tokens: int = 0  # computed in prefill forwards (not the fused item's)
     fused_tokens: int = 0  # the fused work's (PrefillWork.fused), where the decode forward computed it
     decode_s: float = 0.0

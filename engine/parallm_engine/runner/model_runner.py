@@ -4,7 +4,8 @@ Every forward of the engine starts here: the prefill of a long prompt's chunk or
 contexts, one forward per decode lane writing their KV straight into their rows' pages
 (``kv.paged_prefill``; the mixed layout: a chunk through mlx-lm's caches), and the decode step of the running
 batch (``decode_runner.DecodeRunner``, its base: sampling, delivery, the pipelined step in flight,
-speculative verify steps). The engine's attention hook and, on the CPU, its kernels are installed on
+speculative verify steps), which computes the step's last prefill item in its own forward where the
+scheduler marked it ``fused`` (``kv.fused_step``). The engine's attention hook and, on the CPU, its kernels are installed on
 the model here, bound to this model's own module instances (nothing process-wide); per-family quirks
 come from the family adapter (``family_adapters``). The KV the forwards read and write is the KV cache
 manager's (``kv_cache_manager``): the runner asks it for the prompts' rows (or caches), and hands the

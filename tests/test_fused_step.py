@@ -1,9 +1,10 @@
-"""A long prompt's chunk computed in the decode forward (``kv/fused_step.py``), and when it is not.
+"""The step's last prefill computed in the decode forward (``kv/fused_step.py``), and when it is not.
 
 The model zoo checks every family with a prompt chunked beside decoding rows (greedy == mlx-lm) and
-tests/test_kv_writes.py the bytes written; here: the exact hidden-state / head split the fused step needs
-(``runner/logits_head.py``: found where it is exact, refused where the family transforms its logits), and
-the step that cannot take its chunk (a speculative verify step) running it alone, the answers unchanged.
+tests/test_kv_writes.py the bytes written and prompts joining the forward that prefills them; here: the
+exact hidden-state / head split the fused step needs (``runner/logits_head.py``: found where it is exact,
+refused where the family transforms its logits), and speculating rows beside fused prompts (a fused step
+is a plain decode step), the answers unchanged.
 """
 
 from __future__ import annotations

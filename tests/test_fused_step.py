@@ -63,3 +63,38 @@ def test_speculating_rows_and_a_fused_prompt(tiny_model_dir):
         assert after["fused_prefill_tokens"] - before["fused_prefill_tokens"] >= 128
     finally:
         eng.shutdown()
+
+
+def test_fused_work_no_decode_step_took_runs_alone(tiny_model_dir):
+    """Where the decode step takes no forward (its rows all ended when the step in flight was delivered),
+    the step's fused work (a long prompt's chunk) runs alone, as in a lane that decodes nothing: the prompt's
+    answer is unchanged."""
+    eng = Engine(str(tiny_model_dir), speculative=None, prefill_chunk=64, prefill_budget=64, decode_lanes=1)
+    try:
+        vocab = eng.model_info.vocab_size
+        short, long = prompt_ids(10, vocab, seed=1), prompt_ids(230, vocab, seed=2)
+        alone = []
+        for p in (short, long):
+            eng.clear_prefix_cache()
+            alone.append(eng.generate([p], max_tokens=20, temperature=0, ignore_eos=True)[0].token_ids)
+        eng.clear_prefix_cache()
+        runner = eng._scheduler.runner
+        step, skipped = runner.step, []
+
+        def step_without_forward(work=None):
+            if work is not None and not skipped:  # as if every row ended at the flush: no forward
+                skipped.append(work.n_tokens)
+                return
+            step(work)
+
+        runner.step = step_without_forward
+        handle = eng.submit(short, max_tokens=20, temperature=0, ignore_eos=True)
+        stream = iter(handle)
+        assert next(stream).token_ids
+        late = eng.submit(long, max_tokens=20, temperature=0, ignore_eos=True)
+        for _ in stream:
+            pass
+        assert [handle.request.result.token_ids, eng._collect(late).token_ids] == alone
+        assert skipped, "no fused work met the skipped step"
+    finally:
+        eng.shutdown()

@@ -272,6 +272,16 @@ class DecodeBatch:
             start += n
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
+    def forward_prompts(self, model, work: FusedWork) -> None:
+        """Fused work no decode step took: its prompts' forward alone in each lane they are in, as in a lane
+        that decodes nothing (evaluate ``work.arrays``)."""
+        nat = cpu_kernels.native_module()
+        for lane in self.lanes:
+            mine = work.in_lane(lane)
+            if mine:
+                with lane.context():
+                    self._fused_forward(model, lane, None, work, mine, nat)
+
     def _fused_forward(self, model, lane: DecodeLane, x: mx.array | None, work: FusedWork, mine: list[int],
                        nat) -> mx.array | None:
         """Lazy float32 logits of ``lane``'s rows (``x``: their tokens, (B, 1)), with the prefill ``work``'s

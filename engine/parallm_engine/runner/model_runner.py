@@ -73,7 +73,7 @@ class ModelRunner(DecodeRunner):
     def execute(self, plan: StepPlan) -> None:
         """Run ``plan``: its prefill work as the scheduler hands it out (each item planned once the one
         before has run), the mixed layout's late joins, then one decode step for every running row, with
-        the plan's fused work in its forward (``kv.fused_step``; alone after it where no row was left)."""
+        the plan's fused work in its forward (``kv.fused_step``; alone where no row was left to decode)."""
         self.plain_rows = 0
         with cpu_kernels.enabled(self.cpu_kernels):
             t0 = time.perf_counter()
@@ -95,20 +95,18 @@ class ModelRunner(DecodeRunner):
                 self.step(fused)
             elif self.in_flight:
                 self.flush()
-            if fused is not None and fused.ran:
+            if fused is not None and not fused.ran:
+                # No row decoded this step (the rows all ended when the step in flight was delivered): the
+                # prompts' forward alone, as a lane that decodes nothing runs it. Only unfinished prompts:
+                # one the work finished is a decode row of this step.
+                assert not fused.finishes(), "a prompt joined the batch without its prefill"
+                self.batch.forward_prompts(self.model, fused)
+                mx.eval(fused.arrays)
+            if fused is not None:
                 self.stats.prefill_tokens += fused.n_tokens
                 self.stats.fused_prefill_tokens += fused.n_tokens
                 self.stats.fused_prefill_chunks += 1
                 plan.fused_tokens = fused.n_tokens
-            elif fused is not None:  # no row decoded this step: the work alone, timed as prefill
-                assert not fused.finishes(), "a prompt joined the batch without its prefill"
-                t1 = time.perf_counter()
-                self._run_alone(fused)
-                alone = time.perf_counter() - t1
-                plan.prefill_s += alone
-                plan.prefill_tokens += fused.n_tokens
-                self.stats.prefill_tokens += fused.n_tokens
-                t_decode += alone
         plan.decode_s = time.perf_counter() - t_decode
 
     def fuses(self, seq) -> bool:
@@ -157,25 +155,6 @@ class ModelRunner(DecodeRunner):
             s.pos += n
         self._fused = FusedWork(seqs, new, rows, tokens, self.split)
         work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
-
-    def _run_alone(self, work: FusedWork) -> None:
-        """Fused work no decode step took (no row left to decode): its forward alone, one per lane."""
-        batch, nat = self.batch, cpu_kernels.native_module()
-        for lane in batch.lanes:
-            mine = work.in_lane(lane)
-            if not mine:
-                continue
-            new = [work.new[i] for i in mine]
-            step = PagedPrefillStep(lane.kv, [work.rows[i] for i in mine], new,
-                                    batch.shared.kv if batch.shared is not None else None, native=nat,
-                                    reads_pool=batch.attention_reads_pool, grown=True)
-            L = max(new)
-            with lane.context():
-                ids = mx.array([[0] * (L - n) + work.tokens[i] for i, n in zip(mine, new)])
-                embedding.prefill_forward(self.model, ids, step.layers,
-                                          [(work.seqs[i], work.seqs[i].pos - n, n) for i, n in zip(mine, new)])
-                mx.eval(step.arrays())
-        self.stats.prefill_forwards += 1
 
     def _prefill_paged(self, seqs: list, new: list[int]) -> None:
         """Attention layout: ``new[i]`` more context tokens of each sequence, their KV written once into

@@ -466,14 +466,24 @@ def test_rope_rows_of_several_positions_are_bitwise_the_table(nat, dims, D, trad
 
 def test_linear_is_tuned_for_this_cpu_or_off(nat):
     """The native linear runs where it has tiles tuned for the registers (AVX-512: 64 rows, AVX2: 16);
-    a wider input keeps MLX's GEMM."""
+    a wider input keeps MLX's GEMM, or, from GEMM_SPLIT_MIN_ROWS rows where the BLAS runs one thread per
+    caller (MKL sequential, set once an engine configured it in this process), the GEMM split over the
+    cores: never the tuned linear."""
     rows = cpu_kernels.native_linear_rows()
     assert rows == {16: cpu_kernels.NATIVE_LINEAR_ROWS, 8: cpu_kernels.NATIVE_LINEAR_ROWS_AVX2}.get(nat.linear_lanes(), 0)
     w = mx.random.normal((40, 24))
     with cpu_kernels.enabled():
         if rows:
-            assert cpu_kernels.linear_native(mx.random.normal((rows, 24)), w) is not None
-        assert cpu_kernels.linear_native(mx.random.normal((rows + 1, 24)), w) is None
+            x = mx.random.normal((rows, 24))
+            assert np.array_equal(np.array(cpu_kernels.linear_native(x, w)), np.array(nat.linear(x, w, None)))
+        wide = mx.random.normal((rows + 1, 24))
+        split = cpu_kernels._gemm_split(nat, wide, w, None)
+        out = cpu_kernels.linear_native(wide, w)
+        if split is None:
+            assert out is None
+        else:
+            assert rows + 1 >= cpu_kernels.GEMM_SPLIT_MIN_ROWS
+            assert np.array_equal(np.array(out), np.array(split))
 
 
 def test_build_is_cached_and_can_be_turned_off(nat):

@@ -78,7 +78,7 @@ class EngineStats:
         self.decode_steps = 0
         self.prefill_forwards = 0  # forward passes spent on prompts (a batched group counts once per lane)
         self.fused_prefill_tokens = 0  # of prefill_tokens, those computed in a decode forward (kv/fused_step.py)
-        self.fused_prefill_chunks = 0  # chunks computed in a decode forward (not counted in prefill_forwards)
+        self.fused_prefill_chunks = 0  # prefill items (chunks, groups) computed in a decode forward (not in prefill_forwards)
         self.steps = 0
         self.busy_time = 0.0
         self.running = 0

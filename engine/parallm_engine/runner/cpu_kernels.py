@@ -446,7 +446,7 @@ def _engine_sdpa(orig_sdpa):
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         fused = getattr(cache, "fused", None)
-        if fused is not None:  # decode rows and a prompt's chunk in one forward (kv.fused_step)
+        if fused is not None:  # decode rows and the step's last prefill in one forward (kv.fused_step)
             return fused_attention(attend, queries, keys, values, fused, scale, sinks)
         ragged = getattr(cache, "ragged", None)
         if ragged is not None:  # a ragged step (kv_pages.PagedLaneKV.begin): the rows' rectangle

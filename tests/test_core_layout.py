@@ -22,3 +22,36 @@ def test_the_scheduler_only_plans():
 
 def test_the_scheduler_is_small():
     assert len((PACKAGE / "scheduler.py").read_text().splitlines()) < 350
+
+
+def test_a_family_quirk_lives_in_its_adapter():
+    """gemma2's 5-D scores: only its adapter knows (no cache, batch or kernel threads a mask flag), and it
+    switches the engine's model instance only: another model of the same class keeps mlx-lm's class."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma2
+
+    from parallm_engine.runner.family_adapters import Gemma2Adapter, adapter_for
+
+    root = PACKAGE.parent
+    hits = [str(p.relative_to(root)) for p in root.rglob("*.py")
+            if "mask_5d" in p.read_text() or ("gemma2" in p.read_text() and p.name != "family_adapters.py")]
+    assert not hits, hits
+
+    args = gemma2.ModelArgs(model_type="gemma2", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                            num_attention_heads=4, head_dim=8, rms_norm_eps=1e-6, vocab_size=64,
+                            num_key_value_heads=2)
+    engine_model, user_model = gemma2.Model(args), gemma2.Model(args)
+    user_model.update(engine_model.parameters())
+    adapter = adapter_for(type("Info", (), {"config": {"model_type": "gemma2"}})())
+    assert isinstance(adapter, Gemma2Adapter)
+    adapter.install(engine_model)
+    attn = engine_model.layers[0].self_attn
+    assert type(attn) is not gemma2.Attention and isinstance(attn, gemma2.Attention)
+    assert type(user_model.layers[0].self_attn) is gemma2.Attention
+    # A (B, 1, L, S) mask as the engine's caches make it == mlx-lm's own 5-D layout on the user's model.
+    x = mx.random.normal((2, 3, 32))
+    mask = mx.array([[True, False, False], [True, True, False], [True, True, True]])
+    mask = mx.broadcast_to(mask, (2, 1, 3, 3))
+    ours = attn(x, mask)
+    theirs = user_model.layers[0].self_attn(x, mask[:, :, None])
+    assert mx.array_equal(ours, theirs).item()

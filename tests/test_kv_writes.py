@@ -227,3 +227,57 @@ def test_prompts_that_join_the_decode_forward_that_prefills_them(fresh, words, l
         assert after["prefill_forwards"] == before["prefill_forwards"]
     # else (two lanes' streams, each on one core: the pure-MLX path on this CPU) a group of several prompts
     # is split over both cores' streams instead, and only a group of one runs in the decode forward
+
+
+def test_several_prefill_items_in_one_decode_forward(fresh, tmp_path, monkeypatch):
+    """A long prompt's last chunk and two groups of short prompts, planned in one step beside decoding rows,
+    are all computed by that step's decode forward (``kv/fused_step.py``): no prefill forward, each KV token
+    written once, each answer equal to its prompt alone. A prompt that shares another's uncached prefix is
+    not planned beside it: it waits a step and reads that prefix from the radix tree (in-flight dedup; the
+    tree takes a fused prompt once the forward that writes it is built)."""
+    import json
+
+    from .model_zoo import prompt_ids
+
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PARALLM_STEP_TRACE", str(trace))
+    # A fixed budget (no step-time target) and one prefill stream: the same plan on every backend.
+    eng = fresh(prefill_chunk=64, prefill_budget=512, decode_lanes=1)
+    eng.run_on_engine_thread(lambda: setattr(eng._scheduler.config, "step_time_target_s", 0.0))
+    vocab = eng.model_info.vocab_size
+    running = [prompt_ids(12, vocab, seed=s) for s in (1, 2)]
+    arriving = [prompt_ids(101, vocab, seed=3)] + [prompt_ids(n, vocab, seed=n) for n in (10, 24, 41)]
+    shared = prompt_ids(40, vocab, seed=9)
+    twins = [shared + prompt_ids(5, vocab, seed=10), shared + prompt_ids(6, vocab, seed=11)]
+    alone = []
+    for p in arriving + twins:
+        eng.clear_prefix_cache()
+        alone.append(eng.generate([p], max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids)
+    eng.clear_prefix_cache()
+    # Rows that decode all along (the late prompts are fused only beside decoding rows).
+    handles = [eng.submit(p, max_tokens=400, temperature=0, ignore_eos=True) for p in running]
+    streams = [iter(h) for h in handles]
+    assert all(next(it).token_ids for it in streams)
+    eng.clear_prefix_cache()
+    before = eng.stats()
+    w0, p0, d0 = _counts(eng)
+    lines0 = len(trace.read_text().splitlines())
+    # Submitted between two steps (on the engine thread): the plan does not depend on arrival timing.
+    late = eng.run_on_engine_thread(lambda: [eng.submit(p, max_tokens=8, temperature=0, ignore_eos=True)
+                                             for p in arriving + twins])
+    for it in streams:
+        for _ in it:
+            pass
+    results = [eng._collect(h).token_ids for h in late]
+    w1, p1, d1 = _counts(eng)
+    after = eng.stats()
+    assert results == alone
+    _once(eng, w1 - w0, p1 - p0, d1 - d0)
+    assert after["prefill_forwards"] == before["prefill_forwards"]
+    # The long prompt: chunks of 64 and 36; the shorts: groups (9 + 23) and (40); the twins: the first in a
+    # group (the second shares its 40 uncached tokens: it waits, then computes only its own 5).
+    assert after["fused_prefill_chunks"] - before["fused_prefill_chunks"] >= 5
+    assert after["fused_prefill_tokens"] - before["fused_prefill_tokens"] == 100 + 9 + 23 + 40 + 44 + 5
+    assert late[-1].request.result.usage.cached_tokens == 40
+    steps = [json.loads(line) for line in trace.read_text().splitlines()[lines0:]]
+    assert max(s["fused_tokens"] for s in steps) >= 36 + 9 + 23 + 40  # several items in one forward

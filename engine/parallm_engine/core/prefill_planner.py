@@ -7,9 +7,11 @@ set its token budget and time), and a prompt whose uncached prefix a member of t
 computing waits one step and finds it in the radix tree (in-flight dedup). A context longer than one
 chunk is prefilled alone, chunk by chunk, across steps; shorter ones (attention layout) together in
 groups of at most one chunk of tokens; a context the prefix cache holds whole needs no forward. While rows
-decode, the step's last item (a chunk or group that spends the rest of the budget, or finishes the last
-prompts waiting) is marked ``fused``: the decode forward computes it (``kv.fused_step``), and the prompts
-it finishes join the decode rows of that same forward.
+decode, every item the runner can compute so is marked ``fused``: the decode forward computes it
+(``kv.fused_step``), and the prompts it finishes join the decode rows of that same forward. The radix tree
+takes those prompts once that forward is built, so a later item of the step never reads them: one that
+would recompute their uncached prefix waits a step instead (in-flight dedup, as within a group), and a
+fused chunk that leaves its prompt unfinished is the step's last item.
 """
 
 from __future__ import annotations
@@ -67,9 +69,12 @@ class PrefillPlanner:
         # The token budget follows the measured rate; the clock also stops the step's prefill once the
         # target has passed (a rate measured on an idle machine may not hold on a busy one).
         deadline = time.perf_counter() + self._prefill_room_s() if self.config.step_time_target_s else None
+        self._fused_seqs = []  # prompts this step's decode forward computes (not in the tree until it is built)
         while self.prefilling and budget > 0 and (deadline is None or time.perf_counter() < deadline):
             head = self.prefilling[0]
             if not head.started:
+                if self._fused_seqs and self._uncached_overlap(head, self._fused_seqs, self.kv.peek(head)):
+                    return  # it would recompute what the decode forward computes: next step, from the tree
                 self._start_prefill(head)
             remaining = len(head.prefill_ids) - head.pos
             if remaining == 0 and head.cache is None:
@@ -83,7 +88,7 @@ class PrefillPlanner:
                 per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
                 new = [self._chunk_len(s, per) for s in seqs]
                 work = PrefillWork("chunk", seqs, sum(new), new=new)
-                work.fused = self._fuses(work, budget)
+                work.fused = self._fuses(work)
                 yield work
                 for s in seqs:
                     self.kv.commit_split(s)
@@ -92,7 +97,9 @@ class PrefillPlanner:
                 if work.finished:
                     self._prompts_done(work.finished, plan.joined, work.fused)
                 if work.fused:
-                    return  # the step's last prefill: the decode forward computes it
+                    self._fused_seqs += seqs
+                    if len(work.finished) < len(seqs):
+                        return  # a prompt runs once a step: its next chunk is the next step's
                 budget -= work.n_tokens
                 continue
             group, used = [head], remaining
@@ -110,26 +117,22 @@ class PrefillPlanner:
             for seq in group:
                 self.prefilling.remove(seq)
             work = PrefillWork("group", group, used)
-            work.fused = self._fuses(work, budget)
+            work.fused = self._fuses(work)
             yield work
             self._prompts_done(work.finished, plan.joined, work.fused)
             if work.fused:
-                return
+                self._fused_seqs += group
             budget -= used
 
-    def _fuses(self, work: PrefillWork, budget: int) -> bool:
-        """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step, it
-        is the step's last prefill (it spends what is left of the budget, or it finishes its prompts and no
-        other prompt waits), its forward would run on one core's stream anyway (where the runner has several
-        prefill streams, one prompt only), and the runner can run each of its prompts so."""
+    def _fuses(self, work: PrefillWork) -> bool:
+        """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step,
+        its forward would run on one core's stream anyway (where the runner has several prefill streams, one
+        prompt only), and the runner can run each of its prompts so."""
         if not self.config.fuse_prefill or not self.running or self.layout != "attention":
             return False
         if len(work.seqs) > 1 and self.runner.prefill_streams > 1:
             return False
-        finishes = work.kind == "group" or all(s.pos + n == len(s.prefill_ids) for s, n in zip(work.seqs, work.new))
-        others = any(s not in work.seqs for s in self.prefilling)
-        last = work.n_tokens >= budget or (finishes and not others)
-        return last and all(self.runner.fuses(s) for s in work.seqs)
+        return all(self.runner.fuses(s) for s in work.seqs)
 
     def _parallel_chunks(self, head: Sequence, chunk: int) -> list[Sequence]:
         """Long contexts whose chunks run beside ``head``'s, one per further prefill stream of the runner
@@ -154,10 +157,11 @@ class PrefillPlanner:
 
     def _joins(self, seq: Sequence, others: list[Sequence], cached: int) -> bool:
         """Whether ``seq`` may prefill in the same step as ``others`` (``cached``: its tokens the prefix cache
-        holds): not if it would recompute an uncached prefix one of them is computing. Started here if so."""
+        holds): not if it would recompute an uncached prefix one of them, or a prompt this step's decode forward
+        computes, is computing. Started here if so."""
         if seq.started:
             return True
-        if self._uncached_overlap(seq, others, cached):
+        if self._uncached_overlap(seq, [*others, *self._fused_seqs], cached):
             return False
         self._start_prefill(seq)
         return True

@@ -23,7 +23,7 @@ class PrefillWork:
     seqs: list
     n_tokens: int
     new: list = field(default_factory=list)  # a chunk's tokens per sequence
-    fused: bool = False  # computed in the step's decode forward (kv/fused_step.py): the step's last item
+    fused: bool = False  # computed in the step's decode forward (kv/fused_step.py)
     finished: list = field(default_factory=list)
 
 

@@ -1,4 +1,4 @@
-"""A decode step and the step's last prefill work in one forward (a "fused" step, as vLLM v1 runs steps).
+"""A decode step and the step's prefill work in one forward (a "fused" step, as vLLM v1 runs steps).
 
 Without it a step runs the prefill forward, then the decode rows' forward: each reads every weight, and
 the streams' inter-token latency is the sum of both. Fused, the model runs once over N = B + n positions,
@@ -26,16 +26,17 @@ import numpy as np
 
 class FusedLayerKV:
     """One layer of a fused step, as mlx-lm's models call a cache: ``offset`` (each model row's position),
-    ``update_and_fetch`` (writes both parts; the keys and values returned are the decode part's, stand-ins:
+    ``update_and_fetch`` (writes every part; the keys and values returned are the decode part's, stand-ins:
     the hook reads :attr:`fused`), ``make_mask`` (None: each part has its own)."""
 
-    def __init__(self, decode, prompts, rows: int, layout: "PromptLayout", offset: mx.array):
+    def __init__(self, decode, parts: list[tuple], rows: int, offset: mx.array):
         self.decode = decode  # kv_pages.PagedLayerKV: the lane's decode rows
-        self.prompts = prompts  # paged_prefill.PagedPrefillKV: the prompts' rows
+        # (paged_prefill.PagedPrefillKV, PromptLayout) per prefill item: each item's prompts are one
+        # rectangle (a short prompt is not padded to another item's long chunk)
+        self.parts = parts
         self.rows = rows  # decode rows: model rows [0, rows); the prompts' positions follow
-        self.layout = layout
         self.offset = offset
-        self.prompt_keys = self.prompt_values = None
+        self.fetched: list = []
 
     @property
     def fused(self) -> "FusedLayerKV":
@@ -43,9 +44,11 @@ class FusedLayerKV:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B = self.rows
-        self.prompts.write(self.layout.rect(keys[B:]), self.layout.rect(values[B:]))
+        for prompts, layout in self.parts:
+            a, b = B + layout.start, B + layout.start + layout.n
+            prompts.write(layout.rect(keys[a:b]), layout.rect(values[a:b]))
         out = self.decode.update_and_fetch(keys[:B], values[:B])
-        self.prompt_keys, self.prompt_values = self.prompts.fetch()
+        self.fetched = [prompts.fetch() for prompts, _ in self.parts]
         return out
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
@@ -55,13 +58,15 @@ class FusedLayerKV:
 
 
 class PromptLayout:
-    """Where the prompts' model rows (row i's ``n_i`` positions, row by row) sit in their prefill
-    rectangle (R, L): right-aligned, as ``kv_cache.prefill_layout`` lays a batched prefill out. A cell no
-    position fills repeats the first one (computed, never written, never read back)."""
+    """Where the prompts' model rows (row i's ``n_i`` positions, row by row, from the ``start``-th of the
+    step's prompt positions) sit in their prefill rectangle (R, L): right-aligned, as
+    ``kv_cache.prefill_layout`` lays a batched prefill out. A cell no position fills repeats the first one
+    (computed, never written, never read back)."""
 
-    def __init__(self, new: list[int]):
+    def __init__(self, new: list[int], start: int = 0):
         L = max(new)
         self.R, self.L = len(new), L
+        self.start, self.n = start, sum(new)
         cells = np.concatenate([i * L + L - n + np.arange(n) for i, n in enumerate(new)]).astype(np.int32)
         fill = np.zeros(self.R * L, dtype=np.int32)
         fill[cells] = np.arange(len(cells), dtype=np.int32)
@@ -89,11 +94,12 @@ def fused_attention(attend, queries: mx.array, keys, values, cache: FusedLayerKV
     """The hook's attention of a fused step: queries (N, H, 1, D), the decode rows' first. ``attend`` is
     the hook's attention of one cache (``cpu_kernels._engine_sdpa``)."""
     B = cache.rows
-    out = attend(queries[:B], keys, values, cache.decode, scale, cache.decode.make_mask(1), sinks)
-    prompts = attend(cache.layout.rect(queries[B:]), cache.prompt_keys, cache.prompt_values, cache.prompts,
-                     scale, cache.prompts.make_mask(cache.layout.L), sinks)
-    cache.prompt_keys = cache.prompt_values = None
-    return mx.concatenate([out, cache.layout.rows(prompts)])
+    outs = [attend(queries[:B], keys, values, cache.decode, scale, cache.decode.make_mask(1), sinks)]
+    for (prompts, layout), (k, v) in zip(cache.parts, cache.fetched):
+        q = layout.rect(queries[B + layout.start : B + layout.start + layout.n])
+        outs.append(layout.rows(attend(q, k, v, prompts, scale, prompts.make_mask(layout.L), sinks)))
+    cache.fetched = []
+    return mx.concatenate(outs)
 
 
 class FusedWork:
@@ -105,11 +111,25 @@ class FusedWork:
     forward must compute besides the logits (the pools the prompts wrote: no logit depends on them where
     the decode rows read a kept working set); ``ran``: the decode step took it."""
 
-    def __init__(self, seqs: list, new: list[int], rows: list, tokens: list[list[int]], split):
-        self.seqs, self.new, self.rows, self.tokens = seqs, new, rows, tokens
+    def __init__(self, split):
+        self.seqs: list = []
+        self.new: list[int] = []
+        self.rows: list = []
+        self.tokens: list[list[int]] = []
         self.split = split
+        self.items = 0  # the scheduler's prefill items (chunks, groups) this work gathers
+        self.item_of: list[int] = []  # each row's item
         self.arrays: list = []
         self.ran = False
+
+    def add(self, seqs: list, new: list[int], rows: list, tokens: list[list[int]]) -> None:
+        """One more prefill item of the step (each item's prompts are distinct: a prompt runs once a step)."""
+        self.seqs += seqs
+        self.new += new
+        self.rows += rows
+        self.tokens += tokens
+        self.item_of += [self.items] * len(seqs)
+        self.items += 1
 
     @property
     def n_tokens(self) -> int:
@@ -122,3 +142,13 @@ class FusedWork:
     def in_lane(self, lane) -> list[int]:
         """Indices of the work's rows in ``lane``'s pool."""
         return [i for i, r in enumerate(self.rows) if r.lane is lane]
+
+    def by_item(self, mine: list[int]) -> list[list[int]]:
+        """``mine`` (indices in order) cut into runs of one item each."""
+        runs: list[list[int]] = []
+        for i in mine:
+            if runs and self.item_of[runs[-1][-1]] == self.item_of[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs

@@ -74,6 +74,7 @@ class KVCacheManager(KVManager):
             self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
             self.radix.cached_pages = batch.cached_pages
         super().__init__(config, self.kv_bytes_per_token, batch, self.prefix_cache)
+        self._unindexed: list = []  # rows that joined for this step's fused forward (index_fused)
 
     def use_attention_hook(self, hooked: bool) -> None:
         """The model runner installed the engine's attention hook (``hooked``) or not. Decode rows
@@ -200,32 +201,57 @@ class KVCacheManager(KVManager):
         of them), each reading the prefix the tree holds in its lane's pool from there (borrowed pages)
         and writing the rest into its own pages, which the tree then holds by reference: a prompt's KV
         is held once, and a prefill later in this step finds it in the tree (in-flight dedup). ``fused``: the
-        step's decode forward has yet to write their new tokens (``kv.fused_step``): the tree holds those pages
-        now, to be read by later steps, and the rows join as they were prefilled (no shared prefix is chosen
-        from them, whose one copy would be read now)."""
+        step's decode forward has yet to write their new tokens (``kv.fused_step``): the rows join as they
+        were prefilled (no shared prefix is chosen from them, whose one copy would be read now), and the tree
+        takes them once that forward is built (:meth:`index_fused`): nothing planned before it reads them."""
         seqs = [seq for seq, _ in finished]
         for seq, cache in finished:
             seq.cache = cache
         if self.layout == "attention":
-            if self.radix is not None:
-                # The tree keeps the copy that got there first: a sequence's KV is bitwise the tree's
-                # for what it read from the tree and what it inserts, unless someone else inserted
-                # tokens it also computed (then only the part it read): the tree now, or a sequence
-                # before it here (each inserts its whole context).
-                for i, seq in enumerate(seqs):
-                    ids = seq.prefill_ids
-                    held = self.radix.match(ids, record=False, ns=seq.adapter_key).length if ids else 0
-                    held = max([held] + [shared_context_len(seq, s) for s in seqs[:i]])
-                    seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
-            self._join(seqs, fused)
-            if self.radix is not None:
-                for seq in seqs:
-                    if seq.prefill_ids:
-                        self.radix.insert(seq.prefill_ids, self.batch.row_segments(seq), ns=seq.adapter_key)
+            if fused:
+                self._join(seqs, as_prefilled=True)
+                self._unindexed += seqs
+            else:
+                self._tree_tokens(seqs)  # read by the join (which rows continue a shared prefix)
+                self._join(seqs)
+                self._insert(seqs)
         elif self.snapshots is not None:
             for seq, cache in finished:
                 if seq.prefill_ids and seq.cached_tokens < len(seq.prefill_ids):
                     self.snapshots.insert(seq.prefill_ids, cache, ns=seq.adapter_key)
+
+    def _tree_tokens(self, seqs: list) -> None:
+        """Each sequence's leading tokens whose KV is bitwise the tree's copy, were it inserted now."""
+        if self.radix is None:
+            return
+        # The tree keeps the copy that got there first: a sequence's KV is bitwise the tree's for what it
+        # read from the tree and what it inserts, unless someone else inserted tokens it also computed
+        # (then only the part it read): the tree now, or a sequence before it here (each inserts its whole
+        # context).
+        for i, seq in enumerate(seqs):
+            ids = seq.prefill_ids
+            held = self.radix.match(ids, record=False, ns=seq.adapter_key).length if ids else 0
+            held = max([held] + [shared_context_len(seq, s) for s in seqs[:i]])
+            seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
+
+    def _insert(self, seqs: list) -> None:
+        """Joined rows' contexts into the radix tree (their pages by reference)."""
+        if self.radix is None:
+            return
+        for seq in seqs:
+            if seq.prefill_ids:
+                self.radix.insert(seq.prefill_ids, self.batch.row_segments(seq), ns=seq.adapter_key)
+
+    def index_fused(self, built: bool) -> None:
+        """The step's fused prompts (``commit_prompts(fused=True)``) into the tree once the forward that
+        writes their KV is built (``built``; later steps' graphs read them after its writes). A forward that
+        failed wrote nothing: the tree must not hold those pages (the rows' own resumption re-prefills)."""
+        seqs, self._unindexed = self._unindexed, []
+        if built:
+            rows = {id(s) for s in self.batch.running}
+            seqs = [s for s in seqs if id(s) in rows]  # a row retired since it joined is gone
+            self._tree_tokens(seqs)
+            self._insert(seqs)
 
     def join_late(self, seqs: list) -> None:
         """Mixed layout: the step's prefilled rows join the batch once its prefill is over (attention-
@@ -274,6 +300,7 @@ class KVCacheManager(KVManager):
         """Drop every running row and start the lanes' KV afresh; what the prefix cache held in the old
         pools goes with them (a failed step may have left them half-written)."""
         old = self.batch.clear()
+        self._unindexed = []
         if self.radix is not None and old:
             self.radix.drop_lanes(old)
 

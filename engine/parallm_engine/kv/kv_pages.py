@@ -84,10 +84,6 @@ class PagedLayerKV:
         self._shared_k = self._shared_v = None
         self.ws = None  # the decode working set kept between steps (decode_working_set), if any
 
-    @property
-    def mask_5d(self) -> bool:
-        return self.lane.mask_5d
-
     # -- storage --------------------------------------------------------------------------------
     def _ensure(self, like_k, like_v) -> None:
         """Arrays sized for the lane's page capacity (created on the first write, grown with the pool)."""
@@ -162,10 +158,7 @@ class PagedLayerKV:
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
             raise ValueError("a sliding-window layer got a full-attention cache")  # never run it wrong
-        mask = self.lane.step_mask
-        if mask is None or not self.mask_5d:
-            return mask
-        return mask[:, :, None]
+        return self.lane.step_mask
 
     def native_inputs(self):
         """(keys pool, values pool, slot table) for the kernel reading the pool, each pool (KH, slots, D),
@@ -212,7 +205,6 @@ class PagedLaneKV:
         self.pending: list[PageRow] = []  # rows of prompts being prefilled into this pool (paged_prefill)
         self.layers = [PagedLayerKV(self) for _ in range(n_layers)]
         self.segments: set[PagedSegment] = set()  # the prefix cache's entries on this pool
-        self.mask_5d = False
         # The shared prefix (kv_cache.SharedPrefix): its length and which rows continue it.
         self.shared_len = 0
         self.shared_rows: list[bool] = []

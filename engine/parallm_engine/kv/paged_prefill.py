@@ -57,7 +57,7 @@ class PagedPrefillStep:
     (deferred: the writes; otherwise the forward made them)."""
 
     def __init__(self, lane_kv, rows: list[PrefillRow], new: list[int], shared_kv: list | None, *,
-                 native=None, reads_pool: bool = False, deferred: bool = False, mask_5d: bool = False,
+                 native=None, reads_pool: bool = False, deferred: bool = False,
                  grown: bool = False):
         """``grown``: the rows hold pages for their ``new`` tokens already (a fused step's rows that joined
         the batch before its forward: ``kv.fused_step``)."""
@@ -67,7 +67,7 @@ class PagedPrefillStep:
         self.offset, mask, P, L = prefill_layout(held, new)
         if any(r.shared for r in rows):
             self.offset = self.offset + mx.array([r.shared for r in rows])
-        self.mask = mask[:, :, None] if mask_5d else mask
+        self.mask = mask
         B = len(rows)
         self.deferred = deferred
         width = P if deferred else P + L  # deferred: attention reads only the held tokens from the pool

@@ -446,7 +446,7 @@ def _engine_sdpa(orig_sdpa):
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         fused = getattr(cache, "fused", None)
-        if fused is not None:  # decode rows and the step's last prefill in one forward (kv.fused_step)
+        if fused is not None:  # decode rows and the step's fused prefill in one forward (kv.fused_step)
             return fused_attention(attend, queries, keys, values, fused, scale, sinks)
         ragged = getattr(cache, "ragged", None)
         if ragged is not None:  # a ragged step (kv_pages.PagedLaneKV.begin): the rows' rectangle
@@ -466,7 +466,7 @@ def _engine_sdpa(orig_sdpa):
                                         cache.shared_values if shared is not None else None,
                                         cache.shared_mask if shared is not None else None, table=paged[2])
             elif sinks is None and getattr(cache, "step_starts", None) is not None \
-                    and gpu_attention.applies(queries, paged[0], cache.mask_5d):  # a decode step's rows
+                    and gpu_attention.applies(queries, paged[0]):  # a decode step's rows
                 out = gpu_attention.attention(queries, paged[0], paged[1], paged[2], cache.step_starts,
                                               scale, shared, cache.shared_values if shared is not None else None,
                                               cache.shared_mask if shared is not None else None)

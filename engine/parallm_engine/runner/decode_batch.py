@@ -66,7 +66,6 @@ class DecodeBatch:
         self.n_layers = n_layers
         self.fmt = fmt
         self.meter = meter if meter is not None else KVWriteMeter()
-        self.mask_5d = False  # gemma2 lays its scores out (B, KV heads, repeats, L, S)
         self.lanes = [DecodeLane(n_layers, fmt, self.meter) for _ in range(n_lanes)]
         self.fill_rows = LANE_FILL_ROWS  # rows a lane takes before the next gets any
 
@@ -199,7 +198,6 @@ class DecodeBatch:
         for lane in self.lanes:
             lane.seqs = []
             lane.kv = PagedLaneKV(self.n_layers, self.fmt, self.meter)
-            lane.kv.mask_5d = self.mask_5d
         self.shared_readers = 0
         if self.shared is not None:
             self._release_shared()
@@ -221,7 +219,7 @@ class DecodeBatch:
         """Whether :meth:`forward_ragged` can run ``model``: its attention goes through the engine's hook
         (which lays a ragged step's positions out as the rows' rectangle; ``attention_reads_pool`` says the
         keys and values go only there) and it takes no per-row extras."""
-        return self.attention_reads_pool and not self.mask_5d and not hasattr(model, "decode_kwargs")
+        return self.attention_reads_pool and not hasattr(model, "decode_kwargs")
 
     def forward_ragged(self, model, rows: list[list[int]]) -> mx.array:
         """Lazy float32 logits (N, V) for each row's own positions ``rows[i]`` (rows in row order, a row's
@@ -286,30 +284,39 @@ class DecodeBatch:
                        nat) -> mx.array | None:
         """Lazy float32 logits of ``lane``'s rows (``x``: their tokens, (B, 1)), with the prefill ``work``'s
         rows ``mine`` (in this lane) in the same forward (``kv.fused_step``): B + n model rows, logits for the
-        first B only. A lane with no rows (``x`` None) runs the prompts' forward alone (no logits)."""
-        new = [work.new[i] for i in mine]
-        step = PagedPrefillStep(lane.kv, [work.rows[i] for i in mine], new,
-                                self.shared.kv if self.shared is not None else None, native=nat,
-                                reads_pool=self.attention_reads_pool, grown=True)
+        first B only. A lane with no rows (``x`` None) runs the prompts' forward alone (no logits). Each
+        prefill item's prompts are one rectangle (``PromptLayout``) for their attention."""
+        shared = self.shared.kv if self.shared is not None else None
+        steps = [(run, PagedPrefillStep(lane.kv, [work.rows[i] for i in run], [work.new[i] for i in run], shared,
+                                        native=nat, reads_pool=self.attention_reads_pool, grown=True))
+                 for run in work.by_item(mine)]
         if x is None:
-            L = max(new)
-            ids = mx.array([[0] * (L - n) + work.tokens[i] for i, n in zip(mine, new)], dtype=mx.int32)
-            with adapter_rows(model, [work.seqs[i] for i in mine]):
-                model(ids, cache=step.layers)  # its logits: never read
-            work.arrays += step.arrays()
+            for run, step in steps:  # one forward per item: a rectangle of its own
+                new = [work.new[i] for i in run]
+                L = max(new)
+                ids = mx.array([[0] * (L - n) + work.tokens[i] for i, n in zip(run, new)], dtype=mx.int32)
+                with adapter_rows(model, [work.seqs[i] for i in run]):
+                    model(ids, cache=step.layers)  # its logits: never read
+            work.arrays += steps[-1][1].arrays()  # the lane's pools, as the last forward leaves them
             return None
         B = x.shape[0]
         lane.kv.begin(1, nat, self.attention_reads_pool)  # after the step: a row that joined grows past its prompt
-        positions = np.concatenate([p + np.arange(n) for p, n in zip(step.starts, new)]).astype(np.int32)
+        new = [work.new[i] for i in mine]
+        positions = np.concatenate([p + np.arange(work.new[i]) for run, step in steps
+                                    for p, i in zip(step.starts, run)]).astype(np.int32)
         offset = mx.concatenate([lane.kv.layers[0].offset, mx.array(positions)])
-        layout = PromptLayout(new)
-        caches = [FusedLayerKV(d, c, B, layout, offset) for d, c in zip(lane.kv.layers, step.layers)]
+        layouts, start = [], 0
+        for run, _ in steps:
+            layouts.append(PromptLayout([work.new[i] for i in run], start))
+            start += layouts[-1].n
+        caches = [FusedLayerKV(d, [(step.layers[l], layout) for (_, step), layout in zip(steps, layouts)], B, offset)
+                  for l, d in enumerate(lane.kv.layers)]
         ids = mx.array([t for i in mine for t in work.tokens[i]], dtype=x.dtype)[:, None]
         backbone, head = work.split
         with adapter_rows(model, lane.seqs + [work.seqs[i] for i in mine], [1] * B + new):
             hidden = backbone(mx.concatenate([x, ids]), cache=caches)
             logits = head(hidden[:B])
-        work.arrays += step.arrays()
+        work.arrays += steps[-1][1].arrays()
         self.meter.decoded += B
         return logits[:, -1, :].astype(mx.float32)
 
@@ -394,8 +401,3 @@ class DecodeBatch:
         pools = sum(lane.kv.nbytes() for lane in self.lanes)
         return pools + (self.shared.held_nbytes() if self.shared is not None else 0)
 
-    def set_mask_5d(self) -> None:
-        """Masks shaped (B, 1, 1, L, S) for models that lay scores out per KV head and repeat (gemma2)."""
-        self.mask_5d = True
-        for lane in self.lanes:
-            lane.kv.mask_5d = True

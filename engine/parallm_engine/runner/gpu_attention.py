@@ -188,10 +188,10 @@ def shared_in_kernel() -> bool:
     return os.environ.get("PARALLM_GPU_SHARED_PREFIX", "kernel").strip().lower() != "cascade"
 
 
-def applies(queries: mx.array, kpool, mask_5d: bool) -> bool:
+def applies(queries: mx.array, kpool) -> bool:
     """Whether the kernel can take this call: one position per row, float pools, head size a multiple
-    of 32 (each lane holds D / 32 elements) up to ``MAX_HEAD_DIM``, plain masks."""
-    return (queries.ndim == 4 and queries.shape[2] == 1 and not mask_5d and isinstance(kpool, mx.array)
+    of 32 (each lane holds D / 32 elements) up to ``MAX_HEAD_DIM``."""
+    return (queries.ndim == 4 and queries.shape[2] == 1 and isinstance(kpool, mx.array)
             and kpool.dtype in (mx.float32, mx.float16, mx.bfloat16) and queries.shape[-1] % 32 == 0
             and queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[1] % kpool.shape[-3] == 0)
 

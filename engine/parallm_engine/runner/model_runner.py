@@ -4,8 +4,8 @@ Every forward of the engine starts here: the prefill of a long prompt's chunk or
 contexts, one forward per decode lane writing their KV straight into their rows' pages
 (``kv.paged_prefill``; the mixed layout: a chunk through mlx-lm's caches), and the decode step of the running
 batch (``decode_runner.DecodeRunner``, its base: sampling, delivery, the pipelined step in flight,
-speculative verify steps), which computes the step's last prefill item in its own forward where the
-scheduler marked it ``fused`` (``kv.fused_step``). The engine's attention hook and, on the CPU, its kernels are installed on
+speculative verify steps), which computes the step's prefill items in its own forward where the
+scheduler marked them ``fused`` (``kv.fused_step``). The engine's attention hook and, on the CPU, its kernels are installed on
 the model here, bound to this model's own module instances (nothing process-wide); per-family quirks
 come from the family adapter (``family_adapters``). The KV the forwards read and write is the KV cache
 manager's (``kv_cache_manager``): the runner asks it for the prompts' rows (or caches), and hands the
@@ -39,6 +39,7 @@ class ModelRunner(DecodeRunner):
     def __init__(self, model, model_info, config, stats, kv, out, family, *, retire):
         self.kv = kv
         self.family = family
+        family.install(model)
         hooked = cpu_kernels.install(model, model_info.context_window, kernels=config.cpu_kernels)
         self.cpu_kernels = config.cpu_kernels
         # Build/load the native kernels now, not in the middle of the first decode step.
@@ -58,7 +59,6 @@ class ModelRunner(DecodeRunner):
             if self.no_speculation is None else None
         if speculator is not None:  # a draft model's KV for its rows counts with the rows (draft_model.py)
             kv.draft_kv_bytes = speculator.draft_rows.nbytes
-        family.prepare_batch(kv.batch, kv.layout)
         # Decode steps that compute a prompt's chunk in their forward (kv.fused_step) need the exact split
         # of the model into hidden states and head, and attention through the hook as a ragged step's.
         self.split = split_head(model) if config.fuse_prefill and kv.layout == "attention" \
@@ -89,23 +89,28 @@ class ModelRunner(DecodeRunner):
             plan.prefill_tokens = self.stats.prefill_tokens - before
             self.kv.join_late(plan.joined)
             t_decode = time.perf_counter()
-            if self.batch.running:
-                self.kv.reserve_decode()
-                plan.decode_rows = list(self.batch.running)
-                self.step(fused)
-            elif self.in_flight:
-                self.flush()
-            if fused is not None and not fused.ran:
-                # No row decoded this step (the rows all ended when the step in flight was delivered): the
-                # prompts' forward alone, as a lane that decodes nothing runs it. Only unfinished prompts:
-                # one the work finished is a decode row of this step.
-                assert not fused.finishes(), "a prompt joined the batch without its prefill"
-                self.batch.forward_prompts(self.model, fused)
-                mx.eval(fused.arrays)
+            built = False
+            try:
+                if self.batch.running:
+                    self.kv.reserve_decode()
+                    plan.decode_rows = list(self.batch.running)
+                    self.step(fused)
+                elif self.in_flight:
+                    self.flush()
+                if fused is not None and not fused.ran:
+                    # No row decoded this step (the rows all ended when the step in flight was delivered):
+                    # the prompts' forward alone, as a lane that decodes nothing runs it. Only unfinished
+                    # prompts: one the work finished is a decode row of this step.
+                    assert not fused.finishes(), "a prompt joined the batch without its prefill"
+                    self.batch.forward_prompts(self.model, fused)
+                    mx.eval(fused.arrays)
+                built = True
+            finally:
+                self.kv.index_fused(built)  # the prompts it finished, into the tree once their forward is built
             if fused is not None:
                 self.stats.prefill_tokens += fused.n_tokens
                 self.stats.fused_prefill_tokens += fused.n_tokens
-                self.stats.fused_prefill_chunks += 1
+                self.stats.fused_prefill_chunks += fused.items
                 plan.fused_tokens = fused.n_tokens
         plan.decode_s = time.perf_counter() - t_decode
 
@@ -153,7 +158,9 @@ class ModelRunner(DecodeRunner):
             tokens.append(s.prefill_ids[s.pos : s.pos + n])
             r.row.grow(r.lane.kv.pool, n)
             s.pos += n
-        self._fused = FusedWork(seqs, new, rows, tokens, self.split)
+        if self._fused is None:
+            self._fused = FusedWork(self.split)
+        self._fused.add(seqs, new, rows, tokens)
         work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
 
     def _prefill_paged(self, seqs: list, new: list[int]) -> None:
@@ -190,8 +197,7 @@ class ModelRunner(DecodeRunner):
     def _forward_share(self, lane, share: list[tuple], shared, nat, deferred: bool) -> PagedPrefillStep:
         """Build (lazily) one share's forward: ``share`` is ``(sequence, new tokens)`` of rows in ``lane``."""
         step = PagedPrefillStep(lane.kv, [s.cache for s, _ in share], [n for _, n in share], shared, native=nat,
-                                reads_pool=self.batch.attention_reads_pool, deferred=deferred,
-                                mask_5d=self.family.mask_5d)
+                                reads_pool=self.batch.attention_reads_pool, deferred=deferred)
         L = max(n for _, n in share)
         tokens = mx.array([[0] * (L - n) + s.prefill_ids[s.pos : s.pos + n] for s, n in share])
         embedding.prefill_forward(self.model, tokens, step.layers, [(s, s.pos, n) for s, n in share])
@@ -203,7 +209,7 @@ class ModelRunner(DecodeRunner):
             seq.cache = self.kv.prompt_cache(seq)
         end = seq.pos + n
         tokens = mx.array(seq.prefill_ids[seq.pos : end])[None]
-        embedding.prefill_forward(self.model, tokens, self.family.prefill_caches(seq.cache), [(seq, seq.pos, n)])
+        embedding.prefill_forward(self.model, tokens, seq.cache, [(seq, seq.pos, n)])
         seq.pos = end
         self.stats.prefill_tokens += n
         self.stats.prefill_forwards += 1

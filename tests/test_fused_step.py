@@ -1,4 +1,4 @@
-"""The step's last prefill computed in the decode forward (``kv/fused_step.py``), and when it is not.
+"""The step's prefill computed in the decode forward (``kv/fused_step.py``), and when it is not.
 
 The model zoo checks every family with a prompt chunked beside decoding rows (greedy == mlx-lm) and
 tests/test_kv_writes.py the bytes written and prompts joining the forward that prefills them; here: the

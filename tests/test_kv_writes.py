@@ -194,7 +194,7 @@ def test_a_chunk_computed_in_the_decode_forward_is_written_once_and_equals_alone
 
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_prompts_that_join_the_decode_forward_that_prefills_them(fresh, words, lanes):
-    """Short prompts of different lengths arriving while rows decode are the step's last prefill: one
+    """Short prompts of different lengths arriving while rows decode are the step's prefill: one
     padded group in the decode forward (``kv/fused_step.py``), and they join that forward's decode rows
     (their last context token is one of its positions, reading in each layer what their other tokens wrote
     just before). Equal to each prompt alone, each KV token written once, no forward of their own (where

@@ -9,9 +9,11 @@ chunk is prefilled alone, chunk by chunk, across steps; shorter ones (attention 
 groups of at most one chunk of tokens; a context the prefix cache holds whole needs no forward. While rows
 decode, every item the runner can compute so is marked ``fused``: the decode forward computes it
 (``kv.fused_step``), and the prompts it finishes join the decode rows of that same forward. The radix tree
-takes those prompts once that forward is built, so a later item of the step never reads them: one that
-would recompute their uncached prefix waits a step instead (in-flight dedup, as within a group), and a
-fused chunk that leaves its prompt unfinished is the step's last item.
+takes those prompts once that forward is built, so a later item of the step never reads them: an item
+whose uncached prefix a waiting prompt continues runs as a prefill forward instead (the tree holds it at
+once, and the other finds it there in this same step), and a fused chunk that leaves its prompt unfinished
+is the step's last item. Where the runner has several prefill streams (a multi-core CPU on MLX's ops), only
+the step's last item is fused (see ``_fuses``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ import time
 from parallm_engine.embed import embedding
 from parallm_engine.core.sequence import Sequence, shared_context_len
 from parallm_engine.core.step_plan import PrefillWork, StepPlan
+
+
+def _continues(other: Sequence, seq: Sequence, n: int) -> bool:
+    """Whether ``other``'s context starts with ``seq``'s first ``n`` tokens (one adapter's KV)."""
+    a, b = other.prefill_ids, seq.prefill_ids
+    return other.adapter_key == seq.adapter_key and len(a) >= n and len(b) >= n and a[:n] == b[:n]
 
 
 class PrefillPlanner:
@@ -88,7 +96,7 @@ class PrefillPlanner:
                 per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
                 new = [self._chunk_len(s, per) for s in seqs]
                 work = PrefillWork("chunk", seqs, sum(new), new=new)
-                work.fused = self._fuses(work)
+                work.fused = self._fuses(work, budget)
                 yield work
                 for s in seqs:
                     self.kv.commit_split(s)
@@ -117,20 +125,30 @@ class PrefillPlanner:
             for seq in group:
                 self.prefilling.remove(seq)
             work = PrefillWork("group", group, used)
-            work.fused = self._fuses(work)
+            work.fused = self._fuses(work, budget)
             yield work
             self._prompts_done(work.finished, plan.joined, work.fused)
             if work.fused:
                 self._fused_seqs += group
             budget -= used
 
-    def _fuses(self, work: PrefillWork) -> bool:
-        """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step,
-        its forward would run on one core's stream anyway (where the runner has several prefill streams, one
-        prompt only), and the runner can run each of its prompts so."""
+    def _fuses(self, work: PrefillWork, budget: int) -> bool:
+        """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step, no
+        waiting prompt continues what it computes (run now, the tree holds it for them in this same step;
+        fused, they would wait a step), and the runner can run each of its prompts so. Where the runner has
+        several prefill streams (a multi-core CPU without the native kernels, each stream on one core), only
+        the step's last item and one prompt only: a prefill forward before it runs on one core while the
+        step in flight decodes on the other, and a group is split over both cores."""
         if not self.config.fuse_prefill or not self.running or self.layout != "attention":
             return False
-        if len(work.seqs) > 1 and self.runner.prefill_streams > 1:
+        if self.runner.prefill_streams > 1:
+            finishes = work.kind == "group" or all(s.pos + n == len(s.prefill_ids)
+                                                   for s, n in zip(work.seqs, work.new))
+            others = any(s not in work.seqs for s in self.prefilling)
+            if len(work.seqs) > 1 or not (work.n_tokens >= budget or (finishes and not others)):
+                return False
+        if self.kv.has_tree and any(not o.started and not o.embedding and o not in work.seqs
+                                    and _continues(o, s, s.pos + 9) for o in self.prefilling for s in work.seqs):
             return False
         return all(self.runner.fuses(s) for s in work.seqs)
 

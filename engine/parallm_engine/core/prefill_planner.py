@@ -134,21 +134,22 @@ class PrefillPlanner:
 
     def _fuses(self, work: PrefillWork, budget: int) -> bool:
         """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step, no
-        waiting prompt continues what it computes (run now, the tree holds it for them in this same step;
-        fused, they would wait a step), and the runner can run each of its prompts so. Where the runner has
+        waiting prompt continues a prompt it finishes (run now, the tree holds that prompt for them in this
+        same step; fused, they would wait a step), and the runner can run each of its prompts so. Where the runner has
         several prefill streams (a multi-core CPU without the native kernels, each stream on one core), only
         the step's last item and one prompt only: a prefill forward before it runs on one core while the
         step in flight decodes on the other, and a group is split over both cores."""
         if not self.config.fuse_prefill or not self.running or self.layout != "attention":
             return False
+        done = work.seqs if work.kind == "group" else \
+            [s for s, n in zip(work.seqs, work.new) if s.pos + n == len(s.prefill_ids)]  # into the tree now
         if self.runner.prefill_streams > 1:
-            finishes = work.kind == "group" or all(s.pos + n == len(s.prefill_ids)
-                                                   for s, n in zip(work.seqs, work.new))
             others = any(s not in work.seqs for s in self.prefilling)
-            if len(work.seqs) > 1 or not (work.n_tokens >= budget or (finishes and not others)):
+            last = work.n_tokens >= budget or (len(done) == len(work.seqs) and not others)
+            if len(work.seqs) > 1 or not last:
                 return False
         if self.kv.has_tree and any(not o.started and not o.embedding and o not in work.seqs
-                                    and _continues(o, s, s.pos + 9) for o in self.prefilling for s in work.seqs):
+                                    and _continues(o, s, s.pos + 9) for o in self.prefilling for s in done):
             return False
         return all(self.runner.fuses(s) for s in work.seqs)
 

@@ -43,6 +43,26 @@ def _once(engine, written: int, prefilled: int, decoded: int) -> None:
     assert written == bpt * (prefilled + decoded), (written / bpt, prefilled, decoded)
 
 
+def _alone(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens run alone on an empty prefix cache (left empty)."""
+    out = []
+    for p in prompts:
+        engine.clear_prefix_cache()
+        out.append(engine.generate([p], max_tokens=max_tokens, temperature=0, ignore_eos=True)[0].token_ids)
+    engine.clear_prefix_cache()
+    return out
+
+
+def _decoding(engine, prompts: list[list[int]], max_tokens: int):
+    """(handles, streams) of ``prompts`` decoding (each has delivered its first token); their prompts are
+    then dropped from the prefix cache, so later prompts compute everything."""
+    handles = [engine.submit(p, max_tokens=max_tokens, temperature=0, ignore_eos=True) for p in prompts]
+    streams = [iter(h) for h in handles]
+    assert all(next(it).token_ids for it in streams)
+    engine.clear_prefix_cache()
+    return handles, streams
+
+
 @pytest.fixture(scope="module")
 def words(engine):
     def make(n: int, seed: int = 0) -> list[int]:
@@ -202,15 +222,8 @@ def test_prompts_that_join_the_decode_forward_that_prefills_them(fresh, words, l
     eng = fresh(prefill_chunk=256, prefill_budget=256, decode_lanes=lanes)
     running = [words(12, seed=s) for s in (1, 2)]
     arriving = [words(n, seed=n) for n in (9, 23, 40)]
-    alone = []
-    for p in running + arriving:
-        eng.clear_prefix_cache()
-        alone.append(eng.generate([p], max_tokens=16, temperature=0, ignore_eos=True)[0].token_ids)
-    eng.clear_prefix_cache()
-    handles = [eng.submit(p, max_tokens=16, temperature=0, ignore_eos=True) for p in running]
-    streams = [iter(h) for h in handles]
-    assert all(next(it).token_ids for it in streams)
-    eng.clear_prefix_cache()
+    alone = _alone(eng, running + arriving, 16)
+    handles, streams = _decoding(eng, running, 16)
     before = eng.stats()
     w0, p0, d0 = _counts(eng)
     late = [eng.submit(p, max_tokens=16, temperature=0, ignore_eos=True) for p in arriving]
@@ -249,16 +262,8 @@ def test_several_prefill_items_in_one_decode_forward(fresh, tmp_path, monkeypatc
     arriving = [prompt_ids(101, vocab, seed=3)] + [prompt_ids(n, vocab, seed=n) for n in (10, 24, 41)]
     shared = prompt_ids(40, vocab, seed=9)
     twins = [shared + prompt_ids(5, vocab, seed=10), shared + prompt_ids(6, vocab, seed=11)]
-    alone = []
-    for p in arriving + twins:
-        eng.clear_prefix_cache()
-        alone.append(eng.generate([p], max_tokens=8, temperature=0, ignore_eos=True)[0].token_ids)
-    eng.clear_prefix_cache()
-    # Rows that decode all along (the late prompts are fused only beside decoding rows).
-    handles = [eng.submit(p, max_tokens=400, temperature=0, ignore_eos=True) for p in running]
-    streams = [iter(h) for h in handles]
-    assert all(next(it).token_ids for it in streams)
-    eng.clear_prefix_cache()
+    alone = _alone(eng, arriving + twins, 8)
+    _, streams = _decoding(eng, running, 400)  # rows that decode all along (prompts fuse only beside them)
     before = eng.stats()
     w0, p0, d0 = _counts(eng)
     lines0 = len(trace.read_text().splitlines())

@@ -135,10 +135,10 @@ class PrefillPlanner:
     def _fuses(self, work: PrefillWork, budget: int) -> bool:
         """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step, no
         waiting prompt continues a prompt it finishes (run now, the tree holds that prompt for them in this
-        same step; fused, they would wait a step), and the runner can run each of its prompts so. Where the runner has
-        several prefill streams (a multi-core CPU without the native kernels, each stream on one core), only
-        the step's last item, of one prompt: a prefill forward before it runs on one core while the step in
-        flight decodes on the other, and a group is split over both cores."""
+        same step; fused, they would wait a step), and the runner can run each of its prompts so. Where the
+        runner has several prefill streams (a multi-core CPU without the native kernels, each stream on one
+        core), only the step's last item, of one prompt: a prefill forward before it runs on one core while
+        the step in flight decodes on the other, and a group is split over both cores."""
         if not self.config.fuse_prefill or not self.running or self.layout != "attention":
             return False
         done = work.seqs if work.kind == "group" else \

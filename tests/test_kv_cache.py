@@ -54,3 +54,20 @@ def test_prefill_rows_map_tokens_to_columns_and_write_only_real_positions(rows, 
     pool = np.array(kv.layers[0].keys)
     assert not (pool == -1).any()  # no padding position was written
     assert kv.meter.written == sum(p + n for p, n in rows) * 2 * 2 * 3 * 4  # keys and values, once each
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=300), st.lists(st.integers(0, 3), max_size=300),
+       st.one_of(st.none(), st.integers(0, 320)))
+def test_common_prefix_len_is_the_first_difference(a, b, limit):
+    """The planner's and the prefix sharing's common prefix (halved by slice compares) == a plain scan."""
+    from parallm_engine.core.sequence import common_prefix_len
+
+    shared = a[: len(a) // 2]
+    b = shared + b  # long common prefixes too, not only the random ones
+    a = shared + a
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    assert common_prefix_len(a, b, limit) == i

@@ -25,12 +25,6 @@ from parallm_engine.core.sequence import Sequence, shared_context_len
 from parallm_engine.core.step_plan import PrefillWork, StepPlan
 
 
-def _continues(other: Sequence, seq: Sequence, n: int) -> bool:
-    """Whether ``other``'s context starts with ``seq``'s first ``n`` tokens (one adapter's KV)."""
-    a, b = other.prefill_ids, seq.prefill_ids
-    return other.adapter_key == seq.adapter_key and len(a) >= n and len(b) >= n and a[:n] == b[:n]
-
-
 class PrefillPlanner:
     """Mixed into ``Scheduler``: uses its queues (``waiting``, ``prefilling``, ``running``), ``config``,
     ``kv`` (the KV cache manager), ``out`` and ``stats``."""
@@ -149,7 +143,8 @@ class PrefillPlanner:
             if len(work.seqs) > 1 or not last:
                 return False
         if self.kv.has_tree and any(not o.started and not o.embedding and o not in work.seqs
-                                    and _continues(o, s, s.pos + 9) for o in self.prefilling for s in done):
+                                    and shared_context_len(o, s) > s.pos + 8
+                                    for o in self.prefilling for s in done):
             return False
         return all(self.runner.fuses(s) for s in work.seqs)
 

@@ -69,11 +69,19 @@ class Sequence:
 
 
 def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Leading elements ``a`` and ``b`` share (at most ``limit``). Halved by slice compares, which run in C:
+    the planner asks this for prompts sharing thousands of tokens (an agents' system prompt) every step."""
     n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference (or n) is in [lo, hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 def shared_context_len(a: Sequence, b: Sequence) -> int:

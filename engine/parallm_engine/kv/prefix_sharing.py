@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from parallm_engine.core.sequence import common_prefix_len
 from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.kv_cache import SharedPrefix
 
@@ -63,7 +64,7 @@ def _hold(batch, radix, first_seq, others: list, tree_tokens) -> bool:
         return False
     length = min(tree_tokens(s) for s in [first_seq, *group])
     for s in group:
-        length = _common_prefix_len(first, s.prompt_ids, length)
+        length = common_prefix_len(first, s.prompt_ids, length)
     match = radix.match(first[:length], record=False, ns=ns)
     if length < MIN_SHARED_PREFIX or match.length != length:
         return False
@@ -91,10 +92,3 @@ def continues_shared(seq, shared: SharedPrefix, tree_tokens: int) -> bool:
     return (tree_tokens >= shared.length and seq.adapter_key == getattr(shared, "adapter_key", None)
             and shared.continues(seq.prompt_ids))
 
-
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -432,3 +432,35 @@ def test_launch_probe_times_mlx_lm_s_decode_step_in_three_parts(tiny_engine):
     gen.close()
     assert got["tokens"] == [ref[u] for u in uids]
     mx.clear_cache()
+
+
+def test_constrained_workload(tiny_engine):
+    """`parallm bench --workloads constrained`: rows under a JSON schema decode beside free rows in one
+    batch, none finishes early (the schema forbids it), and the table prints the ratios."""
+    from parallm_bench import bench
+    from parallm_bench import constrained as bench_constrained
+
+    entry = bench.run_bench(tiny_engine, ["constrained"], quick=True, progress=lambda msg: None)["workloads"]["constrained"]
+    n, new = bench_constrained.QUICK_CONSTRAINED
+    for name in ("unconstrained", "constrained", "mixed"):
+        assert entry[name]["tokens"] == n * new and entry[name]["finished_early"] == 0, (name, entry[name])
+        assert entry[name]["decode_tok_s"] > 0
+    assert entry["constrained"]["constrained"] == n and entry["mixed"]["constrained"] == n // 2
+    assert entry["ratio"] > 0 and entry["ratio_mixed"] > 0
+    assert "constrained" in bench._OWN_FORMAT
+    assert "half constrained" in bench.format_table({"workloads": {"constrained": entry}})
+
+
+def test_preempt_workload(tiny_engine):
+    """`parallm bench --workloads preempt`: under a budget of half the batch's final KV rows are preempted
+    and resume with the same greedy tokens, and the KV held stays near the budget."""
+    from parallm_bench import bench
+    from parallm_bench import preemption as bench_preemption
+
+    entry = bench_preemption.run_preempt(tiny_engine, (8, 48, 40, 0.5))
+    tight = entry["parallm_tight"]
+    assert tight["preemptions"] > 0 and entry["parallm"]["preemptions"] == 0
+    assert entry["same_tokens"]
+    assert tight["peak_kv_held_vs_budget"] <= 1.25, tight
+    assert entry["ratios"]["tight_vs_unlimited"] > 0 and entry["ratios"]["tight_vs_mlx_lm_batch"] > 0
+    assert "preemptions" in bench.format_table({"workloads": {"preempt": entry}})

@@ -22,6 +22,11 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
 - longctx:    16 questions over one 8,000-token document: cold vs cached TTFT, KV bytes (``bench_longctx``).
 - spec:       copy-heavy prompts (edit a JSON block, quote a tool result), greedy, with and without n-gram
               speculative decoding at 1 / 8 / 32 concurrent: tok/s, same tokens, acceptance (``bench_spec``).
+- constrained: 32 requests under a JSON schema (no row can finish early) vs the same requests without one,
+              and half of them constrained: decode tok/s and their ratios (``bench_constrained``).
+- preempt:    the throughput prompts on an engine whose KV budget holds half the batch's final KV (rows are
+              preempted and resume) vs the bench's engine and mlx-lm BatchGenerator: tok/s, preemptions, same
+              tokens (``bench_preemption``).
 - memory:     the fan-out (32 requests on a 2,000-token shared prefix) on ParaLLM and mlx-lm BatchGenerator,
               each in a process of its own: peak KV bytes and peak RSS, KV held vs 1.2 x the ideal
               (``bench_memory``).
@@ -94,7 +99,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 #: another copy of a multi-GB model.
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
-                 "arrival", "memory", "spec", "vision", "embed", "lora")
+                 "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "lora")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -473,10 +478,21 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
         result["workloads"]["memory"] = bm.run_memory_workload(
             engine, memory_sizes or (bm.QUICK_MEMORY if quick else bm.FULL_MEMORY), tick)
+    if "preempt" in workloads:  # a second engine of the same model under a tight KV budget
+        from parallm_bench import preemption as bpre
+
+        result["workloads"]["preempt"] = bpre.run_preempt(engine, bpre.QUICK_PREEMPT if quick else bpre.FULL_PREEMPT,
+                                                          tick)
     if "spec" in workloads:
         from parallm_bench import spec as bs
 
         result["workloads"]["spec"] = bs.run_spec(engine, bs.QUICK_SPEC if quick else bs.FULL_SPEC, tick)
+    if "constrained" in workloads:  # grammar-constrained rows in the batch (sampling.constrained)
+        from parallm_bench import constrained as bc
+
+        tick("constrained: JSON-schema rows vs free rows")
+        n, new = bc.QUICK_CONSTRAINED if quick else bc.FULL_CONSTRAINED
+        result["workloads"]["constrained"] = bc.run_constrained_bench(engine, n, new)
     if "vision" in workloads:  # its own random VLM on an engine of its own (the loaded model is not one)
         from parallm_bench import vision as bv
 
@@ -552,8 +568,8 @@ def _cpu_model() -> str:
 
 
 _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "longctx": "longctx",
-               "paths": "paths", "arrival": "paths", "memory": "memory",
-               "spec": "spec", "vision": "vision", "embed": "embed", "lora": "lora"}
+               "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
+               "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora"}
 
 
 def format_table(result: dict) -> str:

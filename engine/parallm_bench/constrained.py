@@ -91,6 +91,11 @@ def _run(engine, prompts, new_tokens: int, constrained: list[bool]) -> dict:
     }
 
 
+#: ``parallm bench --workloads constrained`` sizes: (requests, new tokens per request)
+FULL_CONSTRAINED = (32, 128)
+QUICK_CONSTRAINED = (8, 32)
+
+
 def run_constrained_bench(engine, n: int = 32, new_tokens: int = 128, repeats: int = 1) -> dict:
     """Best of ``repeats`` for each workload (interleaved, so drift in machine load hits all alike)."""
     prompts = _prompts(engine, n)
@@ -123,6 +128,11 @@ def format_line(r: dict) -> str:
         f"constrained {c['decode_tok_s']} tok/s (ratio {r['ratio']:.2f}), "
         f"half constrained {m['decode_tok_s']} tok/s (ratio {r['ratio_mixed']:.2f})"
     )
+
+
+def format_lines(entry: dict) -> list[str]:
+    """``parallm bench``'s lines for the workload (``bench.format_table``)."""
+    return [format_line(entry)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -362,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workloads", default=None,
                     help="comma-separated (default throughput,fanout,single,peer,roofline,paths,arrival; with "
                          "--shape throughput,fanout,single); also llamacpp, agents, longctx, memory (long runs), spec (speculative decoding), "
+                         "constrained (JSON-schema rows vs free rows), preempt (the batch under a KV budget of half its KV), "
                          "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM), "
                          "embed (texts/s at 1/16/64 concurrent vs one at a time, and beside generation), "
                          "soak (alone: a server under mixed traffic and faults for --minutes; bench_soak.py). "

@@ -19,10 +19,12 @@ from parallm_engine.runner.logits_head import split_head
 from .model_zoo import build, default_tokenizer, prompt_ids
 
 
-@pytest.mark.parametrize("family, exact", [("llama", True), ("qwen3", True), ("granite", False), ("cohere", False)])
+@pytest.mark.parametrize("family, exact", [("llama", True), ("qwen3", True), ("granite", True), ("cohere", True),
+                                           ("minicpm", True), ("gemma2", False)])
 def test_split_head_is_exact_or_refused(family, exact, tmp_path):
-    """llama / qwen3: ``head(backbone(x)) == model(x)`` bitwise; granite (logits divided by a scale) and
-    cohere (logits times a scale) have no exact split: None, and their steps are never fused."""
+    """llama / qwen3: ``head(backbone(x)) == model(x)`` bitwise; granite (logits divided by a scale), cohere
+    (logits times a scale) and minicpm (the hidden state scaled before the head) with their scaling, also
+    bitwise; gemma2 (a soft cap on the logits) has no exact split: None, and its steps are never fused."""
     from mlx_lm.utils import load
 
     tok_dir, vocab = default_tokenizer()

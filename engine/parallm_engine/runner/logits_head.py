@@ -4,9 +4,12 @@ A step that runs a prompt's chunk in the decode forward (``kv.fused_step``) need
 rows only: computing them for the chunk's positions too would add a (positions x vocabulary) matmul that
 nothing reads (a quarter of the chunk's own work on a 135M model with a 49k vocabulary). mlx-lm's
 ``Model.__call__`` is ``head(self.model(inputs, cache))`` for most families, the head being ``lm_head``
-or the tied embedding's ``as_linear``; some add a soft cap or a logit scale after it. Rather than trust a
-list of families, :func:`split_head` checks the candidate split once, at load, against the model's own
-forward on two tokens (bitwise); a family whose output differs gets None, and its steps are not fused.
+or the tied embedding's ``as_linear``; some scale around it (granite divides the logits by
+``logits_scaling``, cohere multiplies them by ``logit_scale``, minicpm divides the hidden state by
+``hidden_size / dim_model_base`` before the head) or add a soft cap. Rather than trust a list of families,
+:func:`split_head` checks each candidate split once, at load, against the model's own forward on two tokens
+(bitwise) and keeps the first that matches; a family whose output none matches gets None, and its steps are
+not fused.
 """
 
 from __future__ import annotations
@@ -24,25 +27,39 @@ def split_head(model):
     inner = getattr(model, "model", None)
     if inner is None or not callable(inner) or getattr(model, "vision", None) is not None:
         return None
-    head = _candidate(model, inner)
-    if head is None:
+    heads = _candidates(model, inner)
+    if not heads:
         return None
     try:
         probe = mx.array([[1, 2]], dtype=mx.int32)
-        whole, split = model(probe), head(inner(probe))
-        mx.eval(whole, split)
-        same = whole.shape == split.shape and whole.dtype == split.dtype and bool(mx.array_equal(whole, split))
+        whole, hidden = model(probe), inner(probe)
+        for head in heads:
+            split = head(hidden)
+            mx.eval(whole, split)
+            if whole.shape == split.shape and whole.dtype == split.dtype and bool(mx.array_equal(whole, split)):
+                return inner, head
     except Exception as e:  # a family whose forward wants more than token ids: no split
         logger.debug("no hidden-state / head split for %s: %s", type(model).__module__, e)
-        return None
-    return (inner, head) if same else None
-
-
-def _candidate(model, inner):
-    lm_head = getattr(model, "lm_head", None)
-    if callable(lm_head):
-        return lm_head
-    embed = getattr(inner, "embed_tokens", None)
-    if embed is not None and hasattr(embed, "as_linear"):
-        return embed.as_linear
     return None
+
+
+def _candidates(model, inner) -> list:
+    """The heads to check, plain first, then the scalings mlx-lm's families apply around it."""
+    head = getattr(model, "lm_head", None)
+    if not callable(head):
+        embed = getattr(inner, "embed_tokens", None)
+        head = embed.as_linear if embed is not None and hasattr(embed, "as_linear") else None
+    if head is None:
+        return []
+    heads = [head]
+    scaling = getattr(model, "logits_scaling", None)  # granite: logits / logits_scaling
+    if isinstance(scaling, (int, float)):
+        heads.append(lambda h: head(h) / scaling)
+    scale = getattr(getattr(inner, "args", None), "logit_scale", None)  # cohere: logits * logit_scale
+    if isinstance(scale, (int, float)):
+        heads.append(lambda h: head(h) * scale)
+    args = getattr(model, "args", None)  # minicpm: the hidden state scaled before the head
+    base = getattr(args, "dim_model_base", None)
+    if isinstance(base, (int, float)) and base and isinstance(getattr(args, "hidden_size", None), int):
+        heads.append(lambda h: head(h / (args.hidden_size / base)))
+    return heads

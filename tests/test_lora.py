@@ -297,6 +297,36 @@ def test_preemption_and_more_adapters_than_resident(base_dir, adapter_dirs, refe
         eng.shutdown()
 
 
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_adapter_prompts_chunked_in_decode_forwards(base_dir, adapter_dirs, references, vocab, backend):
+    """Long prompts under adapters prefilled chunk by chunk inside the decode forward of rows decoding under
+    other adapters (a fused step: every model row its own adapter, the head on the decode rows): every
+    answer equals mlx-lm's with its adapter loaded."""
+    from mlx_lm import load
+
+    eng = _engine(base_dir, adapter_dirs, backend, prefill_budget=64)
+    try:
+        names = list(adapter_dirs)
+        prompts = references["prompts"]
+        greedy = dict(max_tokens=NEW, temperature=0, ignore_eos=True)
+        decoding = [eng.submit(prompts[i], adapter=name, **greedy) for i, name in enumerate([*names, None])]
+        streams = [iter(h) for h in decoding]
+        for st in streams:  # every row has decoded once: the long prompts arrive beside running rows
+            next(st)
+        fused = eng.stats()["fused_prefill_tokens"]
+        longs = [(names[0], prompt_ids(150, vocab, seed=21)), (None, prompt_ids(140, vocab, seed=22)),
+                 (names[2], prompt_ids(130, vocab, seed=23))]
+        late = [eng.submit(p, adapter=name, **greedy) for name, p in longs]
+        got = [eng._collect(h).token_ids for h in decoding]
+        assert got == [references[name][0][i] for i, name in enumerate([*names, None])]
+        for (name, p), h in zip(longs, late):
+            model, _ = load(str(base_dir), adapter_path=str(adapter_dirs[name]) if name else None)
+            assert eng._collect(h).token_ids == reference_greedy(model, p, NEW), name
+        assert eng.stats()["fused_prefill_tokens"] - fused >= 128
+    finally:
+        eng.shutdown()
+
+
 def test_mixed_cache_layout_family(tmp_path, vocab):
     """A model with sliding-window layers (the engine's "mixed" cache layout: mlx-lm's batched caches and
     whole-state prefix snapshots, per adapter) runs adapter rows beside base rows as mlx-lm does."""

@@ -315,6 +315,7 @@ class DecodeBatch:
         backbone, head = work.split
         with adapter_rows(model, lane.seqs + [work.seqs[i] for i in mine], [1] * B + new):
             hidden = backbone(mx.concatenate([x, ids]), cache=caches)
+        with adapter_rows(model, lane.seqs):  # the head: the decode rows only
             logits = head(hidden[:B])
         work.arrays += steps[-1][1].arrays()
         self.meter.decoded += B

@@ -45,12 +45,14 @@ def split_head(model):
 
 def _candidates(model, inner) -> list:
     """The heads to check, plain first, then the scalings mlx-lm's families apply around it."""
-    head = getattr(model, "lm_head", None)
-    if not callable(head):
+    if callable(getattr(model, "lm_head", None)):
+        def head(h):  # looked up per call: a LoRA adapter on the head wraps it later (runner.lora)
+            return model.lm_head(h)
+    else:
         embed = getattr(inner, "embed_tokens", None)
-        head = embed.as_linear if embed is not None and hasattr(embed, "as_linear") else None
-    if head is None:
-        return []
+        if embed is None or not hasattr(embed, "as_linear"):
+            return []
+        head = embed.as_linear
     heads = [head]
     scaling = getattr(model, "logits_scaling", None)  # granite: logits / logits_scaling
     if isinstance(scaling, (int, float)):

@@ -24,7 +24,6 @@ from parallm_engine.embed import embedding
 
 from parallm_engine.kv import kv_quant
 from parallm_engine.kv.fused_step import FusedWork
-from parallm_engine.runner import lora
 from parallm_engine.runner.logits_head import split_head
 from parallm_engine.runner.decode_runner import DecodeRunner
 from parallm_engine.kv.paged_prefill import PagedPrefillStep
@@ -117,10 +116,9 @@ class ModelRunner(DecodeRunner):
     def fuses(self, seq) -> bool:
         """Whether ``seq``'s prefill may run in the decode forward (``kv.fused_step``): the model splits
         exactly into its hidden-state forward and its head (``logits_head``), its attention runs through
-        the engine's hook as a ragged step's does, and nothing per row needs more than token ids (no image
-        inputs, no embedding pooling, no LoRA adapters: their bindings cover whole forwards)."""
-        return self.split is not None and not seq.embedding and getattr(seq.request, "vision", None) is None \
-            and lora.runtime(self.model) is None
+        the engine's hook as a ragged step's does, and nothing per row needs more than token ids and its
+        LoRA adapter (no image inputs, no embedding pooling)."""
+        return self.split is not None and not seq.embedding and getattr(seq.request, "vision", None) is None
 
     def prefill(self, work: PrefillWork) -> None:
         """One prefill work item; the prompts it finished go to ``work.finished`` with their KV. Work the

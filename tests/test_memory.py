@@ -268,3 +268,36 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
         running.abort()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_clearing_the_prefix_cache_gives_the_memory_back(tiny_model_dir, backend):
+    """After a batch, the prefix cache holds its prompts in the lanes' page pools; clearing it drops the
+    pools at once (an idle engine keeps no KV arrays), so MLX's active memory is back where it was before
+    the batch, without waiting for another step."""
+    import mlx.core as mx
+
+    from parallm_engine import Engine
+
+    eng = Engine(str(tiny_model_dir), backend=backend)
+    try:
+        vocab = eng.model_info.vocab_size
+        eng.generate([prompt_ids(20, vocab, seed=1)], max_tokens=2, temperature=0)  # warm-up
+        eng.clear_prefix_cache()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        eng.generate([prompt_ids(300, vocab, seed=2 + i) for i in range(8)], max_tokens=16, temperature=0,
+                     ignore_eos=True)
+        held = mx.get_active_memory() - before
+        per_token = eng.model_info.kv_bytes_per_token()
+        assert held >= 8 * 300 * per_token  # the prompts' KV, in the pools the prefix cache holds
+        assert eng.clear_prefix_cache() >= 8 * 300 * per_token
+        lanes = eng._scheduler.kv.batch.lanes
+        assert all(lane.kv.layers[0].keys is None for lane in lanes)
+        mx.clear_cache()
+        assert mx.get_active_memory() - before < per_token * 64, mx.get_active_memory() - before
+        # and the engine still serves, the pools rebuilt on demand
+        again = eng.generate([prompt_ids(20, vocab, seed=1)], max_tokens=2, temperature=0)
+        assert len(again[0].token_ids) == 2
+    finally:
+        eng.shutdown()

@@ -32,6 +32,8 @@ QUICK_PREEMPT = (8, 64, 48, 0.5)
 
 
 def _run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list[list[int]]]:
+    from parallm_bench.bench import release_kv
+
     engine.clear_prefix_cache()
     engine.reset_peaks()
     before = engine.stats()["preemptions"]
@@ -39,6 +41,7 @@ def _run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list[
     results = engine.generate(prompts, max_tokens=new_tokens, temperature=0, ignore_eos=True)
     wall = time.perf_counter() - t0
     stats = engine.stats()
+    release_kv(engine)  # mlx-lm runs next in this process: its peak counts its own arrays only
     tokens = [r.token_ids for r in results]
     return {
         "tok_s": round(sum(len(t) for t in tokens) / wall, 2),

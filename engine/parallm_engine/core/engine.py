@@ -373,9 +373,19 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         self._stats.reset_peaks()
 
     def clear_prefix_cache(self) -> int:
-        """Drop every prefix the radix tree holds that no running request uses; returns bytes freed."""
+        """Drop every prefix the radix tree holds that no running request uses; returns bytes freed. The
+        lanes' page pools then shrink to the pages still in use (an idle engine keeps no KV arrays), so the
+        memory goes back at once, not at the next step."""
         cache = self._scheduler.prefix_cache
-        return self.run_on_engine_thread(cache.clear_unpinned) if cache is not None else 0
+        if cache is None:
+            return 0
+
+        def clear() -> int:
+            freed = cache.clear_unpinned()
+            self._scheduler.kv.trim()
+            return freed
+
+        return self.run_on_engine_thread(clear)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._dead = self._dead or EngineDeadError("engine was shut down")

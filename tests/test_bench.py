@@ -53,6 +53,7 @@ def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
 def test_clear_prefix_cache_frees_what_no_request_uses(tiny_engine):
     tiny_engine.generate([tiny_engine.encode("A prompt to keep in the prefix cache for a while.")], max_tokens=3,
                          temperature=0)
+    tiny_engine.run_on_engine_thread(lambda: None)  # stats(): published between steps; let the last one publish
     assert tiny_engine.stats()["prefix_cache"]["bytes"] > 0
     assert tiny_engine.clear_prefix_cache() > 0
     assert tiny_engine.stats()["prefix_cache"]["bytes"] == 0
@@ -440,7 +441,8 @@ def test_constrained_workload(tiny_engine):
     from parallm_bench import bench
     from parallm_bench import constrained as bench_constrained
 
-    entry = bench.run_bench(tiny_engine, ["constrained"], quick=True, progress=lambda msg: None)["workloads"]["constrained"]
+    result = bench.run_bench(tiny_engine, ["constrained"], quick=True, progress=lambda msg: None)
+    entry = result["workloads"]["constrained"]
     n, new = bench_constrained.QUICK_CONSTRAINED
     for name in ("unconstrained", "constrained", "mixed"):
         assert entry[name]["tokens"] == n * new and entry[name]["finished_early"] == 0, (name, entry[name])

@@ -42,6 +42,14 @@ def engine():
     return get_engine()
 
 
+def settled_stats(engine) -> dict:
+    """``engine.stats()`` once the step that delivered the last tokens has ended: stats are the snapshot the
+    engine thread publishes between steps, and a caller wakes on its last delta before that step retires
+    the request (its KV into the prefix cache) and publishes."""
+    engine.run_on_engine_thread(lambda: None)
+    return engine.stats()
+
+
 def chat_ids(engine, question: str, system: str | None = None) -> list[int]:
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
     return engine.apply_chat_template(msgs)

@@ -7,6 +7,8 @@ import json
 
 from parallm_bench import bench
 
+from .conftest import settled_stats
+
 
 def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
     ticks = []
@@ -53,8 +55,7 @@ def test_quick_bench_runs_every_workload_with_ratios(tiny_engine, tmp_path):
 def test_clear_prefix_cache_frees_what_no_request_uses(tiny_engine):
     tiny_engine.generate([tiny_engine.encode("A prompt to keep in the prefix cache for a while.")], max_tokens=3,
                          temperature=0)
-    tiny_engine.run_on_engine_thread(lambda: None)  # stats(): published between steps; let the last one publish
-    assert tiny_engine.stats()["prefix_cache"]["bytes"] > 0
+    assert settled_stats(tiny_engine)["prefix_cache"]["bytes"] > 0
     assert tiny_engine.clear_prefix_cache() > 0
     assert tiny_engine.stats()["prefix_cache"]["bytes"] == 0
 

@@ -18,6 +18,8 @@ from parallm_engine.formats.chat_format import ToolCall
 from parallm_integrations import _remote_client
 from parallm_integrations._common import chat_generation, chat_result
 
+from .conftest import settled_stats
+
 
 def test_importing_the_integrations_imports_no_engine_and_the_plain_engine_modules_no_mlx():
     code = (
@@ -97,8 +99,7 @@ def test_stats_never_walks_the_prefix_tree_off_the_engine_thread(tiny_engine):
         del cache.stats
     assert not errors, errors
     assert callers == {"parallm-engine"}  # published by the engine thread, read by the others
-    tiny_engine.run_on_engine_thread(lambda: None)  # stats(): published between steps; let the last one publish
-    assert tiny_engine.stats()["prefix_cache"]["bytes"] > 0
+    assert settled_stats(tiny_engine)["prefix_cache"]["bytes"] > 0
 
 
 def test_one_logprob_formatter_reports_minus_inf_as_the_floor():

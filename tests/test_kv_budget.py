@@ -11,6 +11,7 @@ from parallm_engine.core import memory_budget
 from parallm_engine.errors import InvalidRequestError
 from parallm_engine.core.memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
 
+from .conftest import settled_stats
 from .model_zoo import prompt_ids
 from .test_memory import _wait
 
@@ -137,8 +138,7 @@ def test_prefix_cache_gives_way_before_any_preemption(tiny_engine, tiny_model_di
         old = [prompt_ids(200, vocab, seed=50 + i) for i in range(5)]
         for p in old:  # one at a time: each leaves its prompt in the prefix cache
             eng.generate([p], max_tokens=1, temperature=0, ignore_eos=True)
-        eng.run_on_engine_thread(lambda: None)  # stats(): published between steps; let the last one publish
-        filled = eng.stats()["prefix_cache"]["bytes"]
+        filled = settled_stats(eng)["prefix_cache"]["bytes"]
         assert filled >= 700 * per_token  # the cache holds most of the budget
         new = [prompt_ids(60, vocab, seed=80 + i) for i in range(8)]
         results = eng.generate(new, max_tokens=40, temperature=0, ignore_eos=True)

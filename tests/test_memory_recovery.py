@@ -13,6 +13,8 @@ import pytest
 from parallm_engine import Engine, OutOfMemoryError
 from parallm_engine.core.memory_recovery import MAX_STREAK, is_allocation_failure
 
+from .conftest import settled_stats
+
 METAL_OOM = "[metal::malloc] Unable to allocate 4294967296 bytes which is greater than the maximum allowed"
 
 
@@ -66,8 +68,7 @@ def test_failed_steps_preempt_and_every_request_completes_with_its_tokens(eng):
     got = _requests(eng)
     assert wrapper.calls > 23
     assert got == want
-    eng.run_on_engine_thread(lambda: None)  # the step that delivered the last tokens has ended
-    stats = eng.stats()
+    stats = settled_stats(eng)
     assert stats["allocation_failures"] == 4 and stats["preemptions"] > 0
     assert stats["kv_bytes"] == 0 and stats["in_flight"] == 0
     # The lowered budget grows back over healthy steps: 1/64 of it per step, so 100 decode steps restore

@@ -81,8 +81,9 @@ def main() -> int:
     if args.only != "mlx-lm":
         for rep in ("warm 1", "warm 2", "timed"):
             r = run_parallm(eng, prompts, args.steps)
+            compiled = eng.stats()["memory"].get("decode_compiled_steps", 0)  # PARALLM_COMPILE_DECODE=1
             print(f"parallm {rep:7} itl50 {r['itl_p50_s'] * 1e3:7.2f} ms  tok/s {r['tok_s']:8.1f}"
-                  f"  step_ms {r['step_ms']}", flush=True)
+                  f"  step_ms {r['step_ms']}  compiled steps {compiled}", flush=True)
     model = eng.model
     eng.shutdown()
     if args.only != "parallm":

@@ -31,7 +31,8 @@ import numpy as np
 
 from parallm_engine.kv.table_reads import read_table, table_index
 
-#: Columns a rebuilt working set has room for beyond the step's (a rebuild every ROOM steps at most).
+#: Columns a rebuilt working set has room for beyond the step's, at least (a rebuild every ROOM steps at most;
+#: the capacity is rounded up to a multiple of it, so runner/compiled_decode sees few shapes).
 ROOM = 64
 
 
@@ -88,7 +89,7 @@ class DecodeWorkingSet:
         # the next step can tell. The second step of the same rows (or one out of room) gathers once, with
         # room to append, within the limit.
         self.table = table
-        capacity = T + ROOM
+        capacity = -(-(T + ROOM) // ROOM) * ROOM  # a multiple of ROOM: the compiled step's shapes recur
         if grew and (self.limit is None or B * capacity * slot_bytes <= self.limit):
             self.capacity = capacity
             self._padded = np.zeros((B, capacity), dtype=np.int32)

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from parallm_engine.runner import cpu_kernels
+from parallm_engine.runner.compiled_decode import CompiledSteps, applies as compiled_applies
 from parallm_engine.kv.fused_step import FusedLayerKV, FusedWork, PromptLayout
 from parallm_engine.kv.kv_cache import SharedPrefix
 from parallm_engine.kv.kv_meter import KVWriteMeter
@@ -52,6 +53,7 @@ class DecodeLane:
         self.seqs: list = []
         self.kv = PagedLaneKV(n_layers, fmt, meter)
         self.stream = None
+        self.compiled = CompiledSteps()  # its plain decode steps as compiled graphs (PARALLM_COMPILE_DECODE)
 
     def context(self):
         return mx.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -263,8 +265,15 @@ class DecodeBatch:
                     # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
                     extra = model.decode_kwargs(lane.seqs, x.shape[1]) if hasattr(model, "decode_kwargs") else {}
                     lane.kv.begin(x.shape[1], nat, self.attention_reads_pool)
-                with cpu_kernels.solo_lane(solo), adapter_rows(model, lane.seqs, None if mine is None else [len(r) for r in mine]):
-                    logits = model(x, cache=lane.kv.layers, **extra)
+                logits = None
+                if mine is None and compiled_applies(lane.compiled, lane.kv, model, nat):
+                    logits = lane.compiled.forward(model, lane.kv, x)  # (B, V): the step as one compiled graph
+                if logits is None:
+                    with cpu_kernels.solo_lane(solo), adapter_rows(model, lane.seqs,
+                                                                   None if mine is None else [len(r) for r in mine]):
+                        logits = model(x, cache=lane.kv.layers, **extra)
+                else:
+                    logits = logits[:, None]  # (B, 1, V) as the model's own
                 self.meter.decoded += x.shape[0] * x.shape[1]
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
@@ -378,6 +387,9 @@ class DecodeBatch:
             "kv_working_set_bytes": sum(lane.kv.ws.nbytes(lane.kv.layers) for lane in self.lanes),
             "kv_working_set_rebuilds": sum(lane.kv.ws.rebuilds for lane in self.lanes),
             "kv_working_set_appends": sum(lane.kv.ws.appends for lane in self.lanes),
+            # plain decode steps run as compiled graphs (runner/compiled_decode), and the traces they took
+            "decode_compiled_steps": sum(lane.compiled.steps for lane in self.lanes),
+            "decode_compile_traces": sum(lane.compiled.traces for lane in self.lanes),
         }
 
     def cached_pages(self) -> int:

@@ -1,0 +1,149 @@
+"""A plain decode step as one compiled MLX graph: ``PARALLM_COMPILE_DECODE=1`` (off by default).
+
+Why: on a GPU a short decode step is bound by the host thread (docs/benchmarks.md, "An H100"): Python
+building the graph (~1,500 MLX primitives for a 36-layer model) and MLX encoding its kernels, for mlx-lm's
+BatchGenerator as for ParaLLM. ``mx.compile`` traces the step once and then replays the tape: no Python per
+layer, and chains of elementwise operations fused into one kernel each (fewer kernels to encode).
+
+What it takes: every value that changes from step to step must be an input array, never a Python number
+the trace would freeze. The step compiled here is the kept working set's *append* step
+(``kv.decode_working_set``): between two plain decode steps of the same rows each row's newest token goes
+to the same column of the kept ``(B, KV heads, capacity, D)`` arrays. So the step's inputs are the tokens,
+each row's RoPE position, that column and each row's first real column (its left padding); its state is
+each layer's kept arrays, written by a ``slice_update`` (in place, as the eager step's: nothing references
+the old arrays once the call returns). The step's new keys and values come out too and are written into
+the page pool after the call, as the eager step writes them (``PagedLayerKV.write_new``): the pool grows
+while rows decode, and a pool inside the graph would make every growth a new trace. Attention reads the
+whole capacity under a mask built in the graph (the columns after this step's are masked), so the shapes
+stay fixed until the kept arrays are rebuilt (their capacity a multiple of ``decode_working_set.ROOM``) or
+the rows change; those steps run eagerly, and the next append traces anew (measured: a trace costs ~35-50 ms
+of host time for a 28-layer model on this CPU). Traces are kept per lane in a small LRU keyed by their
+shapes, each in a function object of its own (MLX erases a compiled function's traces when the object goes).
+
+Where it applies (:func:`applies`): a plain one-token step of a lane in append mode, float KV, no shared
+prefix, no LoRA adapters, no per-row model extras, attention not read from the pool by a kernel, and a
+model whose layers take the attention mask from the cache (checked while tracing: a model that never asks
+for it is refused, and runs eagerly from then on). Everything else runs eagerly as before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import mlx.core as mx
+
+from parallm_engine.runner import lora
+
+#: Compiled steps (one per shape) a lane keeps.
+TRACES = 4
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("PARALLM_COMPILE_DECODE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class NotCompilable(Exception):
+    """The model's forward cannot run as the compiled step (it never asked the cache for its mask)."""
+
+
+class _StepInputs:
+    """What every layer of one traced step reads."""
+
+    def __init__(self, offset, mask, column):
+        self.offset, self.mask, self.column = offset, mask, column
+        self.masked = False  # whether the model asked for the mask (see NotCompilable)
+
+
+class _TracedLayerKV:
+    """One layer's cache as the model sees it while the step is traced: ``PagedLayerKV``'s append step."""
+
+    fused = None  # the attention hook's other layouts (kv.fused_step, ragged steps, the shared prefix)
+    ragged = None
+    shared_keys = None
+
+    def __init__(self, step: _StepInputs, ws_k, ws_v):
+        self.step = step
+        self.offset = step.offset
+        self.ws_k, self.ws_v = ws_k, ws_v
+        self.new = None  # the step's (B, KH, 1, D) keys and values, for the pool
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.new = (keys, values)
+        self.ws_k = mx.slice_update(self.ws_k, keys, self.step.column, axes=(2,))
+        self.ws_v = mx.slice_update(self.ws_v, values, self.step.column, axes=(2,))
+        return self.ws_k, self.ws_v
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if window_size is not None:
+            raise ValueError("a sliding-window layer got a full-attention cache")
+        self.step.masked = True
+        return self.step.mask
+
+
+def _traced_step(model):
+    """A new compiled function for one shape of the step (a function object of its own: see the docstring)."""
+
+    def step(x, offset, starts, column, state):
+        capacity = state[0][0].shape[2]
+        cols = mx.arange(capacity, dtype=mx.int32)[None]
+        mask = ((cols >= starts[:, None]) & (cols <= column))[:, None, None, :]
+        inputs = _StepInputs(offset, mask, column)
+        caches = [_TracedLayerKV(inputs, *layer) for layer in state]
+        logits = model(x, cache=caches)
+        if not inputs.masked:
+            raise NotCompilable("the model's attention does not take its mask from the cache")
+        return logits[:, -1, :].astype(mx.float32), [(c.ws_k, c.ws_v, *c.new) for c in caches]
+
+    return mx.compile(step)
+
+
+class CompiledSteps:
+    """A lane's compiled decode steps (an LRU of :data:`TRACES` shapes) and what they counted."""
+
+    def __init__(self):
+        self._fns: OrderedDict = OrderedDict()
+        self.refused = False  # the model cannot run compiled (NotCompilable): eager from now on
+        self.steps = 0
+        self.traces = 0
+
+    def _fn(self, model, key):
+        fn = self._fns.pop(key, None)
+        if fn is None:
+            fn = _traced_step(model)
+            self.traces += 1
+            while len(self._fns) >= TRACES:
+                self._fns.popitem(last=False)
+        self._fns[key] = fn
+        return fn
+
+    def forward(self, model, kv, x: mx.array) -> mx.array | None:
+        """Lazy float32 logits (B, V) of lane KV ``kv``'s append step for tokens ``x`` (B, 1), its layers'
+        kept arrays replaced by the step's outputs and its new KV written to the pool; None where the model
+        is refused (nothing was changed)."""
+        layers = kv.layers
+        first = layers[0]
+        state = [layer.ws for layer in layers]
+        key = (x.shape[0], first.ws[0].shape[2], first.ws[0].dtype)
+        column = mx.array([kv.ws.table.shape[1] - 1], dtype=mx.int32)
+        try:
+            logits, out = self._fn(model, key)(x, first.offset, kv.step_starts, column, state)
+        except NotCompilable:
+            self._fns.clear()
+            self.refused = True
+            return None
+        offset = first.offset + 1
+        for layer, (wk, wv, k, v) in zip(layers, out):
+            layer.ws = (wk, wv)
+            layer.write_new(k, v, kv.step_write)  # as the eager step's update_and_fetch writes it
+            layer.offset = offset
+        self.steps += 1
+        return logits
+
+
+def applies(steps: CompiledSteps, kv, model, native) -> bool:
+    """Whether lane KV ``kv``'s step just begun (one position per row) can run compiled."""
+    return (enabled_by_env() and not steps.refused and native is None and kv.fmt is None and not kv.shared_len
+            and kv.ws.mode == "append" and kv.ragged is None and not kv.native_reads
+            and all(layer.ws is not None for layer in kv.layers)
+            and not hasattr(model, "decode_kwargs") and lora.runtime(model) is None)

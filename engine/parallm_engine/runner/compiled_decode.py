@@ -21,19 +21,23 @@ of host time for a 28-layer model on this CPU). Traces are kept per lane in a sm
 shapes, each in a function object of its own (MLX erases a compiled function's traces when the object goes).
 
 Where it applies (:func:`applies`): a plain one-token step of a lane in append mode, float KV, no shared
-prefix, no LoRA adapters, no per-row model extras, attention not read from the pool by a kernel, and a
-model whose layers take the attention mask from the cache (checked while tracing: a model that never asks
-for it is refused, and runs eagerly from then on). Everything else runs eagerly as before.
+prefix, no LoRA adapters, no per-row model extras, attention not read from the pool by a kernel. A model
+whose trace fails is refused, and that lane runs eagerly from then on: one whose forward never asks the
+cache for its mask (:class:`NotCompilable`: it would attend over the unwritten columns), or one whose Python
+needs values a trace does not have. Everything else runs eagerly as before.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 
 import mlx.core as mx
 
 from parallm_engine.runner import lora
+
+logger = logging.getLogger("parallm_engine")
 
 #: Compiled steps (one per shape) a lane keeps.
 TRACES = 4
@@ -108,14 +112,16 @@ class CompiledSteps:
         self.traces = 0
 
     def _fn(self, model, key):
+        """The compiled step for ``key`` and whether it is new (its first call traces the model)."""
         fn = self._fns.pop(key, None)
-        if fn is None:
+        new = fn is None
+        if new:
             fn = _traced_step(model)
             self.traces += 1
             while len(self._fns) >= TRACES:
                 self._fns.popitem(last=False)
         self._fns[key] = fn
-        return fn
+        return fn, new
 
     def forward(self, model, kv, x: mx.array) -> mx.array | None:
         """Lazy float32 logits (B, V) of lane KV ``kv``'s append step for tokens ``x`` (B, 1), its layers'
@@ -124,11 +130,18 @@ class CompiledSteps:
         layers = kv.layers
         first = layers[0]
         state = [layer.ws for layer in layers]
-        key = (x.shape[0], first.ws[0].shape[2], first.ws[0].dtype)
+        key = (id(model), x.shape[0], first.ws[0].shape[2], first.ws[0].dtype)
         column = mx.array([kv.ws.table.shape[1] - 1], dtype=mx.int32)
+        fn, new = self._fn(model, key)
         try:
-            logits, out = self._fn(model, key)(x, first.offset, kv.step_starts, column, state)
-        except NotCompilable:
+            logits, out = fn(x, first.offset, kv.step_starts, column, state)
+        except Exception as exc:
+            if not new:  # a replay failing is the step failing (memory, ...), as an eager step's would
+                raise
+            # Tracing failed: the model's forward cannot be a compiled step (NotCompilable, or Python that
+            # needs values the trace does not have). Nothing was changed; this lane runs eagerly from now on.
+            logger.warning("decode steps run eagerly: the compiled step refused this model (%s: %s)",
+                           type(exc).__name__, exc)
             self._fns.clear()
             self.refused = True
             return None

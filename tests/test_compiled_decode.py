@@ -14,6 +14,7 @@ import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
 from parallm_engine import Engine
 from parallm_engine.runner import compiled_decode
 
+from .conftest import settled_stats
 from .model_zoo import FAMILIES, build, default_tokenizer, prompt_ids, reference_greedy
 
 # Families whose cache is full attention in every layer (the paged decode batch the compiled step is for).
@@ -36,8 +37,7 @@ def _run(model_dir, prompts, max_tokens, late=None, **kw):
         answers = [eng._collect(h).token_ids for h in handles]
         if late_handle is not None:
             answers.append(eng._collect(late_handle).token_ids)
-        eng.run_on_engine_thread(lambda: None)
-        return answers, eng.stats(), eng
+        return answers, settled_stats(eng), eng
     finally:
         eng.shutdown()
 
@@ -102,8 +102,7 @@ def test_a_model_that_ignores_the_cache_mask_is_refused(tiny_model_dir, monkeypa
 
         inner.__class__ = OwnMask
         answers = [r.token_ids for r in eng.generate(prompts, max_tokens=20, temperature=0, ignore_eos=True)]
-        eng.run_on_engine_thread(lambda: None)
-        assert eng.stats()["memory"]["decode_compiled_steps"] == 0
+        assert settled_stats(eng)["memory"]["decode_compiled_steps"] == 0
         assert all(lane.compiled.refused for lane in eng._scheduler.kv.batch.lanes)
     finally:
         eng.shutdown()

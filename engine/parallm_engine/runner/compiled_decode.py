@@ -155,8 +155,8 @@ class CompiledSteps:
 
 
 def applies(steps: CompiledSteps, kv, model, native) -> bool:
-    """Whether lane KV ``kv``'s step just begun (one position per row) can run compiled."""
-    return (enabled_by_env() and not steps.refused and native is None and kv.fmt is None and not kv.shared_len
-            and kv.ws.mode == "append" and kv.ragged is None and not kv.native_reads
-            and all(layer.ws is not None for layer in kv.layers)
+    """Whether lane KV ``kv``'s step just begun (one position per row) can run compiled. Append mode already
+    means a plain one-token step of float KV that no kernel reads from the pool (``DecodeWorkingSet.plan``)."""
+    return (enabled_by_env() and not steps.refused and native is None and not kv.shared_len
+            and kv.ws.mode == "append" and all(layer.ws is not None for layer in kv.layers)
             and not hasattr(model, "decode_kwargs") and lora.runtime(model) is None)

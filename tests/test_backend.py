@@ -104,6 +104,25 @@ def test_blas_threads_follow_the_lanes(monkeypatch):
     assert backend.cpu_lanes() == 3
 
 
+def test_mkl_leaves_a_core_to_the_host(monkeypatch):
+    """An MKL OpenMP team that takes every core fights the engine thread for them (one lane forced on 2
+    cores: decode 3x slower than sequential MKL), so a lane gets the cores but one, shared by the lanes."""
+    assert backend.mkl_threads_per_lane(2, 1) == 1
+    assert backend.mkl_threads_per_lane(2, 2) == 1
+    assert backend.mkl_threads_per_lane(8, 4) == 1
+    assert backend.mkl_threads_per_lane(16, 4) == 3
+    assert backend.mkl_threads_per_lane(16, 1) == 15
+    monkeypatch.setattr(backend, "usable_cores", lambda: 2)
+    monkeypatch.setenv("PARALLM_DECODE_LANES", "1")
+    monkeypatch.delenv("MKL_THREADING_LAYER", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    backend._configure_mkl()
+    assert os.environ["MKL_THREADING_LAYER"] == "SEQUENTIAL"
+    monkeypatch.setenv("MKL_THREADING_LAYER", "GNU")  # the user's setting wins
+    backend._configure_mkl()
+    assert os.environ["MKL_THREADING_LAYER"] == "GNU"
+
+
 def test_forced_lanes_share_the_openblas_threads(cpu, monkeypatch):
     cpu("AuthenticAMD", AVX512)
     monkeypatch.setattr(backend, "usable_cores", lambda: 4)

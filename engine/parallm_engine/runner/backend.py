@@ -207,11 +207,15 @@ def cpu_lanes() -> int:
 def _configure_mkl() -> None:
     """MKL picks its threading layer from the environment when it is first loaded.
 
-    Each decode lane (``cpu_lanes``) calls the BLAS from its own thread, so MKL gets the cores left per
-    lane: SEQUENTIAL when that is one (always on 2 cores; GNU OpenMP threads spin-wait, and when another
-    thread holds the other core a (32x576)@(576x1536) GEMM went from 0.5 ms to 8 ms), otherwise GNU
-    OpenMP with cores // lanes threads. Explicit MKL_THREADING_LAYER / MKL_NUM_THREADS settings win."""
-    per_lane = usable_cores() // cpu_lanes()
+    Each decode lane (``cpu_lanes``) calls the BLAS from its own thread (MLX's stream worker), and beside
+    the lanes the engine thread builds the next step and delivers tokens while they compute. So MKL gets
+    the cores left per lane once one is left for that host work: SEQUENTIAL where that is one, otherwise
+    GNU OpenMP with that many threads. Measured on the 2-core Xeon (MKL), default model, 32 rows, one lane
+    forced (``PARALLM_DECODE_LANES=1``): a 2-thread MKL made decode 3x slower (ITL p50 1.28-1.33 s vs
+    0.23 s, 24 vs 70 tok/s; ``OMP_WAIT_POLICY=PASSIVE`` no better) though alone its GEMMs are 1.2-1.9x
+    faster than one thread's: with no core free the OpenMP team and the host threads take turns. Explicit
+    MKL_THREADING_LAYER / MKL_NUM_THREADS settings win."""
+    per_lane = mkl_threads_per_lane(usable_cores(), cpu_lanes())
     if per_lane <= 1:
         os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
         return
@@ -222,6 +226,11 @@ def _configure_mkl() -> None:
         return
     os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
     os.environ.setdefault("MKL_NUM_THREADS", str(per_lane))
+
+
+def mkl_threads_per_lane(cores: int, lanes: int) -> int:
+    """MKL threads each decode lane may use: the cores but one (the host's), shared by the lanes."""
+    return max(1, (cores - 1) // max(1, lanes))
 
 
 def backend_info() -> BackendInfo:

@@ -123,6 +123,18 @@ def test_mkl_leaves_a_core_to_the_host(monkeypatch):
     assert os.environ["MKL_THREADING_LAYER"] == "GNU"
 
 
+def test_info_says_how_the_blas_threads(monkeypatch):
+    monkeypatch.setenv("MKL_THREADING_LAYER", "SEQUENTIAL")
+    assert backend.blas_threading("/x/lib/libmkl_rt.so.3") == "MKL sequential: one thread per decode lane"
+    monkeypatch.setenv("MKL_THREADING_LAYER", "GNU")
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    assert backend.blas_threading("/x/lib/libmkl_rt.so.3") == "MKL GNU threading, 3 thread(s) per call"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    path = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    assert backend.blas_threading(path) == "OpenBLAS, 2 thread(s) per call"
+    assert backend.blas_threading("") == ""
+
+
 def test_forced_lanes_share_the_openblas_threads(cpu, monkeypatch):
     cpu("AuthenticAMD", AVX512)
     monkeypatch.setattr(backend, "usable_cores", lambda: 4)

@@ -63,7 +63,8 @@ def cmd_info(args) -> int:
     engine_backend = choose_backend()
     out = {"backend": info.as_dict(), "mlx_install": install.as_dict(),
            "gpu_visible": info.device in ("gpu", "cuda"), "engine_backend": engine_backend.as_dict(),
-           "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels}
+           "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels,
+           "blas_threading": _backend.blas_threading() if info.device == "cpu" else ""}
     from parallm_engine.errors import ParaLLMError
     from parallm_engine.runner.weights_dtype import resolve_weights_dtype
 
@@ -121,7 +122,7 @@ def cmd_info(args) -> int:
 
         print("          bfloat16-matmul (bf16 matmul inputs, float32 sums): "
               + ("AVX512_BF16 kernel" if bf16_dot_kernel() is not None else "MLX ops (no AVX512_BF16 kernel here)"))
-    print(f"blas    : {b.blas}")
+    print(f"blas    : {b.blas}" + (f" ({out['blas_threading']})" if out["blas_threading"] else ""))
     print(f"engine  : {engine_backend.summary()}")
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
     mem = out["memory"]

@@ -228,6 +228,21 @@ def _configure_mkl() -> None:
     os.environ.setdefault("MKL_NUM_THREADS", str(per_lane))
 
 
+def blas_threading(path: str | None = None) -> str:
+    """How the preloaded CPU BLAS threads, for ``parallm info`` ("" where no CBLAS was preloaded)."""
+    path = _preloaded if path is None else path
+    if not path:
+        return ""
+    if "mkl" in os.path.basename(path):
+        layer = os.environ.get("MKL_THREADING_LAYER", "").upper()
+        if layer == "SEQUENTIAL":
+            return "MKL sequential: one thread per decode lane"
+        return f"MKL {layer or 'default'} threading, {os.environ.get('MKL_NUM_THREADS', 'all')} thread(s) per call"
+    if _is_openblas(path):
+        return f"OpenBLAS, {os.environ.get('OPENBLAS_NUM_THREADS') or usable_cores()} thread(s) per call"
+    return ""
+
+
 def mkl_threads_per_lane(cores: int, lanes: int) -> int:
     """MKL threads each decode lane may use: the cores but one (the host's), shared by the lanes."""
     return max(1, (cores - 1) // max(1, lanes))

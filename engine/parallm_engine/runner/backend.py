@@ -102,6 +102,10 @@ def _is_openblas(path: str | None) -> bool:
     return bool(path) and "openblas" in os.path.basename(path)
 
 
+def _is_mkl(path: str | None) -> bool:
+    return bool(path) and "mkl" in os.path.basename(path)
+
+
 def _mlx_imported() -> bool:
     return "mlx.core" in sys.modules
 
@@ -132,7 +136,7 @@ def preload_blas() -> str | None:
         if not os.path.exists(path):
             continue
         restore: dict[str, str | None] = {}
-        if "mkl" in os.path.basename(path):
+        if _is_mkl(path):
             _configure_mkl()
         elif _is_openblas(path):
             restore = _configure_openblas()
@@ -233,7 +237,7 @@ def blas_threading(path: str | None = None) -> str:
     path = _preloaded if path is None else path
     if not path:
         return ""
-    if "mkl" in os.path.basename(path):
+    if _is_mkl(path):
         layer = os.environ.get("MKL_THREADING_LAYER", "").upper()
         if layer == "SEQUENTIAL":
             return "MKL sequential: one thread per decode lane"

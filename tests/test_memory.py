@@ -234,7 +234,8 @@ def test_admission_takes_turns_across_groups(tiny_model_dir):
 
 def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
     """Prefill tokens per step follow the measured rate and the step-time target (so aborts, arrivals
-    and running streams wait about one target at most), never below the minimum progress."""
+    and running streams wait about one target at most), never below the minimum progress; a short
+    prompt is not cut (it goes first, whole)."""
     from parallm_engine import Engine
 
     eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_budget=2048)
@@ -256,15 +257,31 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
         forwards = eng.stats()["prefill_forwards"]
         eng.generate([prompt_ids(450, vocab, seed=5)], max_tokens=2, temperature=0)
         assert eng.stats()["prefill_forwards"] - forwards == 1
-        # Next to a decoding stream, a long prompt at a slow measured rate is prefilled over many steps,
-        # decode moving in between.
+        # Next to a decoding stream, at a slow measured rate (held there: no step re-measures it), a prompt
+        # longer than a chunk is prefilled over many steps at the paced budget, decode moving in between,
+        # its last chunk included (it attends over the whole context); a short prompt (its whole prefill
+        # one chunk) goes in one forward, as does a long prompt's uncached rest once the prefix cache
+        # holds the rest.
         running = eng.submit(prompt_ids(8, vocab, seed=6), max_tokens=400, temperature=0, ignore_eos=True)
         assert _wait(lambda: eng.stats()["running"] == 1)
-        eng.run_on_engine_thread(lambda: budget(1000.0, 0.05))
+
+        def slow():
+            sched.config.prefill_chunk = 128
+            sched._observe_prefill = lambda rate: None
+            sched._prefill_rate, sched._other_step_s = 100.0, 0.05
+
+        eng.run_on_engine_thread(slow)
+        paced = eng.run_on_engine_thread(sched.prefill_token_budget)
+        assert paced == sched.config.min_prefill_tokens == 64
         chunks = lambda: eng.stats()["prefill_forwards"] + eng.stats()["fused_prefill_chunks"]  # noqa: E731
-        forwards = chunks()  # a chunk computed in the decode forward (kv/fused_step.py) counts as one
-        eng.generate([prompt_ids(450, vocab, seed=7)], max_tokens=2, temperature=0)
-        assert chunks() - forwards >= 2
+        for n, want in ((100, 1), (120, 1), (450, -(-449 // paced))):
+            forwards = chunks()  # a chunk computed in the decode forward (kv/fused_step.py) counts as one
+            eng.generate([prompt_ids(n, vocab, seed=7 + n)], max_tokens=2, temperature=0)
+            assert chunks() - forwards == want, (n, chunks() - forwards)
+        long_prompt = prompt_ids(450, vocab, seed=7 + 450)
+        forwards = chunks()
+        eng.generate([long_prompt[:400] + prompt_ids(50, vocab, seed=99)], max_tokens=2, temperature=0)
+        assert chunks() - forwards == 1
         running.abort()
     finally:
         eng.shutdown()

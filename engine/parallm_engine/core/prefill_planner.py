@@ -5,8 +5,9 @@ Part of the scheduler (``Scheduler`` takes it in): it plans and runs nothing. Ea
 it: the step's prefill stops on the clock (``Scheduler.prefill_token_budget`` and ``_prefill_room_s``
 set its token budget and time), and a prompt whose uncached prefix a member of the step's group is
 computing waits one step and finds it in the radix tree (in-flight dedup). A context longer than one
-chunk is prefilled alone, chunk by chunk, across steps; shorter ones (attention layout) together in
-groups of at most one chunk of tokens; a context the prefix cache holds whole needs no forward. While rows
+chunk is prefilled alone, chunk by chunk, across steps, at the step-time target's pace; shorter ones
+(attention layout) together in groups of at most one chunk of tokens, a whole chunk a step whatever the
+pace (a short job goes first); a context the prefix cache holds whole needs no forward. While rows
 decode, every item the runner can compute so is marked ``fused``: the decode forward computes it
 (``kv.fused_step``), and the prompts it finishes join the decode rows of that same forward. The radix tree
 takes those prompts once that forward is built, so a later item of the step never reads them: an item
@@ -48,6 +49,12 @@ class PrefillPlanner:
             best = max(best, shared_context_len(seq, other))
         return best if seq.cached_tokens + 8 < best < len(ids) else 0
 
+    def _finishes_in(self, seq: Sequence, tokens: int) -> bool:
+        """Whether ``seq``'s whole prefill, from what the prefix cache held, is at most ``tokens``: a short
+        prompt (a long one's last chunk is not: it attends over the whole context, so it costs more)."""
+        cached = seq.cached_tokens if seq.started else self.kv.peek(seq)
+        return len(seq.prefill_ids) - cached <= tokens
+
     def _uncached_overlap(self, seq: Sequence, group: list[Sequence], cached: int) -> bool:
         """Would ``seq`` recompute new tokens another group member is about to compute? Then it waits
         one step and finds them in the radix tree (in-flight dedup of a shared uncached prefix)."""
@@ -62,11 +69,15 @@ class PrefillPlanner:
         most one chunk of tokens, except those whose uncached prefix a group member is computing.
         Sequences whose context is all cached need no forward."""
         budget = self.prefill_token_budget()
-        if len(self.prefilling) > len(self.running):
-            # Nothing decoding, or a burst (more prompts waiting for their first token than streams
-            # waiting for their next): at least a whole chunk per step. The running streams pay a few
-            # long steps; the arrivals' TTFT does not wait behind dozens of short ones.
-            budget = max(budget, min(self.config.prefill_chunk, self.config.prefill_budget))
+        whole = min(self.config.prefill_chunk, self.config.prefill_budget)
+        short = bool(self.prefilling) and self._finishes_in(self.prefilling[0], whole)
+        if len(self.prefilling) > len(self.running) or short:
+            # Nothing decoding, a burst (more prompts waiting for their first token than streams
+            # waiting for their next), or a short prompt (one chunk is its whole prefill): a whole chunk
+            # this step. A short job goes first: the running streams pay its prefill now or over the
+            # next steps alike, while it (and every prompt behind it) waits less. Only a prompt longer
+            # than a chunk is spread over steps at the step-time target's pace.
+            budget = max(budget, whole)
         chunk = min(self.config.prefill_chunk, budget)
         # The token budget follows the measured rate; the clock also stops the step's prefill once the
         # target has passed (a rate measured on an idle machine may not hold on a busy one).

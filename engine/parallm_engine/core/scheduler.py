@@ -50,8 +50,9 @@ class SchedulerConfig:
     decode_lanes: int = 1  # parallel decode lanes (CPU cores; see decode_batch)
     cpu_kernels: bool = False  # faster attention/SwiGLU on MLX's CPU backend (see cpu_kernels)
     watermark_tokens: int = 16  # decode steps of growth every running row must have room for
-    # A step's target duration: prefill tokens per step are cut to what fits next to the decode step at
-    # the measured prefill rate, so aborts, arrivals and running streams wait at most about this long.
+    # A step's target duration: a long prompt's prefill tokens per step are cut to what fits next to the
+    # decode step at the measured prefill rate, so aborts, arrivals and running streams wait at most about
+    # this long (a short prompt, a chunk at most, and a burst take a whole chunk: prefill_planner.py).
     step_time_target_s: float = 0.25
     min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
     speculative: object = None  # the engine-wide default SpeculativeConfig (speculative.py), or None

@@ -221,6 +221,19 @@ def test_paths_and_arrival_workloads(tiny_engine, tiny_model_dir):
     assert "paths" in bench._OWN_FORMAT and "arrival" in bench._OWN_FORMAT
 
 
+
+def test_scheduling_probe_runs_the_burst_the_arrival_and_agents(tiny_engine):
+    """parallm_bench.scheduling: the three workloads a prefill policy trades between, one line."""
+    from parallm_bench import scheduling
+
+    r = scheduling.run(tiny_engine, burst=6, burst_tokens=6, arrival_tokens=300, streams=2,
+                       agents=dict(agents=2, min_turns=1, max_turns=2, system_tokens=60, tool_min=10, tool_max=30,
+                                   reply_tokens=4, rate=20.0))
+    assert r["burst"]["requests"] == 6 and r["burst"]["tokens"] == 36
+    assert r["arrival"]["long_ttft_s"] > 0 and r["agents"]["completed_runs"] == 2
+    line = scheduling.format_line(r)
+    assert line.startswith("burst ") and "| arrival TTFT" in line and "runs/min" in line
+
 # -- --shape, --plot, memory (issue 20) ------------------------------------------------------------------
 
 def _lazy_model(cfg):

@@ -221,7 +221,6 @@ def test_paths_and_arrival_workloads(tiny_engine, tiny_model_dir):
     assert "paths" in bench._OWN_FORMAT and "arrival" in bench._OWN_FORMAT
 
 
-
 def test_scheduling_probe_runs_the_burst_the_arrival_and_agents(tiny_engine):
     """parallm_bench.scheduling: the three workloads a prefill policy trades between, one line."""
     from parallm_bench import scheduling
@@ -233,6 +232,7 @@ def test_scheduling_probe_runs_the_burst_the_arrival_and_agents(tiny_engine):
     assert r["arrival"]["long_ttft_s"] > 0 and r["agents"]["completed_runs"] == 2
     line = scheduling.format_line(r)
     assert line.startswith("burst ") and "| arrival TTFT" in line and "runs/min" in line
+
 
 # -- --shape, --plot, memory (issue 20) ------------------------------------------------------------------
 

@@ -70,8 +70,8 @@ class PrefillPlanner:
         Sequences whose context is all cached need no forward."""
         budget = self.prefill_token_budget()
         whole = min(self.config.prefill_chunk, self.config.prefill_budget)
-        short = bool(self.prefilling) and self._finishes_in(self.prefilling[0], whole)
-        if len(self.prefilling) > len(self.running) or short:
+        burst = len(self.prefilling) > len(self.running)
+        if burst or (self.prefilling and self._finishes_in(self.prefilling[0], whole)):
             # Nothing decoding, a burst (more prompts waiting for their first token than streams
             # waiting for their next), or a short prompt (one chunk is its whole prefill): a whole chunk
             # this step. A short job goes first: the running streams pay its prefill now or over the

@@ -378,6 +378,44 @@ def test_the_decode_working_set_is_kept_and_equals_the_gather(monkeypatch):
     assert off.appends == off.rebuilds == 0
 
 
+def test_append_steps_leave_the_pool_write_to_one_flush():
+    """An append step writes its column only into the kept arrays (decode_working_set); the pool takes all the
+    appended columns in one scatter per array when the lane is next read or changed (a prefix-cache entry
+    read, a row leaving): each token's KV is written once, and what is read is exactly the rows' tokens."""
+    kv = PagedLaneKV(2)
+    rows = [[float(10 * r + t) for t in range(n)] for r, n in enumerate((3, 9, 14))]
+    kv.add([[(_kv(e), _kv(e) + 0.5) for e in rows]] * 2)
+    _steps(kv, rows, 2)  # a gather, then a rebuild (its column written to the pool, the arrays gathered)
+    written = kv.meter.written
+    _steps(kv, rows, 5)
+    five = 3 * 5 * H * D * 4 * 2 * 2  # rows x columns x heads x D x float32 bytes x (keys, values) x layers
+    assert kv.ws.appends == 5 and kv.meter.written == written + five  # counted once, as the arrays take them
+    assert all(layer.ws_pending[1] - layer.ws_pending[0] == 5 for layer in kv.layers)
+    newest = mx.array(kv.rows[1].slots(len(rows[1]) - 5, len(rows[1])))
+    assert not np.array_equal(np.array(kv.layers[0].keys[1, newest, 0]), rows[1][-5:])  # not in the pool yet
+    check_pages(kv)  # the arrays still have the pool's size
+    held = list(rows[1])
+    seg = PagedSegment(kv, kv.rows[1].slots(0, len(held)))  # the prefix cache takes a row's pages
+    for k, v in seg.layers():  # reading them writes the columns first
+        np.testing.assert_array_equal(np.array(k)[0, 1, :, 0], held)
+        np.testing.assert_array_equal(np.array(v)[0, 0, :, 3], np.array(held) + 0.5)
+    np.testing.assert_array_equal(np.array(kv.layers[0].keys[1, newest, 0]), rows[1][-5:])
+    assert kv.meter.written == written + five  # not counted again
+    assert all(a == b for a, b in (layer.ws_pending for layer in kv.layers))
+    _steps(kv, rows, 3)  # appending goes on after the flush
+    assert kv.ws.appends == 8
+    kv.keep([0, 2])  # a row leaving: the 3 new columns go to the pool first
+    assert kv.meter.written == written + five * 8 // 5
+    for r, e in enumerate((rows[0], rows[2])):
+        for k, v in kv.row(r, 0, len(e)):
+            np.testing.assert_array_equal(np.array(k)[0, 1, :, 2], e)
+            np.testing.assert_array_equal(np.array(v)[0, 0, :, 0], np.array(e) + 0.5)
+    for k, _ in seg.layers():  # the cache's entry outlives its row
+        np.testing.assert_array_equal(np.array(k)[0, 1, :, 0], held)
+    seg.release()
+    check_pages(kv)
+
+
 def test_the_decode_working_set_stays_within_its_limit():
     kv = PagedLaneKV(2)
     rows = [[float(t) for t in range(20)] for _ in range(4)]

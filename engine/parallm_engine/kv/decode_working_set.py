@@ -20,6 +20,15 @@ gather path built one layer at a time: kept, they take that memory once more for
 budget itself, as mlx-lm's batch caches hold the rows' tokens once), reported as ``kv_working_set_bytes`` beside
 the KV budget's figures; above the limit, and for quantized KV (whose working set is dequantized), every step
 gathers. ``PARALLM_DECODE_WORKING_SET=0`` turns it off.
+
+An append step does not write its column into the pool: the kept arrays hold it, and the columns the pool
+lacks (from ``written`` on) are written in one scatter per array per layer when anything else is about to
+happen to the lane (:meth:`flush`: the arrays invalidated or rebuilt, rows joining or leaving, the prefix
+cache taking a row's pages, a row read). Why: on a GPU, and for a small model on a CPU, a decode step costs
+what its operations cost to dispatch, and the pool write was 2 scatters (and 2 copies into the pool's
+layout) per layer per step that mlx-lm's caches do not have: measured on this CPU with a dispatch-bound
+stand-in model (28 layers 128 wide, 32 rows), 8% of the step. Between two such events the pool's copy of
+those columns is never read: only the running rows' own attention reads them, from the kept arrays.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from parallm_engine.kv.table_reads import read_table, table_index
+from parallm_engine.kv.table_reads import by_slot, read_table, table_index
 
 #: Columns a rebuilt working set has room for beyond the step's, at least (a rebuild every ROOM steps at most;
 #: the capacity is rounded up to a multiple of it, so runner/compiled_decode sees few shapes).
@@ -55,9 +64,11 @@ class DecodeWorkingSet:
         self.rebuilds = 0
 
     def invalidate(self, layers) -> None:
-        """The rows' KV changed other than by a decode step's column: drop the arrays."""
+        """The rows' KV is about to change other than by a decode step's column: the columns the pool lacks
+        are written to it, and the arrays dropped."""
         if self.table is None and not self.capacity:  # nothing kept (a layer keeps arrays only with a capacity)
             return
+        self.flush(layers)
         self.table = None
         self.capacity = 0
         self._padded = self.padded = None
@@ -108,17 +119,44 @@ class DecodeWorkingSet:
 
     def fetch(self, layer, keys: mx.array, values: mx.array):
         """The layer's working set for this step, (B, KH, T, D) views of its arrays: this step's new keys and
-        values (B, KH, 1, D) written as the last column (append), or the arrays gathered from the layer's pool."""
+        values (B, KH, 1, D) written as the last column (append: the pool takes it at :meth:`flush`), or the
+        arrays gathered from the layer's pool (which holds this step's column already)."""
         T = self.table.shape[1]
-        if self.mode == "append" and layer.ws is not None:
+        if self.defers(layer):
             K, V = layer.ws
             K[:, :, T - 1 : T] = keys
             V[:, :, T - 1 : T] = values
+            layer.lane.meter.wrote(keys, values)  # stored once: the pool's copy at the flush is not counted again
+            self.appended(layer, K, V)
         else:
             K = read_table(layer.keys, self.index(layer.keys.shape[0], layer.keys.shape[1]))
             V = read_table(layer.values, self.index(layer.values.shape[0], layer.values.shape[1]))
-        layer.ws = (K, V)
+            layer.ws, layer.ws_pending = (K, V), (T, T)
         return K[:, :, :T], V[:, :, :T]
+
+    def defers(self, layer) -> bool:
+        """Whether this step's new column of ``layer`` goes only to its kept arrays (the pool later: :meth:`flush`)."""
+        return self.mode == "append" and layer.ws is not None
+
+    def appended(self, layer, K: mx.array, V: mx.array) -> None:
+        """``layer``'s kept arrays are now ``K``, ``V``, with this step's column, which the pool lacks."""
+        layer.ws, layer.ws_pending = (K, V), (layer.ws_pending[0], self.table.shape[1])
+
+    def flush(self, layers) -> None:
+        """Write each layer's columns the pool lacks (``ws_pending``: appended since it was last written) into
+        it, one scatter per array per layer for all of them; lazily, so in graph order a later write or read
+        of the pool sees them. Only columns a forward computed count: a flush between a step's ``plan`` and
+        its forward writes what the earlier steps appended."""
+        slots = {}
+        for layer in layers:
+            a, b = layer.ws_pending
+            if layer.ws is None or a >= b:
+                continue
+            if (a, b) not in slots:  # row by row, as by_slot lays the columns out
+                slots[a, b] = mx.array(np.ascontiguousarray(self.table[:, a:b]).ravel())
+            K, V = layer.ws
+            layer.write(slots[a, b], by_slot(K[:, :, a:b]), by_slot(V[:, :, a:b]), counted=True)
+            layer.ws_pending = (b, b)
 
     def nbytes(self, layers) -> int:
         return sum(a.nbytes for layer in layers if layer.ws is not None for a in layer.ws)

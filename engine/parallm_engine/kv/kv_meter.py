@@ -1,7 +1,8 @@
 """Bytes written into KV storage, counted where they are written (the engine's KV cache manager holds one).
 
 ``written``: KV of tokens stored into the page pools, once per (token, layer) computed or copied into a
-row's pages. ``decoded``: positions the decode forwards computed (each writes its KV once), so that
+row's pages (a decode step's column that the kept working set takes counts then: the pool's copy follows at
+its flush, ``decode_working_set``). ``decoded``: positions the decode forwards computed (each writes its KV once), so that
 ``written == bytes_per_token x (prefill tokens + decoded)`` when nothing is copied. ``moved``: bytes the
 pools relocate without new content (a pool array grown by a copy, a shrink renumbering pages, a prefix
 the decode batch holds once moved out of pages into arrays). The test suite asserts that a prompt's KV

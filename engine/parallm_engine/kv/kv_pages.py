@@ -22,7 +22,10 @@ the step's working set gathered from the pool, ``(B, KV heads, T, D)``, left-pad
 expect: one gather per array per layer per step. Where the native kernel reads the pool, none is built
 (``update_and_fetch`` hands out the pools as stand-ins; the attention hook gathers the working set only
 if the kernel declines). The measured cost of the gather is in docs/benchmarks.md. On the CPU a step's
-new KV is written by the native ``paged_write`` (in place); elsewhere by MLX's scatter.
+new KV is written by the native ``paged_write`` (in place); elsewhere by MLX's scatter, except in a step that
+appends to the decode working set kept between steps: that leaves the pool's copy to the working set's next
+flush (``decode_working_set``; :meth:`PagedLaneKV.flush_writes` before anything else reads or changes the
+rows' pages).
 
 Page 0 is never handed out: padding columns of the table point at it, so a gathered working set holds
 finite values everywhere (masked columns must not be NaN: 0 x NaN poisons a weighted sum).
@@ -48,7 +51,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.decode_working_set import DecodeWorkingSet
-from parallm_engine.kv.table_reads import read_table, table_index
+from parallm_engine.kv.table_reads import by_slot, read_table, table_index
 from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.runner import gpu_attention
 from parallm_engine.kv.page_pool import MIN_PAGES, PAGE, SHRINK_SLACK, PagedSegment, PagePool, PageRow  # noqa: F401 (re-exported)
@@ -64,14 +67,6 @@ class RaggedStep(NamedTuple):
     # see nothing); None: every cell sees every column
 
 
-def by_slot(x):
-    """A forward's (B, KH, n, D) keys or values (float or quantized) as (KH, B x n, D): one slot per
-    position, row by row."""
-    if isinstance(x, kvq.QuantizedKV):
-        return x._like(tuple(by_slot(p) for p in x._parts()))
-    return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])
-
-
 class PagedLayerKV:
     """One layer of a lane, as mlx-lm's models call a cache (``offset``, ``update_and_fetch``,
     ``make_mask``) plus what the engine's attention hook reads (the shared prefix, :meth:`native_inputs`)."""
@@ -83,6 +78,7 @@ class PagedLayerKV:
         self.offset = mx.array([], dtype=mx.int32)
         self._shared_k = self._shared_v = None
         self.ws = None  # the decode working set kept between steps (decode_working_set), if any
+        self.ws_pending = (0, 0)  # its columns [a, b) the pool lacks (append steps' own; written at a flush)
 
     # -- storage --------------------------------------------------------------------------------
     def _ensure(self, like_k, like_v) -> None:
@@ -97,12 +93,14 @@ class PagedLayerKV:
             grow = [(0, 0), (0, slots - self.keys.shape[1]), (0, 0)]
             self.keys, self.values = kvq.pad(self.keys, grow), kvq.pad(self.values, grow)
 
-    def write(self, slots: mx.array, keys, values) -> None:
-        """Store (KH, n, D) keys and values (storage format) at ``slots`` (n,)."""
+    def write(self, slots: mx.array, keys, values, counted: bool = False) -> None:
+        """Store (KH, n, D) keys and values (storage format) at ``slots`` (n,). ``counted``: the meter counted
+        them already (decode columns, when the kept working set took them)."""
         self._ensure(keys, values)
         self.keys[:, slots] = keys
         self.values[:, slots] = values
-        self.lane.meter.wrote(keys, values)
+        if not counted:
+            self.lane.meter.wrote(keys, values)
 
     def write_new(self, keys: mx.array, values: mx.array, slots: mx.array, native=None, real=None) -> None:
         """Store a forward's (B, KH, n, D) new keys and values at ``slots`` (one per position, row by row).
@@ -136,16 +134,20 @@ class PagedLayerKV:
 
     # -- the cache protocol ---------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Write this step's (B, KH, n, D) keys and values to the slots :meth:`PagedLaneKV.begin` chose;
-        return the step's working set (B, KH, T, D) gathered from the pool, or, when the engine's native
+        """Write this step's (B, KH, n, D) keys and values to the slots :meth:`PagedLaneKV.begin` chose (an
+        append step of the kept working set leaves that to its flush); return the step's working set (B, KH,
+        T, D) kept or gathered from the pool, or, when the engine's native
         attention reads the pool itself (``lane.native_reads``), the pools as stand-ins: the attention hook
         then builds the working set only if the native kernel declines (:meth:`working_set`)."""
-        self.write_new(keys, values, self.lane.step_write, self.lane.native)
+        ws = self.lane.ws
         self.offset = self.offset + keys.shape[2]
+        if ws.defers(self):  # an append step: the kept arrays take the column, the pool later (ws.flush)
+            return ws.fetch(self, keys, values)
+        self.write_new(keys, values, self.lane.step_write, self.lane.native)
         if self.native_inputs() is not None:
             return self.keys, self.values
-        if self.lane.ws.mode is not None:  # kept from the last step, this step's column written in
-            return self.lane.ws.fetch(self, keys, values)
+        if ws.mode is not None:  # rebuilt from the pool, this step's column in it
+            return ws.fetch(self, keys, values)
         return self.working_set()
 
     def working_set(self):
@@ -222,6 +224,11 @@ class PagedLaneKV:
         self._kept_table: np.ndarray | None = None  # the last plain step's slot table (_table)
         self._kept_lengths: list[int] = []
 
+    def flush_writes(self) -> None:
+        """The pool takes the decode columns only the kept working set holds (``DecodeWorkingSet.flush``):
+        before anything but the running rows' next append step reads or changes the rows' pages."""
+        self.ws.flush(self.layers)
+
     def lengths(self) -> list[int]:
         """Each row's own tokens (after the shared prefix when it continues one)."""
         return [r.length for r in self.rows]
@@ -234,6 +241,7 @@ class PagedLaneKV:
     def set_shared(self, per_layer: list | None) -> None:
         """Hold a prefix once ((1, KH, P, D) keys and values per layer; None: none) for rows that will
         continue it. Only while no row uses one."""
+        self.flush_writes()
         assert not any(self.shared_rows), "rows still continue the current shared prefix"
         for layer, kv in zip(self.layers, per_layer or [(None, None)] * len(self.layers)):
             layer.set_shared(*kv)
@@ -261,6 +269,7 @@ class PagedLaneKV:
     def share_rows(self, indices: list[int]) -> None:
         """Rows ``indices`` hold their whole context and their first ``shared_len`` tokens are bitwise the
         shared prefix: they drop those tokens (their pages are freed) and read the prefix instead."""
+        self.flush_writes()
         P = self.shared_len
         assert P
         for i in indices:
@@ -297,6 +306,7 @@ class PagedLaneKV:
         """Prefilled rows join the running rows as they are (their KV is in the pages already). ``uses[i]``:
         row i continues the shared prefix from now on; ``reads_shared[i]``: it was prefilled reading it
         (it holds only its later tokens) rather than holding it (then it drops those tokens now)."""
+        self.flush_writes()
         for row, u, r in zip(rows, uses, reads_shared):
             assert u or not r, "a row prefilled over the shared prefix must keep reading it"
             self.pending.remove(row)
@@ -308,6 +318,7 @@ class PagedLaneKV:
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these rows (in this order); the others' pages are freed."""
+        self.flush_writes()
         kept = set(indices)
         for i, row in enumerate(self.rows):
             if i not in kept:
@@ -353,6 +364,7 @@ class PagedLaneKV:
     def rollback_rows(self, widths: int | list[int], keeps: list[int]) -> None:
         """After a forward that wrote ``widths`` positions per row (a list: row i's own), row i keeps its
         first ``keeps[i]`` of them."""
+        self.flush_writes()
         widths = [widths] * len(self.rows) if isinstance(widths, int) else widths
         for row, w, k in zip(self.rows, widths, keeps):
             if w - k:
@@ -379,6 +391,9 @@ class PagedLaneKV:
         starts = [row.length for row in self.rows]
         for row, w in zip(self.rows, widths):
             row.grow(self.pool, w)
+        if self.layers[0].keys is not None:  # the arrays keep the pool's size (an append step writes none)
+            for layer in self.layers:
+                layer._ensure(layer.keys, layer.values)
         lengths = self.lengths()
         T = max(lengths, default=0)
         W = max(widths, default=0)
@@ -489,6 +504,7 @@ class PagedLaneKV:
 
     def read(self, slots: np.ndarray) -> list[tuple]:
         """Per layer, the (1, KH, n, D) keys and values at ``slots`` (lazy gathers: copies once evaluated)."""
+        self.flush_writes()
         index = mx.array(slots)
         return [(layer.keys[:, index][None], layer.values[:, index][None]) for layer in self.layers]
 

@@ -21,3 +21,11 @@ def read_table(pool, index: mx.array):
     if isinstance(pool, kvq.QuantizedKV):
         return pool._like(tuple(flat(p) for p in pool._parts()))
     return flat(pool)
+
+
+def by_slot(x):
+    """A forward's (B, KH, n, D) keys or values (float or quantized) as (KH, B x n, D): one slot per
+    position, row by row (how a pool is written)."""
+    if isinstance(x, kvq.QuantizedKV):
+        return x._like(tuple(by_slot(p) for p in x._parts()))
+    return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])

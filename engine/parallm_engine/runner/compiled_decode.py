@@ -11,9 +11,9 @@ the trace would freeze. The step compiled here is the kept working set's *append
 to the same column of the kept ``(B, KV heads, capacity, D)`` arrays. So the step's inputs are the tokens,
 each row's RoPE position, that column and each row's first real column (its left padding); its state is
 each layer's kept arrays, written by a ``slice_update`` (in place, as the eager step's: nothing references
-the old arrays once the call returns). The step's new keys and values come out too and are written into
-the page pool after the call, as the eager step writes them (``PagedLayerKV.write_new``): the pool grows
-while rows decode, and a pool inside the graph would make every growth a new trace. Attention reads the
+the old arrays once the call returns). The page pool is not in the graph: as after an eager append step, it
+takes the kept arrays' new columns when the lane flushes them (``DecodeWorkingSet.flush``; the pool grows
+while rows decode, and a pool inside the graph would make every growth a new trace). Attention reads the
 whole capacity under a mask built in the graph (the columns after this step's are masked), so the shapes
 stay fixed until the kept arrays are rebuilt (their capacity a multiple of ``decode_working_set.ROOM``) or
 the rows change; those steps run eagerly, and the next append traces anew (measured: a trace costs ~35-50 ms
@@ -70,10 +70,8 @@ class _TracedLayerKV:
         self.step = step
         self.offset = step.offset
         self.ws_k, self.ws_v = ws_k, ws_v
-        self.new = None  # the step's (B, KH, 1, D) keys and values, for the pool
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.new = (keys, values)
         self.ws_k = mx.slice_update(self.ws_k, keys, self.step.column, axes=(2,))
         self.ws_v = mx.slice_update(self.ws_v, values, self.step.column, axes=(2,))
         return self.ws_k, self.ws_v
@@ -97,7 +95,7 @@ def _traced_step(model):
         logits = model(x, cache=caches)
         if not inputs.masked:
             raise NotCompilable("the model's attention does not take its mask from the cache")
-        return logits[:, -1, :].astype(mx.float32), [(c.ws_k, c.ws_v, *c.new) for c in caches]
+        return logits[:, -1, :].astype(mx.float32), [(c.ws_k, c.ws_v) for c in caches]
 
     return mx.compile(step)
 
@@ -125,8 +123,8 @@ class CompiledSteps:
 
     def forward(self, model, kv, x: mx.array) -> mx.array | None:
         """Lazy float32 logits (B, V) of lane KV ``kv``'s append step for tokens ``x`` (B, 1), its layers'
-        kept arrays replaced by the step's outputs and its new KV written to the pool; None where the model
-        is refused (nothing was changed)."""
+        kept arrays replaced by the step's outputs (the pool takes the column at the lane's next flush);
+        None where the model is refused (nothing was changed)."""
         layers = kv.layers
         first = layers[0]
         state = [layer.ws for layer in layers]
@@ -146,9 +144,9 @@ class CompiledSteps:
             self.refused = True
             return None
         offset = first.offset + 1
-        for layer, (wk, wv, k, v) in zip(layers, out):
-            layer.ws = (wk, wv)
-            layer.write_new(k, v, kv.step_write)  # as the eager step's update_and_fetch writes it
+        for layer, (wk, wv) in zip(layers, out):
+            kv.ws.appended(layer, wk, wv)  # the pool takes the column later, as after an eager append step
+            layer.lane.meter.written += 2 * x.shape[0] * wk.shape[1] * wk.shape[3] * wk.itemsize
             layer.offset = offset
         self.steps += 1
         return logits

@@ -351,6 +351,7 @@ class DecodeBatch:
             for i, s in enumerate(lane.seqs):
                 if s is seq:
                     kv = lane.kv
+                    kv.flush_writes()  # the tree reads these pages from now on
                     P = kv.shared_len if kv.shared_rows[i] else 0
 
                     def segment(a: int, b: int):

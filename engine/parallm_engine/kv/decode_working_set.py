@@ -22,7 +22,7 @@ the KV budget's figures; above the limit, and for quantized KV (whose working se
 gathers. ``PARALLM_DECODE_WORKING_SET=0`` turns it off.
 
 An append step does not write its column into the pool: the kept arrays hold it, and the columns the pool
-lacks (from ``written`` on) are written in one scatter per array per layer when anything else is about to
+lacks (``PagedLayerKV.ws_pending``) are written in one scatter per array per layer when anything else is about to
 happen to the lane (:meth:`flush`: the arrays invalidated or rebuilt, rows joining or leaving, the prefix
 cache taking a row's pages, a row read). Why: on a GPU, and for a small model on a CPU, a decode step costs
 what its operations cost to dispatch, and the pool write was 2 scatters (and 2 copies into the pool's

@@ -126,7 +126,6 @@ class DecodeWorkingSet:
             K, V = layer.ws
             K[:, :, T - 1 : T] = keys
             V[:, :, T - 1 : T] = values
-            layer.lane.meter.wrote(keys, values)  # stored once: the pool's copy at the flush is not counted again
             self.appended(layer, K, V)
         else:
             K = read_table(layer.keys, self.index(layer.keys.shape[0], layer.keys.shape[1]))
@@ -139,8 +138,10 @@ class DecodeWorkingSet:
         return self.mode == "append" and layer.ws is not None
 
     def appended(self, layer, K: mx.array, V: mx.array) -> None:
-        """``layer``'s kept arrays are now ``K``, ``V``, with this step's column, which the pool lacks."""
+        """``layer``'s kept arrays are now ``K``, ``V``, with this step's column, which the pool lacks. The
+        meter counts the column now, once (the pool's copy at the flush is not counted again)."""
         layer.ws, layer.ws_pending = (K, V), (layer.ws_pending[0], self.table.shape[1])
+        layer.lane.meter.written += (K.nbytes + V.nbytes) // K.shape[2]
 
     def flush(self, layers) -> None:
         """Write each layer's columns the pool lacks (``ws_pending``: appended since it was last written) into

@@ -391,8 +391,9 @@ class PagedLaneKV:
         starts = [row.length for row in self.rows]
         for row, w in zip(self.rows, widths):
             row.grow(self.pool, w)
-        if self.layers[0].keys is not None:  # the arrays keep the pool's size (an append step writes none)
-            for layer in self.layers:
+        first = self.layers[0].keys
+        if first is not None and first.shape[1] < self.pool.capacity * PAGE:  # the arrays keep the pool's size
+            for layer in self.layers:  # (an append step writes none: it would have grown them)
                 layer._ensure(layer.keys, layer.values)
         lengths = self.lengths()
         T = max(lengths, default=0)

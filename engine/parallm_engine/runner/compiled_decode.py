@@ -146,8 +146,6 @@ class CompiledSteps:
         offset = first.offset + 1
         for layer, (wk, wv) in zip(layers, out):
             kv.ws.appended(layer, wk, wv)  # the pool takes the column later, as after an eager append step
-            # the column's keys and values (B rows), counted once as the eager append step counts them
-            layer.lane.meter.written += 2 * x.shape[0] * wk.shape[1] * wk.shape[3] * wk.itemsize
             layer.offset = offset
         self.steps += 1
         return logits

@@ -213,11 +213,14 @@ def test_paths_and_arrival_workloads(tiny_engine, tiny_model_dir):
     assert paths["mlx_vs_native_wall"] > 0
     # Both paths hold the same KV (the prefix once: test_shared_prefix checks the layout itself).
     assert paths["cpu-mlx"]["peak_kv_bytes"] == paths["cpu-native"]["peak_kv_bytes"] > 0
-    arrival = bench_paths.run_arrival(tiny_engine, streams=2, long_prompt=300, new_tokens=30)
+    arrival = bench_paths.run_arrival(tiny_engine, streams=2, long_prompt=300, new_tokens=30, shorts=2,
+                                      short_tokens=20, short_delay_s=0.0)
     assert arrival["long_ttft_s"] > 0 and arrival["itl_before_p50_s"] > 0
     assert arrival["itl_during_max_s"] >= arrival["itl_during_p50_s"] >= 0
+    assert arrival["short_ttft_max_s"] >= arrival["short_ttft_p50_s"] > 0
     lines = bench_paths.format_lines(paths) + bench_paths.format_lines(arrival)
     assert "pure-MLX / native wall" in lines[0] and "during its prefill" in lines[1]
+    assert "2 short prompts sent after it" in lines[1]
     assert "paths" in bench._OWN_FORMAT and "arrival" in bench._OWN_FORMAT
 
 
@@ -232,6 +235,7 @@ def test_scheduling_probe_runs_the_burst_the_arrival_and_agents(tiny_engine):
     assert r["arrival"]["long_ttft_s"] > 0 and r["agents"]["completed_runs"] == 2
     line = scheduling.format_line(r)
     assert line.startswith("burst ") and "| arrival TTFT" in line and "runs/min" in line
+    assert r["arrival"]["shorts"] == 4 and "4 short prompts after it" in line
 
 
 # -- --shape, --plot, memory (issue 20) ------------------------------------------------------------------

@@ -288,6 +288,51 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
 
 
 @pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_short_prompts_go_ahead_of_a_paced_long_one_without_starving_it(tiny_model_dir, backend, monkeypatch):
+    """A long prompt prefilled at the step-time target's pace over many steps does not hold up short
+    prompts sent after it: they go ahead (shortest job first), a chunk of them a step, and get their
+    answers before it. However many are queued, the long prompt still advances every step (at least by
+    the minimum progress, here its paced share), so it is answered long before the last of them. Every answer is the one each prompt
+    gets alone."""
+    from parallm_engine import Engine
+
+    if backend:
+        monkeypatch.setenv("PARALLM_BACKEND", backend)
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_budget=2048)
+    try:
+        sched = eng._scheduler
+        vocab = eng.model_info.vocab_size
+        running = eng.submit(prompt_ids(8, vocab, seed=6), max_tokens=400, temperature=0, ignore_eos=True)
+        assert _wait(lambda: eng.stats()["running"] == 1)
+
+        def slow():  # a slow measured rate, held: the long prompt is paced at the minimum progress
+            sched.config.prefill_chunk = 128
+            sched._observe_prefill = lambda rate: None
+            sched._prefill_rate, sched._other_step_s = 100.0, 0.05
+
+        eng.run_on_engine_thread(slow)
+        assert eng.run_on_engine_thread(sched.prefill_token_budget) == 64
+        long_prompt = prompt_ids(450, vocab, seed=11)  # 8 steps at 64 tokens
+        shorts = [prompt_ids(60, vocab, seed=20 + i) for i in range(40)]  # 2 a step: a chunk is 128
+        args = dict(max_tokens=2, temperature=0, ignore_eos=True)
+        long = eng.submit(long_prompt, **args)  # first in the queue: the short prompts arrive behind it
+        handles = [eng.submit(p, **args) for p in shorts]
+        answers = [eng._collect(h) for h in handles]
+        result = eng._collect(long)
+        running.abort()
+        done = long.request.finish_time
+        before = sum(h.request.finish_time < done for h in handles)
+        assert before >= 4, before  # they went ahead of it
+        assert len(shorts) - before >= 15, before  # it was not starved by them
+        eng.clear_prefix_cache()
+        assert eng.generate([long_prompt], **args)[0].token_ids == result.token_ids
+        assert [r[0].token_ids for r in (eng.generate([p], **args) for p in shorts)] == \
+            [a.token_ids for a in answers]
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
 def test_clearing_the_prefix_cache_gives_the_memory_back(tiny_model_dir, backend):
     """After a batch, the prefix cache holds its prompts in the lanes' page pools; clearing it drops the
     pools at once (an idle engine keeps no KV arrays), so MLX's active memory is back where it was before

@@ -480,9 +480,9 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
     if "arrival" in workloads:
         from parallm_bench import paths as bp
 
-        tick("arrival: streams while a long prompt arrives")
-        streams, long_prompt, new = (2, 600, 40) if quick else (8, 6000, 160)
-        result["workloads"]["arrival"] = bp.run_arrival(engine, streams, long_prompt, new)
+        tick("arrival: streams while a long prompt arrives, then short ones")
+        streams, long_prompt, new, shorts = (2, 600, 40, 2) if quick else (8, 6000, 160, 4)
+        result["workloads"]["arrival"] = bp.run_arrival(engine, streams, long_prompt, new, shorts=shorts)
     if "memory" in workloads:
         from parallm_bench import memory as bm
 

@@ -61,9 +61,12 @@ def run_paths(model_spec, vocab: int, n: int = 32, prefix_len: int = 512, suffix
     return out
 
 
-def run_arrival(engine, streams: int = 8, long_prompt: int = 6000, new_tokens: int = 160) -> dict:
-    """``streams`` requests decode; once they run, a ``long_prompt``-token request arrives. Reports the
-    running streams' inter-token latency before it arrived and while it was prefilled, and its TTFT."""
+def run_arrival(engine, streams: int = 8, long_prompt: int = 6000, new_tokens: int = 160, shorts: int = 0,
+                short_tokens: int = 100, short_delay_s: float = 0.3) -> dict:
+    """``streams`` requests decode; once they run, a ``long_prompt``-token request arrives, and
+    ``short_delay_s`` later ``shorts`` prompts of ``short_tokens`` (distinct, 8 new tokens each). Reports the
+    running streams' inter-token latency before it arrived and while it was prefilled, its TTFT, and the
+    short prompts' TTFT p50 / max (what a long prompt's prefill makes the prompts behind it wait)."""
     vocab = engine.model_info.vocab_size
     rng = random.Random(11)
     long_prompt = min(long_prompt, engine.context_window - 8)
@@ -83,11 +86,28 @@ def run_arrival(engine, streams: int = 8, long_prompt: int = 6000, new_tokens: i
         time.sleep(0.01)
     arrived = time.perf_counter()
     big = engine.submit([rng.randrange(300, vocab) for _ in range(long_prompt)], max_tokens=1, temperature=0)
+    short_ttfts: list[float] = []
+
+    def short(handle, sent):
+        first_short = None
+        for delta in handle:
+            if delta.token_ids and first_short is None:
+                first_short = time.perf_counter()
+        short_ttfts.append(first_short - sent)
+
+    short_threads = []
+    if shorts:
+        time.sleep(short_delay_s)
+        for _ in range(shorts):
+            h = engine.submit([rng.randrange(300, vocab) for _ in range(short_tokens)], max_tokens=8,
+                              temperature=0, ignore_eos=True)
+            short_threads.append(threading.Thread(target=short, args=(h, time.perf_counter()), daemon=True))
+            short_threads[-1].start()
     first = None
     for delta in big:
         if delta.token_ids and first is None:
             first = time.perf_counter()
-    for t in threads:
+    for t in threads + short_threads:
         t.join()
     before, during = [], []
     for s in stamps:
@@ -102,6 +122,9 @@ def run_arrival(engine, streams: int = 8, long_prompt: int = 6000, new_tokens: i
         "itl_during_p50_s": _pct(during, 0.5),
         "itl_during_p99_s": _pct(during, 0.99),
         "itl_during_max_s": max(during) if during else 0.0,
+        "shorts": shorts,
+        "short_ttft_p50_s": _pct(short_ttfts, 0.5) if short_ttfts else None,
+        "short_ttft_max_s": max(short_ttfts) if short_ttfts else None,
         "step_time_target_s": engine.config.step_time_target_s,
     }
 
@@ -120,5 +143,7 @@ def format_lines(entry: dict) -> list[str]:
         f"arrival: {entry['streams']} streams while a {entry['long_prompt_tokens']}-token prompt arrives: ITL "
         f"p50/p99 {entry['itl_before_p50_s']:.3f}/{entry['itl_before_p99_s']:.3f} s before, "
         f"{entry['itl_during_p50_s']:.3f}/{entry['itl_during_p99_s']:.3f} s during its prefill "
-        f"(step target {entry['step_time_target_s']} s); its TTFT {entry['long_ttft_s'] or 0:.2f} s",
+        f"(step target {entry['step_time_target_s']} s); its TTFT {entry['long_ttft_s'] or 0:.2f} s"
+        + (f"; {entry['shorts']} short prompts sent after it: TTFT p50/max {entry['short_ttft_p50_s']:.2f}/"
+           f"{entry['short_ttft_max_s']:.2f} s" if entry.get("short_ttft_p50_s") is not None else ""),
     ]

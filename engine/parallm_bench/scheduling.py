@@ -5,8 +5,9 @@ three workloads in different directions, so this runs them back to back on one e
 
 - **burst**: ``--burst`` prompts of 100 tokens at once, 128 new tokens each (tok/s, TTFT p50 / p95, ITL p50 /
   p95): how fast a queue of short prompts is absorbed;
-- **arrival**: 8 streams decoding when one ``--arrival-tokens`` prompt arrives (``paths.run_arrival``: its
-  TTFT, the streams' ITL before and while it is prefilled): what pacing a long prompt protects;
+- **arrival**: 8 streams decoding when one ``--arrival-tokens`` prompt arrives, and 0.3 s later 4 prompts of
+  100 tokens (``paths.run_arrival``: its TTFT, the streams' ITL before and while it is prefilled, the short
+  prompts' TTFT): what pacing a long prompt protects, and what it makes the prompts behind it wait;
 - **agents**: a small agents trace (8 agents, 2-4 turns, an 800-token system prompt, tool results of 100-400
   tokens, 1 arrival/s; ``agents.run_parallm_agents``): goodput, TTFT p50 / p99, ITL p50 / p99.
 
@@ -35,7 +36,7 @@ def run(engine, burst: int = 32, burst_tokens: int = 128, arrival_tokens: int = 
     prompts = _prompts(random.Random(1234), burst, 100, engine.model_info.vocab_size)
     out["burst"] = run_parallm(engine, prompts, burst_tokens)
     engine.clear_prefix_cache()
-    out["arrival"] = bp.run_arrival(engine, streams, arrival_tokens, 160)
+    out["arrival"] = bp.run_arrival(engine, streams, arrival_tokens, 160, shorts=4)
     sizes = ba.AgentSizes(**(agents or SCHEDULING_AGENTS))
     trace = ba.build_trace(lambda s: engine.encode(s, add_special_tokens=False), sizes)
     out["agents"] = ba.run_parallm_agents(engine, trace)
@@ -48,7 +49,8 @@ def format_line(r: dict) -> str:
     return (f"burst {b['tok_s']:.1f} tok/s, TTFT p50/p95 {b['ttft_p50_s']:.2f}/{b['ttft_p95_s']:.2f} s, ITL p50/p95 "
             f"{1e3 * b['itl_p50_s']:.0f}/{1e3 * b['itl_p95_s']:.0f} ms | arrival TTFT {a['long_ttft_s'] or 0:.2f} s, "
             f"ITL before {1e3 * a['itl_before_p50_s']:.0f} ms, during p50/p99/max {1e3 * a['itl_during_p50_s']:.0f}/"
-            f"{1e3 * a['itl_during_p99_s']:.0f}/{1e3 * a['itl_during_max_s']:.0f} ms | agents "
+            f"{1e3 * a['itl_during_p99_s']:.0f}/{1e3 * a['itl_during_max_s']:.0f} ms, 4 short prompts after it TTFT "
+            f"p50/max {a['short_ttft_p50_s']:.2f}/{a['short_ttft_max_s']:.2f} s | agents "
             f"{g['goodput_runs_per_min']:.2f} runs/min, TTFT p50/p99 {g['ttft_p50_s']:.2f}/{g['ttft_p99_s']:.2f} s, "
             f"ITL p50/p99 {1e3 * g['itl_p50_s']:.0f}/{1e3 * g['itl_p99_s']:.0f} ms")
 

@@ -7,7 +7,8 @@ set its token budget and time), and a prompt whose uncached prefix a member of t
 computing waits one step and finds it in the radix tree (in-flight dedup). A context longer than one
 chunk is prefilled alone, chunk by chunk, across steps, at the step-time target's pace; shorter ones
 (attention layout) together in groups of at most one chunk of tokens, a whole chunk a step whatever the
-pace (a short job goes first); a context the prefix cache holds whole needs no forward. While rows
+pace (a short job goes first, also past a long prompt at the head of the queue, which still advances every
+step: ``_shorts_first``); a context the prefix cache holds whole needs no forward. While rows
 decode, every item the runner can compute so is marked ``fused``: the decode forward computes it
 (``kv.fused_step``), and the prompts it finishes join the decode rows of that same forward. The radix tree
 takes those prompts once that forward is built, so a later item of the step never reads them: an item
@@ -70,6 +71,7 @@ class PrefillPlanner:
         Sequences whose context is all cached need no forward."""
         budget = self.prefill_token_budget()
         whole = min(self.config.prefill_chunk, self.config.prefill_budget)
+        owed = self._shorts_first(whole)  # the long prompt short ones went ahead of: it still advances
         burst = len(self.prefilling) > len(self.running)
         if burst or (self.prefilling and self._finishes_in(self.prefilling[0], whole)):
             # Nothing decoding, a burst (more prompts waiting for their first token than streams
@@ -83,7 +85,19 @@ class PrefillPlanner:
         # target has passed (a rate measured on an idle machine may not hold on a busy one).
         deadline = time.perf_counter() + self._prefill_room_s() if self.config.step_time_target_s else None
         self._fused_seqs = []  # prompts this step's decode forward computes (not in the tree until it is built)
-        while self.prefilling and budget > 0 and (deadline is None or time.perf_counter() < deadline):
+        while self.prefilling:
+            out_of_room = budget <= 0 or (deadline is not None and time.perf_counter() >= deadline)
+            if owed is not None and owed not in self.prefilling:
+                owed = None  # a short prompts' group took its last tokens
+            if owed is not None and (out_of_room or self.prefilling[0] is owed):
+                # The short prompts went ahead of it, not instead of it: it gets what they left of the
+                # step's budget and at least the minimum progress, so a stream of short prompts never
+                # starves it (its full paced share on top of theirs would double the running streams' step).
+                self.prefilling.remove(owed)
+                self.prefilling.appendleft(owed)
+                budget, owed = max(budget, self.config.min_prefill_tokens), None
+            elif out_of_room:
+                break
             head = self.prefilling[0]
             if not head.started:
                 if self._fused_seqs and self._uncached_overlap(head, self._fused_seqs, self.kv.peek(head)):
@@ -136,6 +150,38 @@ class PrefillPlanner:
             if work.fused:
                 self._fused_seqs += group
             budget -= used
+
+    def _shorts_first(self, whole: int) -> Sequence | None:
+        """Shortest job first, where a long prompt heads the queue: prompts whose whole prefill is one chunk
+        (``whole`` tokens, from what the prefix cache holds) go ahead of it, up to one chunk of them a step,
+        and take that chunk in this step (as a short head does). A long prompt is paced at the step-time
+        target over many steps; behind it a short prompt would wait for all of them (vLLM's partial
+        prefills let short prompts jump the queue in the same way). Not a short prompt that would
+        recompute an uncached prefix a prompt ahead of it is computing (it finds that in the radix tree
+        later), nor one less urgent by priority than the head. Returns the head they went ahead of
+        (``_plan_prefill`` still gives it what they left of the budget, at least ``min_prefill_tokens``), or
+        None."""
+        if len(self.prefilling) < 2 or self._finishes_in(self.prefilling[0], whole):
+            return None
+        head = self.prefilling[0]
+        ahead: list[Sequence] = []
+        behind: list[Sequence] = []
+        used = 0
+        for seq in self.prefilling:
+            n = len(seq.prefill_ids)
+            cached = seq.pos if seq.started else self.kv.peek(seq)
+            short = n - (seq.cached_tokens if seq.started else cached) <= whole  # as _finishes_in
+            if (seq is not head and short and seq.request.priority <= head.request.priority
+                    and used + n - cached <= whole and not self._uncached_overlap(seq, [*behind, *ahead], cached)):
+                ahead.append(seq)
+                used += n - cached
+            else:
+                behind.append(seq)
+        if not ahead:
+            return None
+        self.prefilling.clear()
+        self.prefilling.extend(ahead + behind)
+        return head
 
     def _fuses(self, work: PrefillWork, budget: int) -> bool:
         """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step, no

@@ -292,7 +292,8 @@ def test_short_prompts_go_ahead_of_a_paced_long_one_without_starving_it(tiny_mod
     """A long prompt prefilled at the step-time target's pace over many steps does not hold up short
     prompts sent after it: they go ahead (shortest job first), a chunk of them a step, and get their
     answers before it. However many are queued, the long prompt still advances every step (at least by
-    the minimum progress, here its paced share), so it is answered long before the last of them. Every answer is the one each prompt
+    the minimum progress, here its paced share), and lets through at most its own length in their
+    tokens, so it is answered long before the last of them. Every answer is the one each prompt
     gets alone."""
     from parallm_engine import Engine
 
@@ -323,6 +324,7 @@ def test_short_prompts_go_ahead_of_a_paced_long_one_without_starving_it(tiny_mod
         done = long.request.finish_time
         before = sum(h.request.finish_time < done for h in handles)
         assert before >= 4, before  # they went ahead of it
+        assert before <= 449 // 59 + 3, before  # no more than its own length of them (7 prompts)
         assert len(shorts) - before >= 15, before  # it was not starved by them
         eng.clear_prefix_cache()
         assert eng.generate([long_prompt], **args)[0].token_ids == result.token_ids

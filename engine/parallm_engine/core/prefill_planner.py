@@ -158,12 +158,24 @@ class PrefillPlanner:
         target over many steps; behind it a short prompt would wait for all of them (vLLM's partial
         prefills let short prompts jump the queue in the same way). Not a short prompt that would
         recompute an uncached prefix a prompt ahead of it is computing (it finds that in the radix tree
-        later), nor one less urgent by priority than the head. Returns the head they went ahead of
-        (``_plan_prefill`` still gives it what they left of the budget, at least ``min_prefill_tokens``), or
-        None."""
+        later), nor one less urgent by priority than the head. Only past a head with at least two chunks
+        of prefill left (a document, not a turn just over a chunk), and it lets through at most its own
+        length in short prompts' tokens (``Sequence.overtaken``): then they wait for it, so its prefill
+        takes at most about twice its own work, whatever keeps arriving. Measured on the default agents
+        trace (turns of 200-800 new tokens, half of them just over a chunk): past every long head, the short
+        turns' TTFT p50 fell 2.5x and the long ones' rose 1.6x (TTFT p99 69-76 -> 105-129 s on the
+        pure-MLX path); with two chunks as the threshold the rule stays out of that trace. Returns the head
+        they went ahead of (``_plan_prefill`` still gives it what they left of the budget, at least
+        ``min_prefill_tokens``), or None."""
         if len(self.prefilling) < 2 or self._finishes_in(self.prefilling[0], whole):
             return None
         head = self.prefilling[0]
+        if len(head.prefill_ids) - (head.pos if head.started else self.kv.peek(head)) < 2 * whole:
+            return None  # a chunk or two left: the short prompts wait those steps, as before
+        own = len(head.prefill_ids) - (head.cached_tokens if head.started else self.kv.peek(head))
+        room = min(whole, own - head.overtaken)  # short prompts' tokens that may still go ahead of it
+        if room <= 0:
+            return None
         ahead: list[Sequence] = []
         behind: list[Sequence] = []
         used = 0
@@ -172,13 +184,14 @@ class PrefillPlanner:
             cached = seq.pos if seq.started else self.kv.peek(seq)
             short = n - (seq.cached_tokens if seq.started else cached) <= whole  # as _finishes_in
             if (seq is not head and short and seq.request.priority <= head.request.priority
-                    and used + n - cached <= whole and not self._uncached_overlap(seq, [*behind, *ahead], cached)):
+                    and used + n - cached <= room and not self._uncached_overlap(seq, [*behind, *ahead], cached)):
                 ahead.append(seq)
                 used += n - cached
             else:
                 behind.append(seq)
         if not ahead:
             return None
+        head.overtaken += used
         self.prefilling.clear()
         self.prefilling.extend(ahead + behind)
         return head

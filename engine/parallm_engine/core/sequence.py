@@ -48,6 +48,7 @@ class Sequence:
         self.started = False  # looked up in the prefix cache (and pinned) yet?
         self.split = 0  # mixed layout: stop the first chunk here and snapshot (a shared prefix's end)
         self.consumed = 0  # context tokens the sequence's caches have taken in (the forwards built)
+        self.overtaken = 0  # prompt tokens of short prompts that went ahead of it (prefill_planner._shorts_first)
 
     @property
     def total_len(self) -> int:

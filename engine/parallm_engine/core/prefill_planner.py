@@ -170,20 +170,20 @@ class PrefillPlanner:
         if len(self.prefilling) < 2 or self._finishes_in(self.prefilling[0], whole):
             return None
         head = self.prefilling[0]
-        if len(head.prefill_ids) - (head.pos if head.started else self.kv.peek(head)) < 2 * whole:
+        n, cached = len(head.prefill_ids), head.cached_tokens if head.started else self.kv.peek(head)
+        if n - max(head.pos, cached) < 2 * whole:
             return None  # a chunk or two left: the short prompts wait those steps, as before
-        own = len(head.prefill_ids) - (head.cached_tokens if head.started else self.kv.peek(head))
-        room = min(whole, own - head.overtaken)  # short prompts' tokens that may still go ahead of it
+        room = min(whole, n - cached - head.overtaken)  # short prompts' tokens that may still go ahead of it
         if room <= 0:
             return None
         ahead: list[Sequence] = []
-        behind: list[Sequence] = []
+        behind: list[Sequence] = [head]
         used = 0
-        for seq in self.prefilling:
+        for seq in list(self.prefilling)[1:]:
             n = len(seq.prefill_ids)
             cached = seq.pos if seq.started else self.kv.peek(seq)
             short = n - (seq.cached_tokens if seq.started else cached) <= whole  # as _finishes_in
-            if (seq is not head and short and seq.request.priority <= head.request.priority
+            if (short and seq.request.priority <= head.request.priority
                     and used + n - cached <= room and not self._uncached_overlap(seq, [*behind, *ahead], cached)):
                 ahead.append(seq)
                 used += n - cached

@@ -50,10 +50,14 @@ class PrefillPlanner:
             best = max(best, shared_context_len(seq, other))
         return best if seq.cached_tokens + 8 < best < len(ids) else 0
 
-    def _finishes_in(self, seq: Sequence, tokens: int) -> bool:
+    def _finishes_in(self, seq: Sequence, tokens: int, peeked: int | None = None) -> bool:
         """Whether ``seq``'s whole prefill, from what the prefix cache held, is at most ``tokens``: a short
-        prompt (a long one's last chunk is not: it attends over the whole context, so it costs more)."""
-        cached = seq.cached_tokens if seq.started else self.kv.peek(seq)
+        prompt (a long one's last chunk is not: it attends over the whole context, so it costs more).
+        ``peeked``: ``kv.peek(seq)`` where the caller already has it (used only while ``seq`` is not started)."""
+        if seq.started:
+            cached = seq.cached_tokens
+        else:
+            cached = self.kv.peek(seq) if peeked is None else peeked
         return len(seq.prefill_ids) - cached <= tokens
 
     def _uncached_overlap(self, seq: Sequence, group: list[Sequence], cached: int) -> bool:
@@ -167,11 +171,11 @@ class PrefillPlanner:
         pure-MLX path); with two chunks as the threshold the rule stays out of that trace. Returns the head
         they went ahead of (``_plan_prefill`` still gives it what they left of the budget, at least
         ``min_prefill_tokens``), or None."""
-        if len(self.prefilling) < 2 or self._finishes_in(self.prefilling[0], whole):
+        if len(self.prefilling) < 2:
             return None
         head = self.prefilling[0]
         n, cached = len(head.prefill_ids), head.cached_tokens if head.started else self.kv.peek(head)
-        if n - max(head.pos, cached) < 2 * whole:
+        if n - max(head.pos, cached) < 2 * whole:  # also every head that _finishes_in one chunk
             return None  # a chunk or two left: the short prompts wait those steps, as before
         room = min(whole, n - cached - head.overtaken)  # short prompts' tokens that may still go ahead of it
         if room <= 0:
@@ -182,8 +186,7 @@ class PrefillPlanner:
         for seq in list(self.prefilling)[1:]:
             n = len(seq.prefill_ids)
             cached = seq.pos if seq.started else self.kv.peek(seq)
-            short = n - (seq.cached_tokens if seq.started else cached) <= whole  # as _finishes_in
-            if (short and seq.request.priority <= head.request.priority
+            if (self._finishes_in(seq, whole, peeked=cached) and seq.request.priority <= head.request.priority
                     and used + n - cached <= room and not self._uncached_overlap(seq, [*behind, *ahead], cached)):
                 ahead.append(seq)
                 used += n - cached

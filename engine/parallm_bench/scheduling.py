@@ -49,7 +49,7 @@ def format_line(r: dict) -> str:
     return (f"burst {b['tok_s']:.1f} tok/s, TTFT p50/p95 {b['ttft_p50_s']:.2f}/{b['ttft_p95_s']:.2f} s, ITL p50/p95 "
             f"{1e3 * b['itl_p50_s']:.0f}/{1e3 * b['itl_p95_s']:.0f} ms | arrival TTFT {a['long_ttft_s'] or 0:.2f} s, "
             f"ITL before {1e3 * a['itl_before_p50_s']:.0f} ms, during p50/p99/max {1e3 * a['itl_during_p50_s']:.0f}/"
-            f"{1e3 * a['itl_during_p99_s']:.0f}/{1e3 * a['itl_during_max_s']:.0f} ms, 4 short prompts after it TTFT "
+            f"{1e3 * a['itl_during_p99_s']:.0f}/{1e3 * a['itl_during_max_s']:.0f} ms, {a['shorts']} short prompts after it TTFT "
             f"p50/max {a['short_ttft_p50_s']:.2f}/{a['short_ttft_max_s']:.2f} s | agents "
             f"{g['goodput_runs_per_min']:.2f} runs/min, TTFT p50/p99 {g['ttft_p50_s']:.2f}/{g['ttft_p99_s']:.2f} s, "
             f"ITL p50/p99 {1e3 * g['itl_p50_s']:.0f}/{1e3 * g['itl_p99_s']:.0f} ms")

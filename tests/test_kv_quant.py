@@ -185,26 +185,42 @@ def test_q8_holds_less_memory(engine, q8_engine):
 def test_q4_batched_equals_alone_and_hit_equals_cold(engine):
     """4-bit: the engine's invariants. (Not compared with the reference forward: a 4-bit step is 1/15 of
     a group's range, so the last-bit differences between two float paths computing the same K/V can land
-    on either side of a rounding boundary.) Batched == alone holds bit for bit where the K/V come from
-    row-independent kernels: the native CPU path. On the pure-MLX path a row's K/V in a batch of 3 and
-    alone differ in the last float bit (MLX's matmul and padded attention are not batch-invariant), and
-    at 4 bits one such bit can move a value across a rounding step: measured on this machine, prompt 1
-    parts at token 10 after its logprobs drift by 0.05 from token 6 on. So there the repeat (every prefix
-    a cache hit) must equal the batched run, which holds on every path."""
+    on either side of a rounding boundary.) The repeat (every prefix a cache hit) equals the batched run on
+    every path. Batched == alone holds bit for bit on the native CPU path, whose attention computes each row
+    alone. On the pure-MLX path the matmuls are batch-invariant (batch_invariance.py) but attention is not:
+    rows of different lengths attend with padding, and MLX's softmax sums a padded row in another grouping,
+    so a row's K/V can differ in the last bit from its run alone and, at 4 bits, round to another step
+    (docs/determinism.md). There the weaker promise is held: alone follows batched token for token up to a
+    near-tie, where alone's own logprobs put batched's token within Q4_NEAR_TIE of its pick."""
     from parallm_engine import Engine
 
     e = Engine(kv_bits=4, max_batch_size=8, decode_lanes=1)
     try:
         ids = [e.tokenizer.encode(p) for p in PROMPTS[:3]]
         batched = [r.token_ids for r in e.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True)]
-        if e.backend.name == "cpu-native":
-            for p, got in zip(ids, batched):
-                assert e.generate([p], max_tokens=12, temperature=0.0, ignore_eos=True)[0].token_ids == got
+        for p, got in zip(ids, batched):
+            alone = e.generate([p], max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
+                               top_logprobs=5)[0]
+            if e.backend.name == "cpu-native":
+                assert alone.token_ids == got
+            elif alone.token_ids != got:
+                i = next(k for k, (a, b) in enumerate(zip(alone.token_ids, got)) if a != b)
+                top = {tid: lp for tid, _, lp in alone.logprobs[i].top_logprobs}
+                assert got[i] in top, f"token {i}: batched's {got[i]} is not among alone's top 5"
+                gap = top[alone.token_ids[i]] - top[got[i]]
+                assert gap < Q4_NEAR_TIE, f"token {i}: alone {alone.token_ids[i]}, batched {got[i]}, gap {gap:.3f}"
         again = [r.token_ids for r in e.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True)]
         assert again == batched
         assert e.stats()["memory"]["kv_bits"] == 4
     finally:
         e.shutdown()
+
+
+# Last-bit differences in a row's attention, quantized to 4 bits, drift its logits over the tokens before
+# the two runs part. Measured on the default model, pure-MLX path, these prompts in a batch of 4: two rows
+# part from their runs alone at token 10, where alone's own logprobs put the two choices 0.17 and 0.34
+# apart (equal-length prompts, attended without padding, do not part).
+Q4_NEAR_TIE = 0.5
 
 
 # -- refused with a typed error ---------------------------------------------------------------------

@@ -65,6 +65,11 @@ def cmd_info(args) -> int:
            "gpu_visible": info.device in ("gpu", "cuda"), "engine_backend": engine_backend.as_dict(),
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels,
            "blas_threading": _backend.blas_threading() if info.device == "cpu" else ""}
+    if info.device == "cpu":
+        from parallm_engine.runner import batch_invariance
+
+        out["batch_invariant"] = (batch_invariance.blas_verdict().describe() if batch_invariance.enabled_by_env()
+                                  else "off (PARALLM_BATCH_INVARIANT=0)")
     from parallm_engine.errors import ParaLLMError
     from parallm_engine.runner.weights_dtype import resolve_weights_dtype
 
@@ -123,6 +128,8 @@ def cmd_info(args) -> int:
         print("          bfloat16-matmul (bf16 matmul inputs, float32 sums): "
               + ("AVX512_BF16 kernel" if bf16_dot_kernel() is not None else "MLX ops (no AVX512_BF16 kernel here)"))
     print(f"blas    : {b.blas}" + (f" ({out['blas_threading']})" if out["blas_threading"] else ""))
+    if "batch_invariant" in out:
+        print(f"          batch-invariant rows (a row's bits whatever shares its batch): {out['batch_invariant']}")
     print(f"engine  : {engine_backend.summary()}")
     print(f"lanes   : {out['decode_lanes']} decode lane(s); engine CPU kernels {'on' if out['cpu_kernels'] else 'off'}")
     mem = out["memory"]

@@ -40,7 +40,7 @@ from parallm_engine.embed.embedding_api import EmbeddingAPI
 from parallm_engine.core.engine_api import EngineConvenienceAPI, Prompt
 from parallm_engine.core.engine_base import EngineBase
 from parallm_engine.core.engine_loop import EngineLoop
-from parallm_engine.runner import lora
+from parallm_engine.runner import batch_invariance, lora
 from parallm_engine.models.lora_adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, linear_dims
 from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
 from parallm_engine.core.stats import EngineStats
@@ -101,6 +101,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         speculative: Any = None,
         adapters: dict[str, str | os.PathLike] | None = None,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        batch_invariant: bool | None = None,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
@@ -119,7 +120,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         (``{"sql": "/path/to/adapter_dir"}``; mlx-lm's or PEFT's format), loaded and checked now; a request
         picks one with ``adapter=``, which also takes an adapter directory or cached HF repo id (loaded on
         first use). ``max_adapters`` of them stay loaded (LRU) and resident in the batch's stacks
-        (``lora.py``, ``docs/lora.md``)."""
+        (``lora.py``, ``docs/lora.md``). ``batch_invariant`` (CPU; default on, ``PARALLM_BATCH_INVARIANT=0``
+        turns it off): pad the BLAS's small products so a row's bits do not depend on the rows beside it
+        (``batch_invariance.py``; ``Engine.batch_invariance`` says whether it holds for this BLAS)."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 
@@ -160,6 +163,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
             enable_prefix_cache=enable_prefix_cache,
             decode_lanes=decode_lanes or _lanes_for(self.backend, self.model),
             cpu_kernels=self.backend.cpu_kernels,
+            batch_invariant=self.backend.device == "cpu" and (
+                batch_invariance.enabled_by_env() if batch_invariant is None else bool(batch_invariant)),
             speculative=speculative,
             kv_bits=kv_bits,
         )
@@ -179,6 +184,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         if self.backend.name == "cpu-native" and not self._scheduler.native_kernels:
             self.backend.name = "cpu-mlx"  # the native kernels could not be built: MLX-op kernels
         self.backend.decode_lanes = self.config.decode_lanes
+        self.backend.batch_invariance = _batch_invariance_line(self._scheduler.runner.batch_invariance,
+                                                               self.backend.device)
         logger.info("%s; model layout %s", self.backend.summary(), self._scheduler.layout)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -401,3 +408,11 @@ def _bf16_dot_kernel() -> bool:
     from parallm_engine.runner.weights_dtype import bf16_dot_kernel
 
     return bf16_dot_kernel() is not None
+
+
+def _batch_invariance_line(done, device: str) -> str:
+    """What ``Backend.batch_invariance`` says: whether a row's bits are independent of its batch here."""
+    if device != "cpu":
+        return "not managed on the GPU (its matmul kernels choose by shape)"
+    return done.describe() if done is not None else "off (batch_invariant=False / PARALLM_BATCH_INVARIANT=0)"
+

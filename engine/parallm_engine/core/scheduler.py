@@ -49,6 +49,7 @@ class SchedulerConfig:
     pipeline: bool = True  # overlap host work with the next decode step (see decode_runner)
     decode_lanes: int = 1  # parallel decode lanes (CPU cores; see decode_batch)
     cpu_kernels: bool = False  # faster attention/SwiGLU on MLX's CPU backend (see cpu_kernels)
+    batch_invariant: bool = False  # pad the CPU BLAS's small products so rows are batch-invariant (batch_invariance)
     watermark_tokens: int = 16  # decode steps of growth every running row must have room for
     # A step's target duration: a long prompt's prefill tokens per step are cut to what fits next to the
     # decode step at the measured prefill rate, so aborts, arrivals and running streams wait at most about

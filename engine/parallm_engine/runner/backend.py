@@ -98,6 +98,16 @@ def blas_candidates() -> list[str]:
     return _OPENBLAS_CANDIDATES + mkl if _prefers_openblas() else mkl + _OPENBLAS_CANDIDATES
 
 
+def second_blas() -> str | None:
+    """A CBLAS here of another library than the one :func:`preload_blas` picks (MKL beside OpenBLAS or the
+    other way round), for running the engine's invariants under both; None where there is one only."""
+    found = [p for p in blas_candidates() if os.path.exists(p)]
+    if not found:
+        return None
+    first_is_mkl = _is_mkl(found[0])
+    return next((p for p in found[1:] if _is_mkl(p) != first_is_mkl), None)
+
+
 def _is_openblas(path: str | None) -> bool:
     return bool(path) and "openblas" in os.path.basename(path)
 
@@ -325,6 +335,9 @@ class Backend:
     decode_lanes: int
     memory_bytes: int  # what this device offers the process: RAM, Metal's working set, CUDA memory
     memory_source: str
+    #: Whether a row's bits are independent of what shares its batch (``batch_invariance``); set once the
+    #: model is loaded.
+    batch_invariance: str = ""
 
     @property
     def prefill_chunk(self) -> int:
@@ -366,7 +379,8 @@ class Backend:
 
     def summary(self) -> str:
         return (f"backend={self.name} dtype={self.dtype} blas={self.blas} lanes={self.decode_lanes} "
-                f"attention={self.attention} memory={self.memory_bytes / 2**30:.1f} GiB ({self.memory_source})")
+                f"attention={self.attention} memory={self.memory_bytes / 2**30:.1f} GiB ({self.memory_source})"
+                + (f" batch-invariant={self.batch_invariance.split(':')[0]}" if self.batch_invariance else ""))
 
 
 def _env_off(name: str) -> bool:

@@ -18,7 +18,7 @@ import time
 
 import mlx.core as mx
 
-from parallm_engine.runner import cpu_kernels
+from parallm_engine.runner import batch_invariance, cpu_kernels
 
 from parallm_engine.embed import embedding
 
@@ -41,6 +41,8 @@ class ModelRunner(DecodeRunner):
         family.install(model)
         hooked = cpu_kernels.install(model, model_info.context_window, kernels=config.cpu_kernels)
         self.cpu_kernels = config.cpu_kernels
+        # After the kernels: the modules they switched compute their rows alone and need no padding.
+        self.batch_invariance = batch_invariance.install(model) if config.batch_invariant else None
         # Build/load the native kernels now, not in the middle of the first decode step.
         self.native_kernels = bool(self.cpu_kernels and cpu_kernels.native_available())
         kv.use_attention_hook(hooked)

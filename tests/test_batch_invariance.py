@@ -54,14 +54,17 @@ def test_padding_keeps_shape_and_values():
 
 
 def test_install_switches_only_plain_float32_modules():
-    """Per instance: another model's (or mlx's own) nn.Linear is untouched; bfloat16 weights keep theirs."""
+    """Per instance: another model's (or mlx's own) nn.Linear is untouched; float16 weights (a GPU's) keep
+    theirs; bfloat16 weights, widened to a float32 sgemm by MLX, are padded as float32 ones."""
 
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.kv = nn.Linear(576, 192, bias=False)
             self.half = nn.Linear(576, 192, bias=False)
-            self.half.weight = self.half.weight.astype(mx.bfloat16)
+            self.half.weight = self.half.weight.astype(mx.float16)
+            self.bf16 = nn.Linear(576, 192, bias=False)
+            self.bf16.weight = self.bf16.weight.astype(mx.bfloat16)
 
     net, other = Net(), nn.Linear(576, 192, bias=False)
     done = bi.install(net)
@@ -71,6 +74,7 @@ def test_install_switches_only_plain_float32_modules():
         assert type(net.kv) is nn.Linear
     elif r > 1:
         assert type(net.kv) is bi._RowPaddedLinear and net.kv._min_rows == r
+        assert type(net.bf16) is bi._RowPaddedLinear
         assert done.padded[(576, 192)] == r and done.describe().startswith("on")
     assert type(net.half) is nn.Linear and type(other) is nn.Linear
     x = mx.random.normal((1, 576))

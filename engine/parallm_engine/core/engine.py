@@ -122,7 +122,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         first use). ``max_adapters`` of them stay loaded (LRU) and resident in the batch's stacks
         (``lora.py``, ``docs/lora.md``). ``batch_invariant`` (CPU; default on, ``PARALLM_BATCH_INVARIANT=0``
         turns it off): pad the BLAS's small products so a row's bits do not depend on the rows beside it
-        (``batch_invariance.py``; ``Engine.batch_invariance`` says whether it holds for this BLAS)."""
+        (``batch_invariance.py``; ``Engine.backend.batch_invariance`` says whether it holds for this BLAS)."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 

@@ -15,21 +15,20 @@ fewer rows than that is padded with zero rows up to it: the row takes the same k
 batch. Where the threshold lies depends on the library, its version, the CPU and the shape, so it is
 measured, not assumed: :func:`min_rows` tries paddings on each of the model's own weight shapes and
 keeps the smallest under which every row of every tried product equals the same row in a large one.
-Where no padding gives that (OpenBLAS's AVX2 kernels and MKL running several threads split rows by their
-position in a tile), the shape keeps its plain matmul and the engine reports that it is not
-batch-invariant (``parallm info``, ``Engine.batch_invariance``); ``docs/determinism.md`` states what
-holds there.
+Where no padding gives that (OpenBLAS's AVX2 kernels compute a row by its position in a tile at any row
+count), the shape keeps its plain matmul and the engine reports that it is not batch-invariant
+(``parallm info``, ``Engine.backend.batch_invariance``); ``docs/determinism.md`` states what holds there.
 
 The padding is installed per model instance (the module's class is switched, as ``cpu_kernels`` does),
-for plain float32 ``nn.Linear`` modules and a tied output head (``nn.Embedding.as_linear``); the native
-kernels' own linear computes each row alone and needs none.
+for plain ``nn.Linear`` modules and a tied output head (``nn.Embedding.as_linear``) with float32 or
+bfloat16 weights (MLX widens those to a float32 ``sgemm``); the native kernels' own linear computes each
+row alone and needs none.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -154,14 +153,14 @@ def enabled_by_env() -> bool:
 
 
 def install(model) -> BatchInvariance:
-    """Switch ``model``'s plain float32 ``nn.Linear`` / ``nn.Embedding`` modules whose small products
+    """Switch ``model``'s plain ``nn.Linear`` / ``nn.Embedding`` modules whose small products
     are not row-invariant on this BLAS to their padded classes (per instance: nothing process-wide)."""
     done = BatchInvariance()
     if not isinstance(model, nn.Module):
         return done
     for _, module in model.named_modules():
         cls = type(module)
-        if cls not in (nn.Linear, nn.Embedding) or module.weight.dtype != mx.float32:
+        if cls not in (nn.Linear, nn.Embedding) or module.weight.dtype not in (mx.float32, mx.bfloat16):
             continue
         n, k = module.weight.shape
         bias = cls is nn.Linear and "bias" in module

@@ -23,6 +23,7 @@ import threading
 import weakref
 from typing import Any
 
+from parallm_engine import settings
 from parallm_engine.errors import (
     ContextLengthExceededError,
     EngineDeadError,
@@ -69,7 +70,7 @@ LANE_WEIGHT_LIMIT = 1536 << 20
 
 def _lanes_for(backend, model) -> int:
     """The backend's decode lanes, or one when the model's weights are too large to stream once per lane."""
-    if backend.decode_lanes <= 1 or os.environ.get("PARALLM_DECODE_LANES"):
+    if backend.decode_lanes <= 1 or settings.decode_lanes() is not None:
         return backend.decode_lanes
     return 1 if _weight_bytes(model) > LANE_WEIGHT_LIMIT else backend.decode_lanes
 

@@ -17,11 +17,11 @@ from the prefix cache): it continues with the tokens it would have produced.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from parallm_engine import settings
 from parallm_engine.embed import embedding
 
 from parallm_engine.core import memory_recovery
@@ -59,8 +59,8 @@ class SchedulerConfig:
     speculative: object = None  # the engine-wide default SpeculativeConfig (speculative.py), or None
     kv_bits: int | None = None  # KV stored at 8 or 4 bits (kv_quant.py); None: the model's dtype
     # A long prompt's chunk computed in the decode forward where it can be (kv/fused_step.py);
-    # PARALLM_FUSE_PREFILL=0 turns it off (measurements).
-    fuse_prefill: bool = field(default_factory=lambda: os.environ.get("PARALLM_FUSE_PREFILL", "1") != "0")
+    # PARALLM_FUSE_PREFILL=off turns it off (measurements).
+    fuse_prefill: bool = field(default_factory=settings.fuse_prefill)
 
 
 class Scheduler(PrefillPlanner):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections import deque
+
+from parallm_engine import settings
 
 
 def _percentile(values, q: float) -> float:
@@ -57,7 +58,7 @@ class StepTrace:
 
 
 def step_trace() -> StepTrace | None:
-    path = os.environ.get("PARALLM_STEP_TRACE")
+    path = settings.step_trace()
     return StepTrace(path) if path else None
 
 

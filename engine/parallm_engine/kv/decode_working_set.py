@@ -33,11 +33,11 @@ those columns is never read: only the running rows' own attention reads them, fr
 
 from __future__ import annotations
 
-import os
 
 import mlx.core as mx
 import numpy as np
 
+from parallm_engine import settings
 from parallm_engine.kv.table_reads import by_slot, read_table, table_index
 
 #: Columns a rebuilt working set has room for beyond the step's, at least (a rebuild every ROOM steps at most;
@@ -46,7 +46,7 @@ ROOM = 64
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("PARALLM_DECODE_WORKING_SET", "").strip().lower() not in ("0", "false", "no", "off")
+    return settings.decode_working_set()
 
 
 class DecodeWorkingSet:

@@ -18,11 +18,11 @@ dequantized working set is transient, one layer at a time.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from parallm_engine import settings
 from parallm_engine.errors import InvalidRequestError
 
 SUPPORTED_BITS = (4, 8)
@@ -55,7 +55,7 @@ def resolve_kv_bits(kv_bits) -> int | None:
     """``kv_bits`` as given to ``Engine`` / ``--kv-bits`` (None: ``PARALLM_KV_BITS``): None, 0, 16 or 32
     mean unquantized; 8 or 4 quantize."""
     if kv_bits is None:
-        kv_bits = os.environ.get("PARALLM_KV_BITS", "").strip() or None
+        kv_bits = settings.kv_bits()
     if kv_bits is None:
         return None
     if isinstance(kv_bits, bool):

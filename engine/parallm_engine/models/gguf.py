@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from parallm_engine import settings
 from parallm_engine.errors import ModelLoadError
 from parallm_engine.models.gguf_families import FAMILIES, TOP_NAMES, Meta, family_for, llama3_rope_scaling
 from parallm_engine.models.gguf_reader import load_gguf_tensors, read_gguf_header
@@ -33,7 +34,7 @@ _CONVERTER_VERSION = "5"  # bump when the converted layout changes, to invalidat
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("PARALLM_CACHE_DIR")
+    root = settings.cache_dir()
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -33,6 +33,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from parallm_engine import settings
 from parallm_engine.runner.cpu_info import cpu_features
 
 logger = logging.getLogger("parallm_engine")
@@ -44,14 +45,14 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 def _source() -> Path:
     """The kernels' source: ``kernels.cpp`` here, or ``PARALLM_NATIVE_SOURCE`` (a development copy,
     built into its own cache entry like any other source)."""
-    override = os.environ.get("PARALLM_NATIVE_SOURCE", "").strip()
+    override = settings.native_source()
     return Path(override) if override else SOURCE
 CXXFLAGS = ["-std=c++20", "-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared",
             "-fvisibility=hidden", "-DNDEBUG", "-DNB_DOMAIN=mlx"]
 
 
 def _cxxflags() -> list[str]:
-    return CXXFLAGS + os.environ.get("PARALLM_NATIVE_CXXFLAGS", "").split()
+    return CXXFLAGS + settings.native_cxxflags()
 
 
 class NativeBuildError(RuntimeError):
@@ -59,7 +60,7 @@ class NativeBuildError(RuntimeError):
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("PARALLM_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.native()
 
 
 def supported_platform() -> bool:
@@ -112,7 +113,7 @@ def _build_key(cxx: str, mlx_dir: Path, nb_dir: Path) -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PARALLM_NATIVE_DIR")
+    root = settings.native_dir()
     if root:
         return Path(root)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -19,6 +19,7 @@ import platform
 import sys
 from dataclasses import asdict, dataclass
 
+from parallm_engine import settings
 from parallm_engine.runner.cpu_info import cpu_features
 
 logger = logging.getLogger("parallm_engine")
@@ -132,7 +133,7 @@ def preload_blas() -> str | None:
     _preload_done = True
     if platform.system() != "Linux":
         return None
-    choice = os.environ.get("PARALLM_BLAS", "").strip()
+    choice = settings.blas() or ""
     if choice.lower() == "none":
         return None
     if _mlx_imported():
@@ -178,16 +179,16 @@ def _configure_openblas() -> dict[str, str | None]:
     per core, right for the single lane it gets (``cpu_lanes``); lanes forced with
     PARALLM_DECODE_LANES share the cores instead."""
     restore: dict[str, str | None] = {}
-    core = os.environ.get("PARALLM_OPENBLAS_CORETYPE", "").strip()
+    core = settings.openblas_coretype() or ""
     if not core:
         _, flags = cpu_features()
         core = "SkylakeX" if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags else "inherit"
     if core.lower() != "inherit":
         restore["OPENBLAS_CORETYPE"] = os.environ.get("OPENBLAS_CORETYPE")
         os.environ["OPENBLAS_CORETYPE"] = core
-    lanes = os.environ.get("PARALLM_DECODE_LANES", "").strip()
-    if lanes.isdigit() and int(lanes) > 1:
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, usable_cores() // int(lanes))))
+    lanes = settings.decode_lanes()
+    if lanes is not None and lanes > 1:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, usable_cores() // lanes)))
     return restore
 
 
@@ -207,12 +208,9 @@ def cpu_lanes() -> int:
     2-thread GEMV is 1.2x faster). Otherwise one lane per core, at most 4: MLX runs each stream on one
     thread with scalar elementwise kernels, so parallel lanes are what uses the other cores, and MKL
     runs single-threaded inside each (``_configure_mkl``). ``PARALLM_DECODE_LANES`` overrides."""
-    env = os.environ.get("PARALLM_DECODE_LANES", "").strip()
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            logger.warning("ignoring PARALLM_DECODE_LANES=%r (not an integer)", env)
+    lanes = settings.decode_lanes()
+    if lanes is not None:
+        return lanes
     if _is_openblas(_preloaded):
         return 1
     return max(1, min(4, usable_cores()))
@@ -383,10 +381,6 @@ class Backend:
                 + (f" batch-invariant={self.batch_invariance.split(':')[0]}" if self.batch_invariance else ""))
 
 
-def _env_off(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("0", "false", "no", "off")
-
-
 def _queried_size(mx, module: str, keys: tuple[str, ...]) -> int | None:
     """A size from MLX's ``device_info()`` (top level or under ``mx.<module>``), guarded: None when the
     build has no such query or it fails."""
@@ -424,13 +418,13 @@ def choose_backend(name: str | None = None) -> Backend:
     import mlx.core as mx
 
     info = backend_info()
-    name = name or os.environ.get("PARALLM_BACKEND", "").strip() or None
+    name = name or settings.backend_name()
     if name is not None and name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}; one of {', '.join(BACKEND_NAMES)}")
     if name in ("metal", "cuda") and name != {"gpu": "metal", "cuda": "cuda"}.get(info.device):
         raise ValueError(f"backend {name!r} is not available here (MLX runs on {info.device})")
     if info.device == "cpu":
-        kernels = name != "cpu-mlx" and not _env_off("PARALLM_CPU_KERNELS")
+        kernels = name != "cpu-mlx" and settings.cpu_kernels()
         if name is None:
             from parallm_engine import native
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from parallm_engine import settings
 logger = logging.getLogger("parallm_engine")
 
 #: Paddings tried, smallest first (1: the plain matmul).
@@ -147,9 +148,7 @@ class BatchInvariance:
 
 
 def enabled_by_env() -> bool:
-    from parallm_engine.runner.backend import _env_off
-
-    return not _env_off("PARALLM_BATCH_INVARIANT")
+    return settings.batch_invariant()
 
 
 def install(model) -> BatchInvariance:

@@ -30,11 +30,11 @@ needs values a trace does not have. Everything else runs eagerly as before.
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 
 import mlx.core as mx
 
+from parallm_engine import settings
 from parallm_engine.runner import lora
 
 logger = logging.getLogger("parallm_engine")
@@ -44,7 +44,7 @@ TRACES = 4
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("PARALLM_COMPILE_DECODE", "").strip().lower() in ("1", "true", "yes", "on")
+    return settings.compile_decode()
 
 
 class NotCompilable(Exception):

@@ -28,10 +28,11 @@ and times both; the numbers are in docs/benchmarks.md.
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 import numpy as np
+
+from parallm_engine import settings
 
 LOG2E = 1.4426950408889634
 WARPS = 8  # warps per block: each takes every WARPS-th token of the row
@@ -156,7 +157,7 @@ def _source(shared: bool) -> str:
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("PARALLM_GPU_PAGED_ATTENTION", "").strip().lower() not in ("0", "false", "no", "off")
+    return settings.gpu_paged_attention()
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,7 +186,7 @@ def _kernel(shared: bool):
 def shared_in_kernel() -> bool:
     """Whether a shared prefix is read inside the kernel (default) or by the MLX-op cascade
     (``PARALLM_GPU_SHARED_PREFIX=cascade``)."""
-    return os.environ.get("PARALLM_GPU_SHARED_PREFIX", "kernel").strip().lower() != "cascade"
+    return settings.gpu_shared_prefix() == "kernel"
 
 
 def applies(queries: mx.array, kpool) -> bool:

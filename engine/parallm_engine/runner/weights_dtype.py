@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
+from parallm_engine import settings
 from parallm_engine.runner.bf16_embedding import bf16_embedding_class
 from parallm_engine.errors import InvalidRequestError
 
@@ -45,7 +45,7 @@ WEIGHTS_DTYPES = ("float32", *BF16_WEIGHTS)
 def resolve_weights_dtype(value: str | None, device: str) -> str | None:
     """The weight dtype a new engine uses on ``device``: ``value`` (or ``PARALLM_WEIGHTS_DTYPE``), default
     float32 on the CPU; None (the checkpoint's own dtype) on Metal and CUDA."""
-    given = value if value is not None else (os.environ.get("PARALLM_WEIGHTS_DTYPE", "").strip() or None)
+    given = value if value is not None else settings.weights_dtype()
     chosen = None
     if given is not None:
         chosen = str(given).lower()

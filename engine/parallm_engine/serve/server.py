@@ -55,6 +55,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from parallm_engine import settings
 from parallm_engine import __version__
 from parallm_engine.serve.anthropic_format import anthropic_error, is_anthropic_path
 from parallm_engine.serve.anthropic_routes import anthropic_router
@@ -387,9 +388,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
 
 def api_keys_from_env() -> list[str]:
     """Keys from ``$PARALLM_API_KEYS`` (comma-separated) and ``$PARALLM_API_KEY``."""
-    keys = [k.strip() for k in os.environ.get("PARALLM_API_KEYS", "").split(",")]
-    keys.append(os.environ.get("PARALLM_API_KEY", "").strip())
-    return [k for k in dict.fromkeys(keys) if k]
+    return settings.api_keys()
 
 
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | Sequence[str] | None = None, *,

@@ -1,0 +1,184 @@
+"""Every ``PARALLM_*`` environment variable the engine reads, parsed here and nowhere else.
+
+One meaning of on / off for every switch: ``1 / true / yes / on`` and ``0 / false / no / off`` (any case,
+surrounding spaces ignored); an empty or unset variable takes the default; any other value is ignored
+with a warning naming it. Values are read when asked for (an ``Engine`` built after a change sees it),
+never cached. Explicit ``Engine(...)`` / CLI arguments win over these; the variables are for settings a
+user cannot pass (the BLAS, chosen before MLX is imported) and for tests and measurements.
+
+This module imports nothing of MLX: the BLAS preload (``runner.backend``) reads it before MLX loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("parallm_engine")
+
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+#: name -> what it sets (docs/getting-started.md lists them: tests/test_settings.py holds the two together).
+VARIABLES = {
+    "PARALLM_BACKEND": "engine backend: cpu-native, cpu-mlx, metal or cuda (default: the device's)",
+    "PARALLM_BLAS": "the CBLAS preloaded before MLX on Linux: a library path, or none (MLX's reference BLAS)",
+    "PARALLM_OPENBLAS_CORETYPE": "OpenBLAS core type for ParaLLM's OpenBLAS (default SkylakeX on AVX-512; inherit)",
+    "PARALLM_DECODE_LANES": "decode lanes on the CPU (default: one with OpenBLAS, one per core otherwise)",
+    "PARALLM_CPU_KERNELS": "switch: the engine's CPU kernels (default on; off = the pure-MLX path)",
+    "PARALLM_NATIVE": "switch: ParaLLM's native C++ CPU kernels (default on)",
+    "PARALLM_NATIVE_SOURCE": "a development copy of the native kernels' source",
+    "PARALLM_NATIVE_CXXFLAGS": "extra compiler flags for the native kernels",
+    "PARALLM_NATIVE_DIR": "where built native kernels are cached (default ~/.cache/parallm/native)",
+    "PARALLM_NATIVE_THREADS": "threads of the native kernels (read by kernels.cpp itself; default the cores)",
+    "PARALLM_BATCH_INVARIANT": "switch: pad the CPU BLAS's small products so rows are batch-invariant (default on)",
+    "PARALLM_FUSE_PREFILL": "switch: a prompt's chunk in the decode step's forward (default on)",
+    "PARALLM_COMPILE_DECODE": "switch: the compiled decode step (default off)",
+    "PARALLM_DECODE_WORKING_SET": "switch: keep the decode working set between steps (default on)",
+    "PARALLM_GPU_PAGED_ATTENTION": "switch: the paged CUDA decode kernel (default on)",
+    "PARALLM_GPU_SHARED_PREFIX": "kernel (default) or cascade: where a shared prefix is read on CUDA",
+    "PARALLM_WEIGHTS_DTYPE": "CPU weight storage: float32, bfloat16 or bfloat16-matmul",
+    "PARALLM_KV_BITS": "KV stored at 8 or 4 bits (default unquantized)",
+    "PARALLM_STEP_TRACE": "a file to append one JSON line per engine step to",
+    "PARALLM_CACHE_DIR": "ParaLLM's cache directory (default ~/.cache/parallm)",
+    "PARALLM_API_KEYS": "the server's API keys, comma-separated",
+    "PARALLM_API_KEY": "one more server API key",
+    # Read by the integrations' fields (they import without the engine), listed here to be documented once.
+    "PARALLM_BASE_URL": "an OpenAI-compatible server the integrations call instead of the in-process engine",
+}
+
+
+def text(name: str) -> str | None:
+    """The variable's value, stripped; None when unset or empty."""
+    _known(name)
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def flag(name: str, default: bool) -> bool:
+    """A switch: True for ``ON`` values, False for ``OFF`` ones, ``default`` when unset or not understood."""
+    raw = text(name)
+    if raw is None:
+        return default
+    low = raw.lower()
+    if low in ON:
+        return True
+    if low in OFF:
+        return False
+    logger.warning("ignoring %s=%r: use one of %s (on) or %s (off)", name, raw, "/".join(ON), "/".join(OFF))
+    return default
+
+
+def integer(name: str) -> int | None:
+    """A whole number, or None when unset or not one (with a warning)."""
+    raw = text(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        logger.warning("ignoring %s=%r (not an integer)", name, raw)
+        return None
+
+
+def choice(name: str, options: tuple[str, ...], default: str) -> str:
+    """One of ``options`` (any case), ``default`` when unset or not one of them (with a warning)."""
+    raw = text(name)
+    if raw is None:
+        return default
+    if raw.lower() in options:
+        return raw.lower()
+    logger.warning("ignoring %s=%r: one of %s", name, raw, ", ".join(options))
+    return default
+
+
+def _known(name: str) -> None:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not one of ParaLLM's settings (parallm_engine/settings.py)")
+
+
+# -- the engine's settings, by name ----------------------------------------------------------------
+
+def backend_name() -> str | None:
+    return text("PARALLM_BACKEND")
+
+
+def blas() -> str | None:
+    return text("PARALLM_BLAS")
+
+
+def openblas_coretype() -> str | None:
+    return text("PARALLM_OPENBLAS_CORETYPE")
+
+
+def decode_lanes() -> int | None:
+    """Lanes forced by the environment (at least 1), or None."""
+    lanes = integer("PARALLM_DECODE_LANES")
+    return None if lanes is None else max(1, lanes)
+
+
+def cpu_kernels() -> bool:
+    return flag("PARALLM_CPU_KERNELS", True)
+
+
+def native() -> bool:
+    return flag("PARALLM_NATIVE", True)
+
+
+def batch_invariant() -> bool:
+    return flag("PARALLM_BATCH_INVARIANT", True)
+
+
+def fuse_prefill() -> bool:
+    return flag("PARALLM_FUSE_PREFILL", True)
+
+
+def compile_decode() -> bool:
+    return flag("PARALLM_COMPILE_DECODE", False)
+
+
+def decode_working_set() -> bool:
+    return flag("PARALLM_DECODE_WORKING_SET", True)
+
+
+def gpu_paged_attention() -> bool:
+    return flag("PARALLM_GPU_PAGED_ATTENTION", True)
+
+
+def gpu_shared_prefix() -> str:
+    return choice("PARALLM_GPU_SHARED_PREFIX", ("kernel", "cascade"), "kernel")
+
+
+def weights_dtype() -> str | None:
+    return text("PARALLM_WEIGHTS_DTYPE")
+
+
+def kv_bits() -> str | None:
+    return text("PARALLM_KV_BITS")
+
+
+def step_trace() -> str | None:
+    return text("PARALLM_STEP_TRACE")
+
+
+def cache_dir() -> str | None:
+    return text("PARALLM_CACHE_DIR")
+
+
+def native_source() -> str | None:
+    return text("PARALLM_NATIVE_SOURCE")
+
+
+def native_cxxflags() -> list[str]:
+    return (text("PARALLM_NATIVE_CXXFLAGS") or "").split()
+
+
+def native_dir() -> str | None:
+    return text("PARALLM_NATIVE_DIR")
+
+
+def api_keys() -> list[str]:
+    """``PARALLM_API_KEYS`` (comma-separated) then ``PARALLM_API_KEY``, without blanks or repeats."""
+    keys = [k.strip() for k in (text("PARALLM_API_KEYS") or "").split(",")]
+    keys.append(text("PARALLM_API_KEY") or "")
+    return [k for k in dict.fromkeys(keys) if k]

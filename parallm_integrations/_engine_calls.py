@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import threading
@@ -130,13 +131,39 @@ class Deadline:
     def error(self) -> TimeoutError:
         return TimeoutError(f"ParaLLM request timed out after {self.timeout} s (the request was aborted)")
 
+#: The fairness group of the engine requests submitted in this context (None: each request its own). The
+#: engine admits requests round-robin over groups, so one ``batch`` of 1,000 inputs takes turns with another
+#: caller's ``invoke`` as one caller, not as 1,000 (``Engine.submit``'s ``group``).
+_FAIRNESS_GROUP: contextvars.ContextVar[object | None] = contextvars.ContextVar("parallm_fairness_group",
+                                                                                default=None)
+
+
+@contextlib.contextmanager
+def one_fairness_group():
+    """The requests submitted inside the block, and in the threads and tasks it starts (LangChain's batch
+    executor and ``asyncio.gather`` copy the context), form one fairness group; inside another's block the
+    outer group holds."""
+    if _FAIRNESS_GROUP.get() is not None:
+        yield
+        return
+    token = _FAIRNESS_GROUP.set(object())
+    try:
+        yield
+    finally:
+        _FAIRNESS_GROUP.reset(token)
+
+
 class EngineCall:
     """One submitted engine request: iterate it (sync or async) for deltas. Leaving the loop early
     for any reason (exception, cancellation, closed generator) aborts the request; a timeout
     aborts it too and surfaces as ``TimeoutError``."""
 
     def __init__(self, engine, prompt, req: EngineRequest, loop: asyncio.AbstractEventLoop | None = None):
-        self.handle = engine.submit(prompt, loop=loop, **req.submit_kwargs())
+        kwargs = req.submit_kwargs()
+        group = _FAIRNESS_GROUP.get()
+        if group is not None:
+            kwargs["group"] = group
+        self.handle = engine.submit(prompt, loop=loop, **kwargs)
         self.deadline = Deadline(self.handle, req.timeout, loop)
 
     @property

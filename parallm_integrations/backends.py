@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from ._engine_calls import DEFAULT_MODEL_NAME, EngineCall, is_default_model, peek_context_window
+from ._engine_calls import DEFAULT_MODEL_NAME, EngineCall, is_default_model, one_fairness_group, peek_context_window
 from ._request import EngineRequest
 
 logger = logging.getLogger(__name__)
@@ -202,8 +202,9 @@ class EngineBackend(Backend):
         engine = self.engine_for(req.model)
         calls: list[EngineCall] = []
         try:
-            for prompt in prompts:
-                calls.append(EngineCall(engine, self._engine_prompt(prompt, req, engine), req))
+            with one_fairness_group():  # one call's prompts take admission turns as one caller
+                for prompt in prompts:
+                    calls.append(EngineCall(engine, self._engine_prompt(prompt, req, engine), req))
             for call in calls:
                 for _ in call:
                     pass
@@ -222,8 +223,9 @@ class EngineBackend(Backend):
                 pass
 
         try:
-            for prompt in prompts:
-                calls.append(EngineCall(engine, self._engine_prompt(prompt, req, engine), req, loop=loop))
+            with one_fairness_group():
+                for prompt in prompts:
+                    calls.append(EngineCall(engine, self._engine_prompt(prompt, req, engine), req, loop=loop))
             await asyncio.gather(*(drain(c) for c in calls))
         finally:
             for call in calls:

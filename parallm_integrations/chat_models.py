@@ -32,6 +32,7 @@ from ._common import (
     peek_context_window,
 )
 from ._lc_chunks import _ChatChunks, _ChunkBuilder
+from ._engine_calls import one_fairness_group
 from ._lc_results import chat_result
 from ._messages import (
     messages_to_dicts,
@@ -334,13 +335,28 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
         """Like ``Runnable.batch``, but with enough inputs in flight to keep the engine's batch full
         (:meth:`_default_batch_concurrency`: twice its ``max_batch_size``, 128 by default, instead of
         LangChain's pool of ``min(32, cpus + 4)``); the engine's queue holds the rest. An explicit
-        ``max_concurrency`` in ``config`` is respected. ``abatch`` is LangChain's (no limit unless given)."""
+        ``max_concurrency`` in ``config`` is respected. The inputs form one fairness group: the engine admits
+        another caller's requests in turn with the whole batch, not after it."""
         if not inputs:
             return []
-        return super().batch(
-            inputs, _fan_out_config(config, len(inputs), self._default_batch_concurrency()),
-            return_exceptions=return_exceptions, **kwargs,
-        )
+        with one_fairness_group():
+            return super().batch(
+                inputs, _fan_out_config(config, len(inputs), self._default_batch_concurrency()),
+                return_exceptions=return_exceptions, **kwargs,
+            )
+
+    async def abatch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """LangChain's ``abatch`` (no concurrency limit unless ``max_concurrency`` is given), its inputs one
+        fairness group as in :meth:`batch`."""
+        with one_fairness_group():
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
 
     def batch_as_completed(  # type: ignore[override]
         self,
@@ -382,7 +398,7 @@ class ChatParaLLM(ParaLLMParams, BaseChatModel):
             return parent.generate([m], stop, callbacks, tags=tags, metadata=metadata, run_name=run_name, **kwargs)
 
         workers = min(len(messages), self._default_batch_concurrency())
-        with ContextThreadPoolExecutor(max_workers=workers) as pool:
+        with one_fairness_group(), ContextThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(one, messages))
         return LLMResult(
             generations=[r.generations[0] for r in results],

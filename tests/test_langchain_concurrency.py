@@ -289,3 +289,45 @@ async def test_langgraph_send_fan_out_overlaps_model_calls(idle_engine):
     out = await asyncio.to_thread(graph.compile().invoke, {"topics": ["a", "b", "c", "d"], "answers": []})
     assert len(out["answers"]) == 4
     assert idle_engine.stats()["peak_in_flight"] >= 4
+
+
+class _Ends(BaseCallbackHandler):
+    """Records when each of a run's model calls ends."""
+
+    def __init__(self, log: list, label: str):
+        self.log, self.label = log, label
+
+    def on_llm_end(self, response, **kwargs: Any) -> None:
+        self.log.append(self.label)
+
+
+@pytest.mark.parametrize("method", ["batch", "abatch"])
+def test_a_batch_is_one_fairness_group(method):
+    """The engine admits round-robin over fairness groups. A batch's inputs are one group, so another
+    caller's invoke sent while most of the batch waits in the queue is admitted as soon as a decode slot
+    frees (two slots here), not after every input queued before it (each input its own group: it would end
+    after all of them). Measured by the order the calls end."""
+    import threading
+
+    llm = ChatParaLLM(engine_kwargs={"max_batch_size": 2}, max_tokens=16, temperature=0)
+    engine = llm._get_engine(None)
+    submitted = engine.stats()["requests_submitted"]
+    ends: list[str] = []
+    prompts = [f"Count from {i} to {i + 20}." for i in range(8)]
+    config = {"callbacks": [_Ends(ends, "batch")], "max_concurrency": len(prompts)}  # all queued at once
+    if method == "batch":
+        worker = threading.Thread(target=lambda: llm.batch(prompts, config=config))
+    else:
+        worker = threading.Thread(target=lambda: asyncio.run(llm.abatch(prompts, config=config)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while engine.stats()["requests_submitted"] < submitted + len(prompts):
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.005)
+    ends.append("sent")
+    llm.invoke("Say hi.", config={"callbacks": [_Ends(ends, "other")]})
+    worker.join(60)
+    assert sorted(ends) == ["batch"] * len(prompts) + ["other", "sent"]
+    sent, other = ends.index("sent"), ends.index("other")
+    assert len(prompts) - sent >= 5, ends  # most of the batch still waiting when the invoke was sent
+    assert other - sent - 1 <= 3, ends  # the two running and the one admitted beside it, at most

@@ -55,3 +55,27 @@ def test_a_family_quirk_lives_in_its_adapter():
     ours = attn(x, mask)
     theirs = user_model.layers[0].self_attn(x, mask[:, :, None])
     assert mx.array_equal(ours, theirs).item()
+
+
+def test_the_runner_reports_a_step_instead_of_writing_the_plan():
+    """``ModelRunner.execute(plan) -> StepOutput``: no module outside ``core`` assigns to a plan's fields
+    (the prefill items' ``finished`` is the one hand-over back, through ``PrefillWork``)."""
+    import ast
+    import dataclasses
+
+    from parallm_engine.core.step_plan import StepOutput, StepPlan
+
+    root = PACKAGE.parent
+    writes = []
+    for path in root.rglob("*.py"):
+        if path.parent.name == "core":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "plan":
+                    writes.append(f"{path.relative_to(root)}:{node.lineno} plan.{t.attr}")
+    assert not writes, writes
+    measured = {f.name for f in dataclasses.fields(StepOutput)}
+    assert measured.isdisjoint(f.name for f in dataclasses.fields(StepPlan))

@@ -5,8 +5,8 @@ One ``step()``: ``schedule()`` makes room (preempts the least urgent rows if the
 outgrow the KV budget), admits waiting sequences by the memory they take now and returns the step's
 plan (``step_plan.StepPlan``); the model runner's ``execute(plan)`` (``model_runner``) draws the prefill
 work (a long context alone, chunk by chunk; short ones in groups; prompts that arrive together with
-the same uncached prefix compute it once), then runs one decode step for every running row; ``update``
-records what it measured. Every KV hand-off (prefix match and pins, a prompt's caches, commits to the
+the same uncached prefix compute it once), then runs one decode step for every running row, and returns
+what it ran and took (``step_plan.StepOutput``); ``update(plan, out)`` records it. Every KV hand-off (prefix match and pins, a prompt's caches, commits to the
 prefix cache, joins, frees) and the one KV budget are the KV cache manager's (``kv_cache_manager``).
 
 A sequence's context is its prompt plus what it generated so far. Prefill covers every context token
@@ -35,7 +35,7 @@ from parallm_engine.core.prefill_planner import PrefillPlanner
 from parallm_engine.core.request import Request
 from parallm_engine.core.sequence import Sequence
 from parallm_engine.core.stats import EngineStats, step_trace
-from parallm_engine.core.step_plan import StepPlan
+from parallm_engine.core.step_plan import StepOutput, StepPlan
 
 @dataclass
 class SchedulerConfig:
@@ -199,8 +199,7 @@ class Scheduler(PrefillPlanner):
     def step(self) -> None:
         """One engine step (the engine thread's loop calls it): plan, execute, update."""
         plan = self.schedule()
-        self.runner.execute(plan)
-        self.update(plan)
+        self.update(plan, self.runner.execute(plan))
 
     def schedule(self) -> StepPlan:
         """This step's plan: room made, sequences admitted, and the prefill work, which the runner
@@ -213,24 +212,24 @@ class Scheduler(PrefillPlanner):
         plan.prefill = self._plan_prefill(plan)
         return plan
 
-    def update(self, plan: StepPlan) -> None:
-        """After the runner executed ``plan``: the measured rates and the step's statistics."""
-        self.stats.on_step_times(plan.plan_s, plan.prefill_s, plan.decode_s)
-        if plan.prefill_tokens >= 16 and plan.prefill_s > 0:
-            self._observe_prefill(plan.prefill_tokens / plan.prefill_s)
-        other = time.perf_counter() - plan.started - plan.prefill_s
-        if plan.fused_tokens and self._other_step_s:
+    def update(self, plan: StepPlan, out: StepOutput) -> None:
+        """After the runner executed ``plan`` (``out``: what ran, how long): the measured rates and the
+        step's statistics."""
+        self.stats.on_step_times(plan.plan_s, out.prefill_s, out.decode_s)
+        if out.prefill_tokens >= 16 and out.prefill_s > 0:
+            self._observe_prefill(out.prefill_tokens / out.prefill_s)
+        other = time.perf_counter() - plan.started - out.prefill_s
+        if out.fused_tokens and self._other_step_s:
             # The chunk ran in the decode forward: its cost is what the step took beyond a plain one (at
             # least a tenth of it: the plain steps' average is noisy); the plain steps' average stays theirs.
-            self._observe_prefill(plan.fused_tokens / max(other - self._other_step_s, 0.1 * other))
+            self._observe_prefill(out.fused_tokens / max(other - self._other_step_s, 0.1 * other))
         else:
             self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
-        plain_rows = self.runner.plain_rows
-        if plain_rows and not (plan.joined or plan.prefill_tokens or plan.fused_tokens):  # a steady decode step
-            self.speculator.observe_plain_step(plain_rows, other)
+        if out.plain_rows and not (plan.joined or out.prefill_tokens or out.fused_tokens):  # a steady decode step
+            self.speculator.observe_plain_step(out.plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         if self._trace is not None:
-            self._trace.record(plan, self.stats, self.kv.meter.moved)
+            self._trace.record(plan, out, self.stats, self.kv.meter.moved)
         self._plan = None
         memory_recovery.step_succeeded(self)
 

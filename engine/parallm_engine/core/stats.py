@@ -44,16 +44,16 @@ class StepTrace:
         self._launch = 0.0
         self._moved = 0
 
-    def record(self, plan, stats, moved: int) -> None:
+    def record(self, plan, out, stats, moved: int) -> None:
         wait, self._wait = stats.device_wait_s - self._wait, stats.device_wait_s
         launch, self._launch = stats.launch_s - self._launch, stats.launch_s
         moved, self._moved = moved - self._moved, moved
         self._file.write(json.dumps({
             "t": round(plan.started, 6), "plan_ms": round(1e3 * plan.plan_s, 3),
-            "prefill_ms": round(1e3 * plan.prefill_s, 3), "decode_ms": round(1e3 * plan.decode_s, 3),
-            "wait_ms": round(1e3 * wait, 3), "launch_ms": round(1e3 * launch, 3), "prefill_tokens": plan.prefill_tokens,
-            "fused_tokens": plan.fused_tokens,
-            "rows": len(plan.decode_rows), "joined": len(plan.joined), "finished": len(plan.finished),
+            "prefill_ms": round(1e3 * out.prefill_s, 3), "decode_ms": round(1e3 * out.decode_s, 3),
+            "wait_ms": round(1e3 * wait, 3), "launch_ms": round(1e3 * launch, 3), "prefill_tokens": out.prefill_tokens,
+            "fused_tokens": out.fused_tokens,
+            "rows": len(out.decode_rows), "joined": len(plan.joined), "finished": len(plan.finished),
             "moved_bytes": moved}) + "\n")
 
 

@@ -1,4 +1,7 @@
-"""The scheduler's plan for one engine step, which the model runner (``model_runner``) executes.
+"""The scheduler's plan for one engine step, which the model runner (``model_runner``) executes, and what
+the runner reports back (:class:`StepOutput`): ``Scheduler.schedule() -> StepPlan``,
+``ModelRunner.execute(plan) -> StepOutput``, ``Scheduler.update(plan, out)``. The runner writes nothing into
+the plan but the prefill items' ``finished`` (the item-by-item hand-over below).
 
 ``prefill`` is handed out lazily: the scheduler plans each work item once the one before it has run,
 because what comes next depends on it (the step's prefill stops on the clock, and a prompt whose
@@ -36,8 +39,14 @@ class StepPlan:
     prefill: Iterator[PrefillWork] = field(default_factory=lambda: iter(()))  # planned as the runner draws them
     joined: list = field(default_factory=list)  # sequences whose prefill ended this step (decode rows next)
     finished: list = field(default_factory=list)  # sequences retired this step (their KV cached)
-    # Filled by the runner:
+
+
+@dataclass
+class StepOutput:
+    """What executing a plan did and took (``ModelRunner.execute``), for ``Scheduler.update``."""
+
     decode_rows: list = field(default_factory=list)  # the rows of the step's decode forward
+    plain_rows: int = 0  # rows of an ordinary pipelined decode (not speculative): the speculator's cost model
     prefill_s: float = 0.0
     prefill_tokens: int = 0  # computed in prefill forwards (not the fused item's)
     fused_tokens: int = 0  # the fused work's (PrefillWork.fused), where the decode forward computed it

@@ -28,7 +28,7 @@ from parallm_engine.runner.logits_head import split_head
 from parallm_engine.runner.decode_runner import DecodeRunner
 from parallm_engine.kv.paged_prefill import PagedPrefillStep
 from parallm_engine.spec.speculative import TOKEN_BUDGET, Speculator
-from parallm_engine.core.step_plan import PrefillWork, StepPlan
+from parallm_engine.core.step_plan import PrefillWork, StepOutput, StepPlan
 
 NO_SPECULATION_MIXED = ("speculative decoding needs KV that can be rolled back; this model has sliding-window "
                         "or recurrent layers (cache layout 'mixed'), which is not supported yet")
@@ -71,11 +71,13 @@ class ModelRunner(DecodeRunner):
                          retire=retire)
 
     # -- the step -------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> None:
+    def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``: its prefill work as the scheduler hands it out (each item planned once the one
         before has run), the mixed layout's late joins, then one decode step for every running row, with
-        the plan's fused work in its forward (``kv.fused_step``; alone where no row was left to decode)."""
+        the plan's fused work in its forward (``kv.fused_step``; alone where no row was left to decode).
+        Returns what ran and how long it took; the plan is not written."""
         self.plain_rows = 0
+        out = StepOutput()
         with cpu_kernels.enabled(self.cpu_kernels):
             t0 = time.perf_counter()
             before = self.stats.prefill_tokens
@@ -86,15 +88,15 @@ class ModelRunner(DecodeRunner):
             finally:
                 self.kv.end_reads()
             fused, self._fused = self._fused, None
-            plan.prefill_s = time.perf_counter() - t0
-            plan.prefill_tokens = self.stats.prefill_tokens - before
+            out.prefill_s = time.perf_counter() - t0
+            out.prefill_tokens = self.stats.prefill_tokens - before
             self.kv.join_late(plan.joined)
             t_decode = time.perf_counter()
             built = False
             try:
                 if self.batch.running:
                     self.kv.reserve_decode()
-                    plan.decode_rows = list(self.batch.running)
+                    out.decode_rows = list(self.batch.running)
                     self.step(fused)
                 elif self.in_flight:
                     self.flush()
@@ -112,8 +114,10 @@ class ModelRunner(DecodeRunner):
                 self.stats.prefill_tokens += fused.n_tokens
                 self.stats.fused_prefill_tokens += fused.n_tokens
                 self.stats.fused_prefill_chunks += fused.items
-                plan.fused_tokens = fused.n_tokens
-        plan.decode_s = time.perf_counter() - t_decode
+                out.fused_tokens = fused.n_tokens
+        out.decode_s = time.perf_counter() - t_decode
+        out.plain_rows = self.plain_rows
+        return out
 
     def fuses(self, seq) -> bool:
         """Whether ``seq``'s prefill may run in the decode forward (``kv.fused_step``): the model splits

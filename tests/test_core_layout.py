@@ -63,7 +63,7 @@ def test_the_runner_reports_a_step_instead_of_writing_the_plan():
     import ast
     import dataclasses
 
-    from parallm_engine.core.step_plan import StepOutput, StepPlan
+    from parallm_engine.runner.step_plan import StepOutput, StepPlan
 
     root = PACKAGE.parent
     writes = []

@@ -41,9 +41,10 @@ def test_importing_the_integrations_imports_no_engine_and_the_plain_engine_modul
     engine_mods, mlx_mods = json.loads(out.stdout.strip().splitlines()[-1])
     # Constructing with base_url checks the sampling settings with the engine's plain-Python checks.
     assert set(engine_mods) <= {"parallm_engine", "parallm_engine.runner", "parallm_engine.models",  # (empty package inits)
-                                "parallm_engine.sampling", "parallm_engine.spec", "parallm_engine.runner.cpu_info",
+                                "parallm_engine.sampling", "parallm_engine.spec", "parallm_engine.cpu_info",
                                 "parallm_engine.runner.backend", "parallm_engine.errors", "parallm_engine.models.import_notices",
-                                "parallm_engine.sampling.sampling_params", "parallm_engine.spec.spec_config"}
+                                "parallm_engine.sampling.sampling_params", "parallm_engine.sampling.spec_config",
+                                "parallm_engine.settings"}
     assert mlx_mods == [], "MLX was imported"
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
-from parallm_engine.core import memory_budget
+from parallm_engine.kv import memory_budget
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.core.memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
+from parallm_engine.kv.memory_budget import apply_mlx_limits, mlx_limits, resolve_kv_memory
 
 from .conftest import settled_stats
 from .model_zoo import prompt_ids

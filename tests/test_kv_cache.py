@@ -61,7 +61,7 @@ def test_prefill_rows_map_tokens_to_columns_and_write_only_real_positions(rows, 
        st.one_of(st.none(), st.integers(0, 320)))
 def test_common_prefix_len_is_the_first_difference(a, b, limit):
     """The planner's and the prefix sharing's common prefix (halved by slice compares) == a plain scan."""
-    from parallm_engine.core.sequence import common_prefix_len
+    from parallm_engine.kv.radix_cache import common_prefix_len
 
     shared = a[: len(a) // 2]
     b = shared + b  # long common prefixes too, not only the random ones

@@ -13,7 +13,7 @@ from parallm_engine import Engine
 from parallm_engine.errors import InvalidRequestError
 from parallm_engine.kv.kv_pages import PagedLaneKV
 from parallm_engine.sampling.sampling_params import SamplingParams
-from parallm_engine.spec.spec_config import OFF, SpeculativeConfig, parse_speculative
+from parallm_engine.sampling.spec_config import OFF, SpeculativeConfig, parse_speculative
 from parallm_engine.spec.speculative import NgramIndex
 
 # Not adaptive: these tests need every step to speculate, whatever this machine's step costs say (the

@@ -15,7 +15,7 @@ import pytest
 from parallm_engine import Engine
 from parallm_engine.errors import InvalidRequestError
 from parallm_engine.sampling.sampling_params import SamplingParams
-from parallm_engine.spec.spec_config import parse_speculative
+from parallm_engine.sampling.spec_config import parse_speculative
 from tests.model_zoo import build, default_tokenizer, prompt_ids
 
 NEW = 28

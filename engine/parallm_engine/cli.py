@@ -54,7 +54,7 @@ def cmd_info(args) -> int:
     from parallm_engine.models.loader import DEFAULT_MODEL_NAME, default_model_path, peek_sampling_defaults
 
     from parallm_engine.runner.backend import choose_backend
-    from parallm_engine.core.memory_budget import mlx_limits
+    from parallm_engine.kv.memory_budget import mlx_limits
 
     from parallm_engine.models.mlx_install import inspect_install
 

@@ -34,9 +34,9 @@ from parallm_engine.sampling.constrained import compile_constraint
 from parallm_engine.core.request import Channel, Request, RequestHandle
 from parallm_engine.sampling.sampler import SamplingParams
 from parallm_engine.sampling.sampling_params import apply_model_defaults
-from parallm_engine.spec.spec_config import parse_speculative
+from parallm_engine.sampling.spec_config import parse_speculative
 from parallm_engine.kv.kv_quant import resolve_kv_bits
-from parallm_engine.core.memory_budget import apply_mlx_limits, mlx_limits, working_set_bytes
+from parallm_engine.kv.memory_budget import apply_mlx_limits, mlx_limits, working_set_bytes
 from parallm_engine.embed.embedding_api import EmbeddingAPI
 from parallm_engine.core.engine_api import EngineConvenienceAPI, Prompt
 from parallm_engine.core.engine_base import EngineBase

@@ -139,7 +139,7 @@ class EngineLoop:
             t0 = time.monotonic()
             try:
                 with batched_deliveries():  # each consumer loop gets the step's deliveries at once
-                    sched.step()  # schedule() -> runner.execute(plan) -> update(plan)
+                    sched.step()  # schedule() -> runner.execute(plan) -> update(plan, out)
             except Exception as exc:
                 if is_allocation_failure(exc):  # preempt and resume; fails no request that can still run
                     memory_recovery.recover(sched, exc)

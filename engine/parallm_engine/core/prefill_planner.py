@@ -23,8 +23,9 @@ from __future__ import annotations
 import time
 
 from parallm_engine.embed import embedding
-from parallm_engine.core.sequence import Sequence, shared_context_len
-from parallm_engine.core.step_plan import PrefillWork, StepPlan
+from parallm_engine.core.sequence import Sequence
+from parallm_engine.kv.radix_cache import shared_context_len
+from parallm_engine.runner.step_plan import PrefillWork, StepPlan
 
 
 class PrefillPlanner:

@@ -28,14 +28,14 @@ from parallm_engine.core import memory_recovery
 from parallm_engine.errors import RequestCancelledError
 from parallm_engine.runner.family_adapters import adapter_for
 from parallm_engine.kv.kv_cache_manager import KVCacheManager
-from parallm_engine.core.memory_budget import mlx_memory
+from parallm_engine.kv.memory_budget import mlx_memory
 from parallm_engine.runner.model_runner import ModelRunner
 from parallm_engine.core.output_processor import OutputProcessor
 from parallm_engine.core.prefill_planner import PrefillPlanner
 from parallm_engine.core.request import Request
 from parallm_engine.core.sequence import Sequence
 from parallm_engine.core.stats import EngineStats, step_trace
-from parallm_engine.core.step_plan import StepOutput, StepPlan
+from parallm_engine.runner.step_plan import StepOutput, StepPlan
 
 @dataclass
 class SchedulerConfig:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 
 from parallm_engine.core.detokenizer import IncrementalDetokenizer
 from parallm_engine.kv.radix_cache import PrefixMatch
@@ -67,40 +66,3 @@ class Sequence:
     def urgency(self) -> tuple:
         """Sort key: smaller runs first and is preempted last (vLLM's convention for priority)."""
         return (self.request.priority, self.request.arrival, self.index)
-
-
-def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
-    """Leading elements ``a`` and ``b`` share (at most ``limit``). Halved by slice compares, which run in C:
-    the planner asks this for prompts sharing thousands of tokens (an agents' system prompt) every step."""
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference (or n) is in [lo, hi]
-    while hi - lo > 32:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    while lo < hi and a[lo] == b[lo]:
-        lo += 1
-    return lo
-
-
-def shared_context_len(a: Sequence, b: Sequence) -> int:
-    """Leading context tokens whose KV ``a`` and ``b`` compute alike: their common prefix under one adapter."""
-    return common_prefix_len(a.prefill_ids, b.prefill_ids) if a.adapter_key == b.adapter_key else 0
-
-
-def next_inputs(running: list[Sequence], prev_seqs: list[Sequence], prev_toks: mx.array) -> mx.array:
-    """The next decode step's input tokens in ``running``'s row order: the pipelined step's tokens
-    (still being computed) for the sequences it covered, the last context token for those that
-    joined since."""
-    pos = {id(s): i for i, s in enumerate(prev_seqs)}
-    joined = [s for s in running if id(s) not in pos]
-    if not joined and len(prev_seqs) == len(running) and all(a is b for a, b in zip(prev_seqs, running)):
-        return prev_toks
-    n = len(prev_seqs)
-    extra = {id(s): n + j for j, s in enumerate(joined)}
-    order = mx.array([pos[id(s)] if id(s) in pos else extra[id(s)] for s in running])
-    pool = mx.concatenate([prev_toks, mx.array([s.last_token for s in joined], dtype=prev_toks.dtype)]) \
-        if joined else prev_toks
-    return pool[order]

@@ -36,6 +36,18 @@ from parallm_engine.formats.tool_calls import (
     tool_names,
 )
 
+# Extra markers (besides a format's start / end) the tool-call grammar of a family names, per mlx-lm parser
+# module (sampling/tool_grammars.py writes them; the output parser must know them too).
+GRAMMAR_MARKERS: dict[str, tuple[str, ...]] = {
+    "mistral": ("[ARGS]",),
+    "pythonic": (),
+    "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    "qwen3_coder": (),
+    "glm47": (),
+    "laguna": (),
+}
+
+
 
 class ToolFormat:
     """A family's call markup. ``start`` opens a call region and ``end`` closes it (``""``: the region runs
@@ -254,8 +266,6 @@ class MlxLmFormat(ToolFormat):
         self.name = module_name
         self.start = self.module.tool_call_start
         self.end = self.module.tool_call_end or ""
-        from parallm_engine.sampling.tool_grammars import GRAMMAR_MARKERS
-
         self.has_grammar = module_name in GRAMMAR_MARKERS
         self.markers = (self.start, self.end, *GRAMMAR_MARKERS.get(module_name, ()))
         # Mistral: tokenizers v11+ write `[TOOL_CALLS]name[ARGS]{...}`; older ones a JSON list.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from parallm_engine.core.memory_budget import buffer_cache_bytes
+from parallm_engine.kv.memory_budget import buffer_cache_bytes
 from parallm_engine.kv import kv_quant
 from parallm_engine.runner.decode_batch import DecodeBatch
 from parallm_engine.kv.kv_manager import KVManager
@@ -33,7 +33,7 @@ from parallm_engine.kv.model_caches import MixedDecodeBatch, cache_arrays, cache
 from parallm_engine.kv.paged_prefill import PrefillRow
 from parallm_engine.kv.prefix_sharing import continues_shared, share_for_prefill, shared_prefix_flags
 from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache
-from parallm_engine.core.sequence import shared_context_len
+from parallm_engine.kv.radix_cache import shared_context_len
 from parallm_engine.kv.snapshot_cache import SnapshotCache
 
 # A match whose last node adds only a few tokens (a fan-out's " Question 1" reaching into the sibling

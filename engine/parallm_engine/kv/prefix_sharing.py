@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from parallm_engine.core.sequence import common_prefix_len
+from parallm_engine.kv.radix_cache import common_prefix_len
 from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.kv_cache import SharedPrefix
 

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from parallm_engine import settings
-from parallm_engine.runner.cpu_info import cpu_features
+from parallm_engine.cpu_info import cpu_features
 
 logger = logging.getLogger("parallm_engine")
 

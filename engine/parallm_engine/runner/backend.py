@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from parallm_engine import settings
-from parallm_engine.runner.cpu_info import cpu_features
+from parallm_engine.cpu_info import cpu_features
 
 logger = logging.getLogger("parallm_engine")
 
@@ -366,7 +366,7 @@ class Backend:
     def kv_budget(self, kv_memory: float | int | None = None) -> int:
         """The KV budget (running sequences and prefix cache) on this device: ``kv_memory`` as a fraction
         of its memory or bytes; a quarter by default (``memory_budget``)."""
-        from parallm_engine.core.memory_budget import resolve_kv_memory
+        from parallm_engine.kv.memory_budget import resolve_kv_memory
 
         return resolve_kv_memory(kv_memory, self.memory_bytes)
 

@@ -22,7 +22,6 @@ import mlx.core as mx
 
 from parallm_engine.sampling.constrained import apply_constraints
 from parallm_engine.sampling.sampler import sample_batch
-from parallm_engine.core.sequence import next_inputs
 
 
 class DecodeRunner:
@@ -157,3 +156,19 @@ class DecodeRunner:
         finished = {id(s) for s in self.batch.running if s.finish_reason is not None}
         if finished:
             self._retire(finished)
+
+
+def next_inputs(running: list, prev_seqs: list, prev_toks: mx.array) -> mx.array:
+    """The next decode step's input tokens in ``running``'s row order: the pipelined step's tokens
+    (still being computed) for the sequences it covered, the last context token for those that
+    joined since."""
+    pos = {id(s): i for i, s in enumerate(prev_seqs)}
+    joined = [s for s in running if id(s) not in pos]
+    if not joined and len(prev_seqs) == len(running) and all(a is b for a, b in zip(prev_seqs, running)):
+        return prev_toks
+    n = len(prev_seqs)
+    extra = {id(s): n + j for j, s in enumerate(joined)}
+    order = mx.array([pos[id(s)] if id(s) in pos else extra[id(s)] for s in running])
+    pool = mx.concatenate([prev_toks, mx.array([s.last_token for s in joined], dtype=prev_toks.dtype)]) \
+        if joined else prev_toks
+    return pool[order]

@@ -28,7 +28,7 @@ from parallm_engine.runner.logits_head import split_head
 from parallm_engine.runner.decode_runner import DecodeRunner
 from parallm_engine.kv.paged_prefill import PagedPrefillStep
 from parallm_engine.spec.speculative import TOKEN_BUDGET, Speculator
-from parallm_engine.core.step_plan import PrefillWork, StepOutput, StepPlan
+from parallm_engine.runner.step_plan import PrefillWork, StepOutput, StepPlan
 
 NO_SPECULATION_MIXED = ("speculative decoding needs KV that can be rolled back; this model has sliding-window "
                         "or recurrent layers (cache layout 'mixed'), which is not supported yet")

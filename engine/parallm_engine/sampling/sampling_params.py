@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from parallm_engine.errors import InvalidRequestError
-from parallm_engine.spec.spec_config import parse_speculative
+from parallm_engine.sampling.spec_config import parse_speculative
 
 MAX_TOP_LOGPROBS = 20
 

@@ -16,16 +16,6 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-# Extra markers (besides a format's start / end) a family's grammar names, per mlx-lm parser module.
-GRAMMAR_MARKERS: dict[str, tuple[str, ...]] = {
-    "mistral": ("[ARGS]",),
-    "pythonic": (),
-    "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
-    "qwen3_coder": (),
-    "glm47": (),
-    "laguna": (),
-}
-
 # One-line JSON with ", " and ": " separators (json.dumps' defaults, and how chat templates render tool
 # calls): with flexible whitespace small models spend their token budget on indentation, and llguidance's
 # compact default ("," / ":") is out of distribution for them.

@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from parallm_engine.errors import InvalidRequestError, ParaLLMError
-from parallm_engine.core.sequence import common_prefix_len
+from parallm_engine.kv.radix_cache import common_prefix_len
 
 logger = logging.getLogger("parallm_engine")
 

@@ -47,7 +47,7 @@ import numpy as np
 from parallm_engine.sampling.constrained import apply_constraints
 from parallm_engine.spec.draft_model import DraftRows, loaded_draft
 from parallm_engine.sampling.sampler import sample_batch
-from parallm_engine.spec.spec_config import SpeculativeConfig
+from parallm_engine.sampling.spec_config import SpeculativeConfig
 from parallm_engine.spec.spec_policy import RealizedGain, StepCost, choose_width
 
 #: Positions (rows x width) one speculative forward may hold, at most. Within it the width is chosen by

@@ -1,7 +1,6 @@
-"""One generated choice of a request as the scheduler tracks it, and small helpers on token lists."""
+"""One generated choice of a request as the scheduler tracks it."""
 
 from __future__ import annotations
-
 
 from parallm_engine.core.detokenizer import IncrementalDetokenizer
 from parallm_engine.kv.radix_cache import PrefixMatch

@@ -79,3 +79,21 @@ def test_the_runner_reports_a_step_instead_of_writing_the_plan():
     assert not writes, writes
     measured = {f.name for f in dataclasses.fields(StepOutput)}
     assert measured.isdisjoint(f.name for f in dataclasses.fields(StepPlan))
+
+
+def test_other_layers_reach_the_engine_thread_through_its_commands():
+    """The engine thread's queue, counters and scheduler are ``core``'s: other layers call ``enqueue_add``
+    / ``enqueue_abort`` / ``reject_queued`` / ``run_on_engine_thread`` instead of writing them."""
+    import ast
+
+    private = {"_commands", "_pending", "_aborting", "_wake", "_lock", "_scheduler"}
+    root = PACKAGE.parent
+    reach = []
+    for path in root.rglob("*.py"):
+        if path.parent.name == "core":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("engine", "eng"):
+                reach.append(f"{path.relative_to(root)}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not reach, reach

@@ -297,8 +297,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
             req.vision = prompt
             if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first
                 return RequestHandle(self, req)
-        self._commands.put(("add", req))
-        self._wake.set()
+        self.enqueue_add(req)
         return RequestHandle(self, req)
 
     def _take_queue_slot(self) -> None:
@@ -359,8 +358,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
                     self._aborting.add(request.id)
             request = request.id
         note_abort(self, request)  # still at the vision encoder: cancelled once it reaches the scheduler
-        self._commands.put(("abort", request))
-        self._wake.set()
+        self.enqueue_abort(request)
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> dict:

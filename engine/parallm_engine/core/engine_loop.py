@@ -74,11 +74,29 @@ class EngineLoop:
                 self._publish_stats()  # what the call changed (e.g. a cleared prefix cache) shows at once
                 done.set()
 
+    # -- the way in: commands the engine thread takes between steps (``_drain_commands``) -------------
+    def enqueue_add(self, req) -> None:
+        """Hand a request whose queue slot is taken (``_take_queue_slot``) to the scheduler."""
+        self._commands.put(("add", req))
+        self._wake.set()
+
+    def enqueue_abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def reject_queued(self, req, error: BaseException) -> None:
+        """End a request whose queue slot is taken but that will never reach the scheduler (its image
+        failed to encode) with ``error``, from the engine thread; its slot is free at once."""
+        with self._lock:
+            self._pending -= 1
+        self._commands.put(("call", (lambda: self._scheduler.reject(req, error), [], threading.Event())))
+        self._wake.set()
+
     def run_on_engine_thread(self, fn, timeout: float | None = None):
         """Run ``fn()`` between steps on the engine thread (for tests and maintenance)."""
         box: list = []
         done = threading.Event()
-        self._commands.put(("call", (fn, box, done)))
+        self._commands.put(("call", (fn, box, done)))  # answered by _drain_commands, or _fail_waiting
         self._wake.set()
         if not done.wait(timeout):
             raise TimeoutError("engine thread did not answer")

@@ -177,5 +177,4 @@ class EmbeddingAPI:
     def _queue_embedding(self, req: Request) -> None:
         """``Engine``: the scheduler takes it like any prompt (``embedding.EmbeddingSequence``)."""
         self._take_queue_slot()
-        self._commands.put(("add", req))
-        self._wake.set()
+        self.enqueue_add(req)

@@ -125,17 +125,13 @@ def submit_after_encoding(engine, req) -> bool:
             aborted = req.id in pending.aborted
             pending.aborted.discard(req.id)
             if error is None:
-                engine._commands.put(("add", req))
+                engine.enqueue_add(req)
                 if aborted:
-                    engine._commands.put(("abort", req.id))
+                    engine.enqueue_abort(req.id)
             else:
-                with engine._lock:  # it never reaches the scheduler's queue: no longer pending
-                    engine._pending -= 1
                 err = error if isinstance(error, ImageInputError) else ImageInputError(
                     f"the vision encoder failed on this request's image: {error}", param="messages")
-                engine._commands.put(("call", (lambda: engine._scheduler.reject(req, err), [],
-                                               threading.Event())))
-        engine._wake.set()
+                engine.reject_queued(req, err)
 
     encoder.encode_async(prompt, done)
     return True

@@ -66,9 +66,10 @@ def cmd_info(args) -> int:
            "decode_lanes": engine_backend.decode_lanes, "cpu_kernels": engine_backend.cpu_kernels,
            "blas_threading": _backend.blas_threading() if info.device == "cpu" else ""}
     if info.device == "cpu":
+        from parallm_engine import settings
         from parallm_engine.runner import batch_invariance
 
-        out["batch_invariant"] = (batch_invariance.blas_verdict().describe() if batch_invariance.enabled_by_env()
+        out["batch_invariant"] = (batch_invariance.blas_verdict().describe() if settings.batch_invariant()
                                   else "off (PARALLM_BATCH_INVARIANT=0)")
     from parallm_engine.errors import ParaLLMError
     from parallm_engine.runner.weights_dtype import resolve_weights_dtype

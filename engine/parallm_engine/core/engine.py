@@ -41,7 +41,7 @@ from parallm_engine.embed.embedding_api import EmbeddingAPI
 from parallm_engine.core.engine_api import EngineConvenienceAPI, Prompt
 from parallm_engine.core.engine_base import EngineBase
 from parallm_engine.core.engine_loop import EngineLoop
-from parallm_engine.runner import batch_invariance, lora
+from parallm_engine.runner import lora
 from parallm_engine.models.lora_adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, linear_dims
 from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
 from parallm_engine.core.stats import EngineStats
@@ -165,7 +165,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
             decode_lanes=decode_lanes or _lanes_for(self.backend, self.model),
             cpu_kernels=self.backend.cpu_kernels,
             batch_invariant=self.backend.device == "cpu" and (
-                batch_invariance.enabled_by_env() if batch_invariant is None else bool(batch_invariant)),
+                settings.batch_invariant() if batch_invariant is None else bool(batch_invariant)),
             speculative=speculative,
             kv_bits=kv_bits,
         )

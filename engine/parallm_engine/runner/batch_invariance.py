@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from parallm_engine import settings
 logger = logging.getLogger("parallm_engine")
 
 #: Paddings tried, smallest first (1: the plain matmul).
@@ -137,6 +136,14 @@ class BatchInvariance:
     def holds(self) -> bool:
         return not self.variant
 
+    def record(self, k: int, n: int, rows: int | None) -> None:
+        """A (K, N) weight shape's probe result (:func:`min_rows`): batch-dependent, padded, or neither."""
+        if rows is None:
+            if (k, n) not in self.variant:
+                self.variant.append((k, n))
+        elif rows > 1:
+            self.padded[(k, n)] = rows
+
     def describe(self) -> str:
         if self.variant:
             return (f"off: the BLAS's rows depend on the batch for {len(self.variant)} weight shape(s) at every "
@@ -145,10 +152,6 @@ class BatchInvariance:
             rows = sorted(set(self.padded.values()))
             return f"on: products of fewer rows padded to {'/'.join(map(str, rows))} for {len(self.padded)} weight shape(s)"
         return "on: the BLAS's rows are batch-invariant as they are"
-
-
-def enabled_by_env() -> bool:
-    return settings.batch_invariant()
 
 
 def install(model) -> BatchInvariance:
@@ -164,14 +167,10 @@ def install(model) -> BatchInvariance:
         n, k = module.weight.shape
         bias = cls is nn.Linear and "bias" in module
         r = min_rows(k, n, bias)
-        if r is None:
-            if (k, n) not in done.variant:
-                done.variant.append((k, n))
-            continue
-        if r > 1:
+        done.record(k, n, r)
+        if r is not None and r > 1:
             module._min_rows = r
             module.__class__ = _RowPaddedLinear if cls is nn.Linear else _RowPaddedEmbedding
-            done.padded[(k, n)] = r
     if done.variant:
         logger.info("batch invariance %s", done.describe())
     return done
@@ -182,9 +181,5 @@ def blas_verdict() -> BatchInvariance:
     """This BLAS on a few common weight shapes (random weights), for ``parallm info``."""
     done = BatchInvariance()
     for k, n in ((576, 576), (576, 192), (576, 1536), (1536, 576), (2048, 2048), (2048, 512), (2048, 8192)):
-        r = min_rows(k, n)
-        if r is None:
-            done.variant.append((k, n))
-        elif r > 1:
-            done.padded[(k, n)] = r
+        done.record(k, n, min_rows(k, n))
     return done

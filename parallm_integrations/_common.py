@@ -41,7 +41,7 @@ from ._request import (  # noqa: F401  (re-exported)
     check_priority,
     check_sampling,
 )
-from .backends import Backend, backend_for, same_model
+from .backends import Backend, PickedBackend, backend_for, same_model
 
 #: Sampling settings the model may recommend (the engine uses its recommendation for those left unset).
 _MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
@@ -155,8 +155,7 @@ class ParaLLMParams(BaseModel):
     """API key for ``base_url``; read from ``PARALLM_API_KEY`` if not given. Unused in-process."""
 
     _engine: Any = PrivateAttr(default=None)
-    _picked_backend: Any = PrivateAttr(default=None)
-    _picked_backend_key: tuple = PrivateAttr(default=())
+    _picked: PickedBackend = PrivateAttr(default_factory=PickedBackend)  # backends.backend_for
 
     @model_validator(mode="after")
     def _check_sampling(self):

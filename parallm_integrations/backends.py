@@ -482,22 +482,36 @@ def owner_client(owner: Any, max_retries: int | None = None):
     return get_client(owner.base_url, key or None, max_retries=retries)
 
 
+class PickedBackend:
+    """The backend an owner picked and what it was picked for; picked again when that changes. Each
+    ParaLLM class holds one (``_picked``)."""
+
+    def __init__(self) -> None:
+        self.backend: Backend | None = None
+        self.key: tuple = ()
+
+    def get(self, key: tuple, build) -> Backend:
+        if self.backend is None or self.key != key:
+            self.backend, self.key = build(), key
+        return self.backend
+
+
 def backend_for(owner: Any, options: dict[str, Any], request_model: str | None = None) -> Backend:
     """``owner``'s backend (a ParaLLM class: ``base_url``, ``api_key``, ``max_retries``, ``model``, ``_get_engine``
-    / ``_aget_engine``, ``_engine``, ``engine_kwargs``, and the private ``_picked_backend`` /
-    ``_picked_backend_key``): a server when ``base_url`` is set, else the in-process engine. Picked on first
-    use and kept; picked again only when ``base_url``, the model or ``options`` change."""
+    / ``_aget_engine``, ``_engine``, ``engine_kwargs``, and its ``_picked``: a :class:`PickedBackend`): a
+    server when ``base_url`` is set, else the in-process engine. Picked on first use and kept; picked again
+    only when ``base_url``, the model or ``options`` change."""
     key = (bool(owner.base_url), owner.model, request_model, tuple(sorted(options.items())),
            getattr(owner, "allow_remote_images", None))
-    if owner._picked_backend is None or owner._picked_backend_key != key:
+
+    def build() -> Backend:
         if owner.base_url:
-            backend: Backend = RemoteBackend(model=owner.model, request_model=request_model,
-                                             client_for=lambda retries: owner_client(owner, retries), **options)
-        else:
-            backend = EngineBackend(owner=owner, allow_remote_images=getattr(owner, "allow_remote_images", None),
-                                    **options)
-        owner._picked_backend, owner._picked_backend_key = backend, key
-    return owner._picked_backend
+            return RemoteBackend(model=owner.model, request_model=request_model,
+                                 client_for=lambda retries: owner_client(owner, retries), **options)
+        return EngineBackend(owner=owner, allow_remote_images=getattr(owner, "allow_remote_images", None),
+                             **options)
+
+    return owner._picked.get(key, build)
 
 
-__all__ = ["Backend", "EngineBackend", "RemoteBackend", "backend_for", "check_forced_call", "owner_client"]
+__all__ = ["Backend", "EngineBackend", "PickedBackend", "RemoteBackend", "backend_for", "check_forced_call", "owner_client"]

@@ -73,7 +73,7 @@ def test_install_switches_only_plain_float32_modules():
         assert not done.holds and (576, 192) in done.variant and "off" in done.describe()
         assert type(net.kv) is nn.Linear
     elif r > 1:
-        assert type(net.kv) is bi._RowPaddedLinear and net.kv._min_rows == r
+        assert type(net.kv) is bi._RowPaddedLinear and net.kv.padded_rows == r
         assert type(net.bf16) is bi._RowPaddedLinear
         assert done.padded[(576, 192)] == r and done.describe().startswith("on")
     assert type(net.half) is nn.Linear and type(other) is nn.Linear

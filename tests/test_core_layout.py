@@ -58,27 +58,115 @@ def test_a_family_quirk_lives_in_its_adapter():
 
 
 def test_the_runner_reports_a_step_instead_of_writing_the_plan():
-    """``ModelRunner.execute(plan) -> StepOutput``: no module outside ``core`` assigns to a plan's fields
-    (the prefill items' ``finished`` is the one hand-over back, through ``PrefillWork``)."""
+    """``ModelRunner.execute(plan) -> StepOutput``: no module assigns to a plan's or a work item's fields
+    (both are frozen; what ran comes back in ``StepOutput``)."""
     import ast
     import dataclasses
 
-    from parallm_engine.runner.step_plan import StepOutput, StepPlan
+    from parallm_engine.runner.step_plan import PrefillWork, StepOutput, StepPlan
 
     root = PACKAGE.parent
     writes = []
     for path in root.rglob("*.py"):
-        if path.parent.name == "core":
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
             for t in targets:
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "plan":
-                    writes.append(f"{path.relative_to(root)}:{node.lineno} plan.{t.attr}")
+                    writes.append(f"{path.relative_to(root)}:{node.lineno} {t.value.id}.{t.attr}")
     assert not writes, writes
+    assert StepPlan.__dataclass_params__.frozen and PrefillWork.__dataclass_params__.frozen
     measured = {f.name for f in dataclasses.fields(StepOutput)}
     assert measured.isdisjoint(f.name for f in dataclasses.fields(StepPlan))
+
+
+def test_a_plan_is_complete_and_frozen_before_it_runs(tiny_model_dir):
+    """On a real workload (a burst, then prompts arriving into a running batch, one of them longer than a
+    chunk): every plan the scheduler returns holds only tuples (its prefill items planned in full, none
+    drawn lazily), and the runner leaves it exactly as it got it."""
+    import dataclasses
+
+    from parallm_engine import Engine
+
+    from .model_zoo import prompt_ids
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=64)
+    seen = []
+    try:
+        runner = eng._scheduler.runner
+        execute = runner.execute
+
+        def checked(plan):
+            def snapshot():
+                return [(f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)], \
+                    [(w.kind, w.seqs, w.new, w.fused, w.finishes) for w in plan.prefill]
+
+            for f in dataclasses.fields(plan):
+                value = getattr(plan, f.name)
+                assert not isinstance(value, (list, dict, set)) and not hasattr(value, "__next__"), f.name
+            before = snapshot()
+            with __import__("pytest").raises(dataclasses.FrozenInstanceError):
+                plan.prefill = ()
+            out = execute(plan)
+            assert snapshot() == before
+            assert out.prefill_ran <= len(plan.prefill)
+            seen.append(len(plan.prefill))
+            return out
+
+        runner.execute = checked
+        vocab = eng.model_info.vocab_size
+        eng.generate([prompt_ids(20 + i, vocab, seed=i) for i in range(6)], max_tokens=4, temperature=0)
+        streams = eng.submit(prompt_ids(10, vocab, seed=50), max_tokens=30, temperature=0, ignore_eos=True)
+        eng.generate([prompt_ids(150, vocab, seed=51), prompt_ids(12, vocab, seed=52)], max_tokens=4, temperature=0)
+        eng._collect(streams)
+    finally:
+        eng.shutdown()
+    assert max(seen) >= 2  # steps planned several items at once
+
+
+def test_no_layout_branch_outside_kv():
+    """The KV layout ("attention": paged; "mixed": mlx-lm's caches) is kv's: other layers ask it what it can
+    do (``prefills_alone``, ``takes_ragged_steps``, ``rolls_back``, ``prefill_lanes``) instead of comparing
+    layout names."""
+    import ast
+
+    root = PACKAGE.parent
+    branches = []
+    for path in root.rglob("*.py"):
+        if path.parent.name == "kv":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            parts = [node.left, *node.comparators]
+            names = any(isinstance(p, ast.Constant) and p.value in ("attention", "mixed") for p in parts)
+            layout = any(isinstance(p, (ast.Attribute, ast.Name)) and getattr(p, "attr", getattr(p, "id", None))
+                         == "layout" for p in parts)
+            if names or layout:
+                branches.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not branches, branches
+
+
+def test_no_write_to_another_objects_private_attribute():
+    """A module sets private attributes (``_x``) on ``self`` or ``cls`` only: another object's, an other
+    package's included, are reached through what that object offers."""
+    import ast
+
+    import parallm_integrations
+
+    roots = [PACKAGE.parent, Path(parallm_integrations.__file__).parent]
+    writes = []
+    for root in roots:
+        for path in root.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                for t in flat:
+                    if isinstance(t, ast.Attribute) and t.attr.startswith("_") and not t.attr.startswith("__") \
+                            and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")):
+                        writes.append(f"{path.relative_to(root.parent)}:{node.lineno} .{t.attr}")
+    assert not writes, writes
 
 
 def test_other_layers_reach_the_engine_thread_through_its_commands():

@@ -245,9 +245,8 @@ def test_prompts_that_join_the_decode_forward_that_prefills_them(fresh, words, l
 def test_several_prefill_items_in_one_decode_forward(fresh, tmp_path, monkeypatch):
     """A long prompt's last chunk and two groups of short prompts, planned in one step beside decoding rows,
     are all computed by that step's decode forward (``kv/fused_step.py``): no prefill forward, each KV token
-    written once, each answer equal to its prompt alone. A prompt whose uncached prefix a waiting prompt
-    continues is not fused (the tree takes a fused prompt only once the forward that writes it is built): it
-    runs as a prefill forward at once, and the other reads that prefix from the tree in the same step."""
+    written once, each answer equal to its prompt alone. A prompt that continues the uncached prefix of
+    another prompt of the step waits for the next step and reads that prefix from the tree (computed once)."""
     import json
 
     from .model_zoo import prompt_ids
@@ -278,12 +277,12 @@ def test_several_prefill_items_in_one_decode_forward(fresh, tmp_path, monkeypatc
     after = eng.stats()
     assert results == alone
     _once(eng, w1 - w0, p1 - p0, d1 - d0)
-    # The long prompt: chunks of 64 and 36; the shorts: groups (9 + 23) and (40), all fused; the twins: the
-    # first a prefill forward of its own (the second continues its 40 uncached tokens), the second fused,
-    # reading those 40 from the tree and computing only its own 5.
-    assert after["prefill_forwards"] - before["prefill_forwards"] == 1
-    assert after["fused_prefill_chunks"] - before["fused_prefill_chunks"] == 5
-    assert after["fused_prefill_tokens"] - before["fused_prefill_tokens"] == 100 + 9 + 23 + 40 + 5
+    # The long prompt: chunks of 64 and 36; the shorts: groups (9 + 23) and (40); the first twin (44), all
+    # fused; the second twin continues the first's 40 uncached tokens: it waits one step, reads them from the
+    # tree and computes only its own 5, fused too.
+    assert after["prefill_forwards"] - before["prefill_forwards"] == 0
+    assert after["fused_prefill_chunks"] - before["fused_prefill_chunks"] == 6
+    assert after["fused_prefill_tokens"] - before["fused_prefill_tokens"] == 100 + 9 + 23 + 40 + 44 + 5
     assert late[-1].request.result.usage.cached_tokens == 40
     steps = [json.loads(line) for line in trace.read_text().splitlines()[lines0:]]
-    assert max(s["fused_tokens"] for s in steps) == 36 + 9 + 23 + 40 + 5  # several items in one forward
+    assert max(s["fused_tokens"] for s in steps) == 36 + 9 + 23 + 40 + 44  # several items in one forward

@@ -288,6 +288,48 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
 
 
 @pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_a_burst_on_an_idle_engine_is_prefilled_in_one_step(tiny_model_dir, backend, tmp_path, monkeypatch):
+    """Short prompts that arrive together at an idle engine are all prefilled in the first step (several
+    prefill forwards of at most a chunk each) and decode together from then on, as mlx-lm's BatchGenerator
+    does; paced over steps, each later wave would pay the decode steps of the waves before it. Prompts
+    arriving into a running batch are still paced (test_prefill_is_cut_to_the_step_time_target). Every
+    answer is the one the prompt gets alone."""
+    import threading
+
+    from parallm_engine import Engine
+
+    if backend:
+        monkeypatch.setenv("PARALLM_BACKEND", backend)
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PARALLM_STEP_TRACE", str(trace))
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=128, prefill_budget=2048)
+    try:
+        vocab = eng.model_info.vocab_size
+        eng.generate([prompt_ids(20, vocab, seed=1)], max_tokens=2, temperature=0)  # warm-up: the rate is measured
+        eng.clear_prefix_cache()
+        seen = len(trace.read_text().splitlines())  # the trace is line-buffered
+        prompts = [prompt_ids(60 + i, vocab, seed=40 + i) for i in range(10)]  # 645 tokens: 6 chunks of 128
+        args = dict(max_tokens=4, temperature=0, ignore_eos=True)
+        release, held = threading.Event(), threading.Event()
+        # Hold the engine thread between steps until every prompt is queued: they arrive together.
+        holder = threading.Thread(target=eng.run_on_engine_thread, args=(lambda: (held.set(), release.wait(30)),))
+        holder.start()
+        assert held.wait(30)
+        handles = [eng.submit(p, **args) for p in prompts]
+        release.set()
+        holder.join()
+        answers = [eng._collect(h).token_ids for h in handles]
+        steps = [json.loads(line) for line in trace.read_text().splitlines()[seen:]]
+        first = next(s for s in steps if s["joined"])
+        assert first["joined"] == len(prompts), [s["joined"] for s in steps]
+        assert first["prefill_tokens"] + first["fused_tokens"] == sum(len(p) - 1 for p in prompts)
+        eng.clear_prefix_cache()
+        assert [eng.generate([p], **args)[0].token_ids for p in prompts] == answers
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
 def test_short_prompts_go_ahead_of_a_paced_long_one_without_starving_it(tiny_model_dir, backend, monkeypatch):
     """A long prompt prefilled at the step-time target's pace over many steps does not hold up short
     prompts sent after it: they go ahead (shortest job first), a chunk of them a step, and get their

@@ -54,7 +54,7 @@ from llama_index.core.types import PydanticProgramMode
 
 from parallm_integrations._engine_calls import resolve_engine
 from parallm_integrations._request import EngineRequest, ToolRules, build_request, check_sampling
-from parallm_integrations.backends import Backend, backend_for, same_model
+from parallm_integrations.backends import Backend, PickedBackend, backend_for, same_model
 from parallm_integrations.llama_index._messages import (  # noqa: F401  (message_to_dict: re-exported)
     amessages_to_dicts,
     json_schema_format,
@@ -250,8 +250,7 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     )
 
     _engine: Any = PrivateAttr(default=None)
-    _picked_backend: Any = PrivateAttr(default=None)
-    _picked_backend_key: tuple = PrivateAttr(default=())
+    _picked: PickedBackend = PrivateAttr(default_factory=PickedBackend)  # backends.backend_for
 
     @model_validator(mode="after")
     def _check_sampling(self):

@@ -8,6 +8,13 @@ still turn into a stop string, so a stop string never reaches the caller.
 from __future__ import annotations
 
 import copy
+import functools
+
+
+@functools.lru_cache(maxsize=None)
+def _keeping_leading_space(cls: type) -> type:
+    """A subclass of mlx-lm's detokenizer class ``cls`` that keeps the first token's leading space."""
+    return type(cls.__name__, (cls,), {"_maybe_trim_space": lambda self, text: text})
 
 
 class IncrementalDetokenizer:
@@ -19,7 +26,7 @@ class IncrementalDetokenizer:
         if hasattr(self._detok, "_maybe_trim_space"):
             # mlx-lm's BPE detokenizer drops the first token's leading space (" Paris" -> "Paris");
             # a completion must keep it, so the text equals tokenizer.decode(token_ids).
-            self._detok._maybe_trim_space = lambda text: text
+            self._detok.__class__ = _keeping_leading_space(type(base))
         self.stop = stop
         self.include_stop = include_stop
         self._max_stop = max((len(s) for s in stop), default=0)

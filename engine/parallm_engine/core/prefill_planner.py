@@ -1,31 +1,29 @@
-"""The scheduler's prefill planning: which prompt tokens run in this step, one work item at a time.
+"""The scheduler's prefill planning: which prompt tokens run in this step.
 
-Part of the scheduler (``Scheduler`` takes it in): it plans and runs nothing. Each item
-(``step_plan.PrefillWork``) is planned once the one before has run, because what comes next depends on
-it: the step's prefill stops on the clock (``Scheduler.prefill_token_budget`` and ``_prefill_room_s``
-set its token budget and time), and a prompt whose uncached prefix a member of the step's group is
-computing waits one step and finds it in the radix tree (in-flight dedup). A context longer than one
-chunk is prefilled alone, chunk by chunk, across steps, at the step-time target's pace; shorter ones
-(attention layout) together in groups of at most one chunk of tokens, a whole chunk a step whatever the
-pace (a short job goes first, also past a long prompt at the head of the queue, which still advances every
-step: ``_shorts_first``); a context the prefix cache holds whole needs no forward. While rows
-decode, every item the runner can compute so is marked ``fused``: the decode forward computes it
-(``kv.fused_step``), and the prompts it finishes join the decode rows of that same forward. The radix tree
-takes those prompts once that forward is built, so a later item of the step never reads them: an item
-whose uncached prefix a waiting prompt continues runs as a prefill forward instead (the tree holds it at
-once, and the other finds it there in this same step), and a fused chunk that leaves its prompt unfinished
-is the step's last item. Where the runner has several prefill streams (a multi-core CPU on MLX's ops), only
-the step's last item is fused (see ``_fuses``).
+Part of the scheduler (``Scheduler`` takes it in): it plans and runs nothing. The step's work items
+(``step_plan.PrefillWork``) are all planned before any runs, within a token budget the measured prefill
+rate and the step-time target set (``Scheduler.prefill_token_budget`` and ``_prefill_room_s``; the runner
+also stops at the plan's deadline). A context longer than one chunk is prefilled alone, chunk by chunk,
+across steps, at the step-time target's pace; shorter ones (attention layout) together in groups of at most
+one chunk of tokens, a whole chunk a step whatever the pace (a short job goes first, also past a long prompt
+at the head of the queue, which still advances every step: ``_shorts_first``); on an idle engine a burst of
+short prompts is prefilled whole in one step; a context the prefix cache holds whole needs no forward. A
+prompt whose uncached prefix another prompt of the step computes waits for the next step and finds it in the
+radix tree (in-flight dedup). While rows decode, every item the runner can compute so is marked ``fused``:
+the decode forward computes it (``kv.fused_step``), and the prompts it finishes join the decode rows of that
+same forward; a fused chunk that leaves its prompt unfinished is the step's last item. Where the runner has
+several prefill streams (a multi-core CPU on MLX's ops), only the step's last item is fused (``_fuses``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from parallm_engine.embed import embedding
 from parallm_engine.core.sequence import Sequence
 from parallm_engine.kv.radix_cache import shared_context_len
-from parallm_engine.runner.step_plan import PrefillWork, StepPlan
+from parallm_engine.runner.step_plan import PrefillWork
 
 
 class PrefillPlanner:
@@ -68,11 +66,12 @@ class PrefillPlanner:
             return False
         return any(shared_context_len(seq, g) > cached + 8 for g in group if not g.embedding)
 
-    def _plan_prefill(self, plan: StepPlan):
-        """Spend up to ``prefill_budget`` context tokens this step, one work item at a time (each planned
-        once the one before has run). A context longer than one chunk is prefilled alone, chunk by
-        chunk, across steps; shorter ones (attention layout) together in forward passes (groups) of at
-        most one chunk of tokens, except those whose uncached prefix a group member is computing.
+    def _plan_prefill(self) -> tuple[tuple[PrefillWork, ...], float | None]:
+        """The step's prefill work, complete before any of it runs, and the time after which the runner
+        starts no further item. Up to ``prefill_token_budget`` context tokens: a context longer than one
+        chunk alone, chunk by chunk, across steps; shorter ones (attention layout) together in forward
+        passes (groups) of at most one chunk of tokens. A prompt whose uncached prefix another prompt of the
+        step computes is not planned in this step: the next step finds that prefix in the radix tree.
         Sequences whose context is all cached need no forward."""
         budget = self.prefill_token_budget()
         whole = min(self.config.prefill_chunk, self.config.prefill_budget)
@@ -87,74 +86,86 @@ class PrefillPlanner:
             budget = max(budget, whole)
         chunk = min(self.config.prefill_chunk, budget)
         # The token budget follows the measured rate; the clock also stops the step's prefill once the
-        # target has passed (a rate measured on an idle machine may not hold on a busy one).
+        # target has passed (a rate measured on an idle machine may not hold on a busy one): the runner
+        # starts no item after the deadline.
         deadline = time.perf_counter() + self._prefill_room_s() if self.config.step_time_target_s else None
-        self._fused_seqs = []  # prompts this step's decode forward computes (not in the tree until it is built)
+        idle_burst = self._idle_burst_tokens(whole)
+        if idle_burst:
+            # Nothing decodes: no stream waits on this step, so the whole burst of short prompts is
+            # prefilled now and they decode together from the next forward on, as BatchGenerator does
+            # (paced, each later wave would pay the decode steps of the waves before it).
+            budget, deadline = max(budget, idle_burst), None
+        step = _PlannedStep(decoding=bool(self.running))
         while self.prefilling:
-            out_of_room = budget <= 0 or (deadline is not None and time.perf_counter() >= deadline)
             if owed is not None and owed not in self.prefilling:
                 owed = None  # a short prompts' group took its last tokens
-            if owed is not None and (out_of_room or self.prefilling[0] is owed):
+            if owed is not None and (budget <= 0 or self.prefilling[0] is owed):
                 # The short prompts went ahead of it, not instead of it: it gets what they left of the
                 # step's budget and at least the minimum progress, so a stream of short prompts never
                 # starves it (its full paced share on top of theirs would double the running streams' step).
                 self.prefilling.remove(owed)
                 self.prefilling.appendleft(owed)
                 budget, owed = max(budget, self.config.min_prefill_tokens), None
-            elif out_of_room:
+            elif budget <= 0:
                 break
             head = self.prefilling[0]
             if not head.started:
-                if self._fused_seqs and self._uncached_overlap(head, self._fused_seqs, self.kv.peek(head)):
-                    return  # it would recompute what the decode forward computes: next step, from the tree
+                if self._uncached_overlap(head, step.computing, self.kv.peek(head)):
+                    break  # it would recompute what this step computes: next step, from the tree
                 self._start_prefill(head)
-            remaining = len(head.prefill_ids) - head.pos
-            if remaining == 0 and head.cache is None:
+            remaining = len(head.prefill_ids) - step.pos(head)
+            if remaining == 0 and not step.opened(head):
                 self.prefilling.popleft()
-                work = PrefillWork("cached", [head], 0)
-                yield work
-                self._prompts_done(work.finished, plan.joined)
+                step.add(PrefillWork("cached", (head,), (0,), finishes=(head,)))
                 continue
-            if self.layout == "mixed" or head.cache is not None or remaining > chunk:
-                seqs = [head, *self._parallel_chunks(head, chunk)]
+            if self.kv.prefills_alone or step.opened(head) or remaining > chunk:
+                seqs = [head, *self._parallel_chunks(head, chunk, step)]
                 per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
-                new = [self._chunk_len(s, per) for s in seqs]
-                work = PrefillWork("chunk", seqs, sum(new), new=new)
-                work.fused = self._fuses(work, budget)
-                yield work
-                for s in seqs:
-                    self.kv.commit_split(s)
-                for s, _ in work.finished:
+                new = tuple(self._chunk_len(s, step.pos(s), per) for s in seqs)
+                finishes = tuple(s for s, n in zip(seqs, new) if step.pos(s) + n == len(s.prefill_ids))
+                work = PrefillWork("chunk", tuple(seqs), new, finishes=finishes)
+                work = replace(work, fused=self._fuses(work, budget, step))
+                step.add(work)
+                for s in finishes:
                     self.prefilling.remove(s)
-                if work.finished:
-                    self._prompts_done(work.finished, plan.joined, work.fused)
-                if work.fused:
-                    self._fused_seqs += seqs
-                    if len(work.finished) < len(seqs):
-                        return  # a prompt runs once a step: its next chunk is the next step's
+                if work.fused and len(finishes) < len(seqs):
+                    break  # a prompt runs once a step: its next chunk is the next step's
+                if any(s.split and step.pos(s) == s.split for s in seqs):
+                    break  # a shared prefix's snapshot is taken after the step (Scheduler.update)
                 budget -= work.n_tokens
                 continue
             group, used = [head], remaining
             for seq in list(self.prefilling)[1:]:
                 if len(group) >= self.config.max_batch_size:
                     break
-                if seq.cache is not None:
+                if step.opened(seq):
                     continue
                 cached = seq.pos if seq.started else self.kv.peek(seq)
                 left = len(seq.prefill_ids) - cached
-                if left == 0 or used + left > min(chunk, budget) or not self._joins(seq, group, cached):
+                if left == 0 or used + left > min(chunk, budget) or not self._joins(seq, group, cached, step):
                     continue
                 group.append(seq)
                 used += len(seq.prefill_ids) - seq.pos
             for seq in group:
                 self.prefilling.remove(seq)
-            work = PrefillWork("group", group, used)
-            work.fused = self._fuses(work, budget)
-            yield work
-            self._prompts_done(work.finished, plan.joined, work.fused)
-            if work.fused:
-                self._fused_seqs += group
+            work = PrefillWork("group", tuple(group), tuple(len(s.prefill_ids) - s.pos for s in group),
+                               finishes=tuple(group))
+            step.add(replace(work, fused=self._fuses(work, budget, step)))
             budget -= used
+        return tuple(step.items), deadline
+
+    def _idle_burst_tokens(self, whole: int) -> int:
+        """Where no row decodes and nothing is in flight: the uncached tokens of the prefilling prompts
+        whose whole prefill is one chunk (``whole`` tokens) at most, up to one ``max_batch_size`` of them;
+        0 otherwise (rows decoding: the step-time target paces the prefill next to them)."""
+        if self.running or self.runner.in_flight or len(self.prefilling) < 2:
+            return 0
+        total = 0
+        for seq in list(self.prefilling)[: self.config.max_batch_size]:
+            cached = seq.pos if seq.started else self.kv.peek(seq)
+            if len(seq.prefill_ids) - cached <= whole:
+                total += len(seq.prefill_ids) - cached
+        return total
 
     def _shorts_first(self, whole: int) -> Sequence | None:
         """Shortest job first, where a long prompt heads the queue: prompts whose whole prefill is one chunk
@@ -166,10 +177,8 @@ class PrefillPlanner:
         later), nor one less urgent by priority than the head. Only past a head with at least two chunks
         of prefill left (a document, not a turn just over a chunk), and it lets through at most its own
         length in short prompts' tokens (``Sequence.overtaken``): then they wait for it, so its prefill
-        takes at most about twice its own work, whatever keeps arriving. Measured on the default agents
-        trace (turns of 200-800 new tokens, half of them just over a chunk): past every long head, the short
-        turns' TTFT p50 fell 2.5x and the long ones' rose 1.6x (TTFT p99 69-76 -> 105-129 s on the
-        pure-MLX path); with two chunks as the threshold the rule stays out of that trace. Returns the head
+        takes at most about twice its own work, whatever keeps arriving (its effect on the agents
+        trace: docs/benchmarks-archive.md, "Short prompts first"). Returns the head
         they went ahead of (``_plan_prefill`` still gives it what they left of the budget, at least
         ``min_prefill_tokens``), or None."""
         if len(self.prefilling) < 2:
@@ -200,35 +209,29 @@ class PrefillPlanner:
         self.prefilling.extend(ahead + behind)
         return head
 
-    def _fuses(self, work: PrefillWork, budget: int) -> bool:
-        """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step, no
-        waiting prompt continues a prompt it finishes (run now, the tree holds that prompt for them in this
-        same step; fused, they would wait a step), and the runner can run each of its prompts so. Where the
-        runner has several prefill streams (a multi-core CPU without the native kernels, each stream on one
-        core), only the step's last item, of one prompt: a prefill forward before it runs on one core while
-        the step in flight decodes on the other, and a group is split over both cores."""
-        if not self.config.fuse_prefill or not self.running or self.layout != "attention":
+    def _fuses(self, work: PrefillWork, budget: int, step: "_PlannedStep") -> bool:
+        """Whether ``work`` runs in this step's decode forward (``kv.fused_step``): rows decode this step
+        (running ones, or prompts an earlier item finishes), the KV takes ragged steps, and the runner can
+        run each of its prompts so. Where the runner has several prefill streams (a multi-core CPU without
+        the native kernels, each stream on one core), only the step's last item, of one prompt: a prefill
+        forward before it runs on one core while the step in flight decodes on the other, and a group is
+        split over both cores."""
+        if not self.config.fuse_prefill or not step.decoding or not self.kv.takes_ragged_steps:
             return False
-        done = work.seqs if work.kind == "group" else \
-            [s for s, n in zip(work.seqs, work.new) if s.pos + n == len(s.prefill_ids)]  # into the tree now
         if self.runner.prefill_streams > 1:
             others = any(s not in work.seqs for s in self.prefilling)
-            last = work.n_tokens >= budget or (len(done) == len(work.seqs) and not others)
+            last = work.n_tokens >= budget or (len(work.finishes) == len(work.seqs) and not others)
             if len(work.seqs) > 1 or not last:
                 return False
-        if self.kv.has_tree and any(not o.started and not o.embedding and o not in work.seqs
-                                    and shared_context_len(o, s) > s.pos + 8
-                                    for o in self.prefilling for s in done):
-            return False
         return all(self.runner.fuses(s) for s in work.seqs)
 
-    def _parallel_chunks(self, head: Sequence, chunk: int) -> list[Sequence]:
+    def _parallel_chunks(self, head: Sequence, chunk: int, step: "_PlannedStep") -> list[Sequence]:
         """Long contexts whose chunks run beside ``head``'s, one per further prefill stream of the runner
         (a multi-lane CPU without the native kernels runs each lane's forward on its own core): those
         prefilling in chunks already, and waiting ones longer than a chunk whose uncached prefix no chosen
         one is computing (that one waits for the radix tree, as in a group)."""
         streams = self.runner.prefill_streams
-        if streams <= 1 or self.layout == "mixed":
+        if streams <= 1 or self.kv.prefills_alone:
             return []
         chosen: list[Sequence] = []
         for seq in list(self.prefilling)[1:]:
@@ -236,45 +239,70 @@ class PrefillPlanner:
                 break
             if seq.embedding:
                 continue
-            cached = seq.pos if seq.started else self.kv.peek(seq)
-            if seq.cache is None and len(seq.prefill_ids) - cached <= chunk:
+            cached = step.pos(seq) if seq.started else self.kv.peek(seq)
+            if not step.opened(seq) and len(seq.prefill_ids) - cached <= chunk:
                 continue  # short: a group's
-            if self._joins(seq, [head, *chosen], cached):
+            if self._joins(seq, [head, *chosen], cached, step):
                 chosen.append(seq)
         return chosen
 
-    def _joins(self, seq: Sequence, others: list[Sequence], cached: int) -> bool:
+    def _joins(self, seq: Sequence, others: list[Sequence], cached: int, step: "_PlannedStep") -> bool:
         """Whether ``seq`` may prefill in the same step as ``others`` (``cached``: its tokens the prefix cache
-        holds): not if it would recompute an uncached prefix one of them, or a prompt this step's decode forward
-        computes, is computing. Started here if so."""
+        holds): not if it would recompute an uncached prefix one of them, or another item of the step, is
+        computing. Started here if so."""
         if seq.started:
             return True
-        if self._uncached_overlap(seq, [*others, *self._fused_seqs], cached):
+        if self._uncached_overlap(seq, [*others, *step.computing], cached):
             return False
         self._start_prefill(seq)
         return True
 
     @staticmethod
-    def _chunk_len(seq: Sequence, n_max: int) -> int:
-        """The next chunk of ``seq``'s context: at most ``n_max`` tokens, ending at its split if it has one."""
-        end = min(len(seq.prefill_ids), seq.pos + n_max)
-        if seq.split and seq.pos < seq.split < end:
+    def _chunk_len(seq: Sequence, pos: int, n_max: int) -> int:
+        """The next chunk of ``seq``'s context from ``pos``: at most ``n_max`` tokens, ending at its split if
+        it has one."""
+        end = min(len(seq.prefill_ids), pos + n_max)
+        if seq.split and pos < seq.split < end:
             end = seq.split
-        return end - seq.pos
+        return end - pos
 
-    def _prompts_done(self, finished: list[tuple[Sequence, list]], done: list[Sequence], fused: bool = False) -> None:
-        """Contexts prefilled (all but their last token): the KV cache manager stores them in the prefix
-        cache and hands them to the decode batch. Embedding rows are delivered here and go no further
-        (``embedding.finish_embeddings``). ``fused``: their KV is written by this step's decode forward,
-        which they join (``kv.fused_step``)."""
-        for seq, _ in finished:
+    def _prompts_done(self, seqs: list[Sequence]) -> list[Sequence]:
+        """After the step: contexts prefilled (all but their last token), whose rows the runner joined to the
+        batch. Embedding rows are delivered here and go no further (``embedding.finish_embeddings``); the
+        others are unpinned and counted. Returns the sequences that joined."""
+        for seq in seqs:
             if seq.embedding:  # delivered here: its KV (and the row holding it) goes
                 self.kv.release(seq)
-        finished = embedding.finish_embeddings(finished, self.out, self.stats)
-        self.kv.commit_prompts(finished, fused)
-        for seq, _ in finished:
-            seq.consumed = len(seq.prefill_ids)
+        joined = embedding.finish_embeddings(seqs, self.out, self.stats)
+        for seq in joined:
             if not seq.preemptions:
                 self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
             self.kv.unpin(seq)
-            done.append(seq)
+        return joined
+
+
+class _PlannedStep:
+    """The prefill planned so far in one step: its items, where each sequence's context will be once they
+    have run, and which sequences compute context tokens (a prompt continuing one of those waits a step)."""
+
+    def __init__(self, decoding: bool):
+        self.items: list[PrefillWork] = []
+        self.computing: list[Sequence] = []
+        self.decoding = decoding  # rows decode this step: running ones, or prompts an item finishes
+        self._at: dict[int, int] = {}
+
+    def pos(self, seq: Sequence) -> int:
+        return self._at.get(id(seq), seq.pos)
+
+    def opened(self, seq: Sequence) -> bool:
+        """``seq`` has its prefill row (or caches): from an earlier step, or a chunk planned in this one."""
+        return seq.cache is not None or id(seq) in self._at
+
+    def add(self, work: PrefillWork) -> None:
+        self.items.append(work)
+        for seq, n in zip(work.seqs, work.new):
+            self._at[id(seq)] = self.pos(seq) + n
+            if n:
+                self.computing.append(seq)
+        if any(not s.embedding for s in work.finishes):
+            self.decoding = True

@@ -2,12 +2,14 @@
 on the engine thread.
 
 One ``step()``: ``schedule()`` makes room (preempts the least urgent rows if the running batch would
-outgrow the KV budget), admits waiting sequences by the memory they take now and returns the step's
-plan (``step_plan.StepPlan``); the model runner's ``execute(plan)`` (``model_runner``) draws the prefill
-work (a long context alone, chunk by chunk; short ones in groups; prompts that arrive together with
-the same uncached prefix compute it once), then runs one decode step for every running row, and returns
-what it ran and took (``step_plan.StepOutput``); ``update(plan, out)`` records it. Every KV hand-off (prefix match and pins, a prompt's caches, commits to the
-prefix cache, joins, frees) and the one KV budget are the KV cache manager's (``kv_cache_manager``).
+outgrow the KV budget), admits waiting sequences by the memory they take now and plans the step's prefill
+work (a long context alone, chunk by chunk; short ones in groups; prompts that arrive together with the
+same uncached prefix compute it once: one this step, the others from the radix tree the next), and returns
+the step's plan, complete and frozen (``step_plan.StepPlan``); the model runner's ``execute(plan)``
+(``model_runner``) runs it and one decode step for every running row, and returns what it ran and took
+(``step_plan.StepOutput``); ``update(plan, out)`` does the bookkeeping. Every KV hand-off (prefix match and
+pins, a prompt's caches, commits to the prefix cache, joins, frees) and the one KV budget are the KV cache
+manager's (``kv_cache_manager``).
 
 A sequence's context is its prompt plus what it generated so far. Prefill covers every context token
 but the last; the last runs in the decode step that samples the next token (as mlx-lm's generate
@@ -84,7 +86,7 @@ class Scheduler(PrefillPlanner):
         # The forwards, sampling and delivery of each step (and the pipelined decode step in flight).
         self.runner = ModelRunner(model, model_info, config, stats, self.kv, self.out, family,
                                   retire=self._retire_rows)
-        self._plan: StepPlan | None = None  # the step being run (its retired rows are recorded in it)
+        self._retired: list[Sequence] = []  # rows retired in the step being run (for its trace)
         # Measured, for the step-time bound: prefill tokens per second and the rest of a step's time.
         self._prefill_rate: float | None = None
         self._other_step_s = 0.0
@@ -167,7 +169,7 @@ class Scheduler(PrefillPlanner):
         return self.kv.held_bytes()
 
     # -- memory ---------------------------------------------------------------------------------
-    def _make_room(self, plan: StepPlan) -> None:
+    def _make_room(self, preempted: list) -> None:
         """The prefix cache gives way to the running rows first (``kv_manager``); then the least urgent
         running sequences are preempted while the rows, grown by the watermark, would still exceed the
         budget (never the last one: a single sequence always runs)."""
@@ -178,7 +180,7 @@ class Scheduler(PrefillPlanner):
         while len(self.running) > 1 and self.kv.rows_over_budget():
             victim = max(self.running, key=lambda s: s.urgency)
             self._preempt(victim)
-            plan.preempted.append(victim)
+            preempted.append(victim)
             self.kv.fit_cache()
 
     def _preempt(self, seq: Sequence) -> None:
@@ -198,23 +200,37 @@ class Scheduler(PrefillPlanner):
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
         """One engine step (the engine thread's loop calls it): plan, execute, update."""
+        self._retired = []
         plan = self.schedule()
         self.update(plan, self.runner.execute(plan))
 
     def schedule(self) -> StepPlan:
-        """This step's plan: room made, sequences admitted, and the prefill work, which the runner
-        draws one item at a time (``_plan_prefill``)."""
-        plan = self._plan = StepPlan(started=time.perf_counter())
-        self._make_room(plan)
+        """This step's plan, complete and frozen: room made, sequences admitted, the prefill work."""
+        started = time.perf_counter()
+        preempted: list[Sequence] = []
+        admitted: list[Sequence] = []
+        self._make_room(preempted)
         self.kv.trim()  # pages the prefix cache gave back
-        self._admit(plan)
-        plan.plan_s = time.perf_counter() - plan.started
-        plan.prefill = self._plan_prefill(plan)
-        return plan
+        self._admit(admitted)
+        prefill, deadline = self._plan_prefill()
+        return StepPlan(started=started, plan_s=time.perf_counter() - started, admitted=tuple(admitted),
+                        preempted=tuple(preempted), prefill=prefill, deadline=deadline)
 
     def update(self, plan: StepPlan, out: StepOutput) -> None:
-        """After the runner executed ``plan`` (``out``: what ran, how long): the measured rates and the
-        step's statistics."""
+        """After the runner executed ``plan`` (``out``: what ran, how long): prompts it did not reach back at
+        the head of the queue, the finished prompts' bookkeeping, shared-prefix snapshots, the measured
+        rates and the step's statistics."""
+        ran, rest = plan.prefill[: out.prefill_ran], plan.prefill[out.prefill_ran :]
+        if rest:  # the clock stopped the step's prefill: the rest goes first next step, in its order
+            queued = {id(s) for s in self.prefilling}
+            back = list({id(s): s for w in rest for s in w.seqs if id(s) not in queued}.values())
+            self.prefilling.extendleft(reversed(back))
+        for work in ran:
+            if work.kind == "chunk":
+                for s in work.seqs:
+                    self.kv.commit_split(s)
+        self._prompts_done([s for work in ran for s in work.finishes])
+        retired, self._retired = self._retired, []
         self.stats.on_step_times(plan.plan_s, out.prefill_s, out.decode_s)
         if out.prefill_tokens >= 16 and out.prefill_s > 0:
             self._observe_prefill(out.prefill_tokens / out.prefill_s)
@@ -225,14 +241,12 @@ class Scheduler(PrefillPlanner):
             self._observe_prefill(out.fused_tokens / max(other - self._other_step_s, 0.1 * other))
         else:
             self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
-        if out.plain_rows and not (plan.joined or out.prefill_tokens or out.fused_tokens):  # a steady decode step
+        if out.plain_rows and not (out.joined or out.prefill_tokens or out.fused_tokens):  # a steady decode step
             self.speculator.observe_plain_step(out.plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         if self._trace is not None:
-            self._trace.record(plan, out, self.stats, self.kv.meter.moved)
-        self._plan = None
+            self._trace.record(plan, out, len(retired), self.stats, self.kv.meter.moved)
         memory_recovery.step_succeeded(self)
-
 
     def _observe_prefill(self, rate: float) -> None:
         """A measured prefill rate (tokens per second) into the running estimate."""
@@ -255,7 +269,7 @@ class Scheduler(PrefillPlanner):
         inter-token latency then at most doubles while prompts wait, and they never starve)."""
         return max(self.config.step_time_target_s - self._other_step_s, self._other_step_s)
 
-    def _admit(self, plan: StepPlan) -> None:
+    def _admit(self, admitted: list) -> None:
         """Admit by what a sequence takes now (its context plus the watermark), not by its max_tokens:
         rows grow as they decode and the least urgent are preempted if memory runs short."""
         active = len(self.running) + len(self.prefilling)
@@ -271,7 +285,7 @@ class Scheduler(PrefillPlanner):
                 break
             self.waiting.remove(seq)
             self.prefilling.append(seq)
-            plan.admitted.append(seq)
+            admitted.append(seq)
             groups[seq.request.group] = groups.get(seq.request.group, 0) + 1
             active += 1
             room -= need
@@ -301,8 +315,7 @@ class Scheduler(PrefillPlanner):
         for s in self.running:
             if id(s) in rows:
                 self.kv.commit_row(s)
-                if self._plan is not None:
-                    self._plan.finished.append(s)
+                self._retired.append(s)
         self._drop_rows(rows)
 
     def _drop_rows(self, rows: set[int]) -> None:

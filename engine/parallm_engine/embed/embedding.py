@@ -133,10 +133,10 @@ def pooled_arrays(seqs) -> list[mx.array]:
     return [s.pooled for s in seqs if getattr(s, "embedding", False) and s.pooled is not None]
 
 
-def finish_embeddings(finished: list[tuple], out, stats) -> list[tuple]:
-    """Deliver the embedding rows among ``(sequence, kv)`` pairs whose prefill ended (their KV is dropped
-    here); returns the other pairs, which go on to the decode batch."""
-    rows = [s for s, _ in finished if s.embedding]
+def finish_embeddings(finished: list, out, stats) -> list:
+    """Deliver the embedding rows among the sequences whose prefill ended (their KV is dropped here);
+    returns the others, which go on to the decode batch."""
+    rows = [s for s in finished if s.embedding]
     if not rows:
         return finished
     vectors = [s.vector() for s in rows]
@@ -152,7 +152,7 @@ def finish_embeddings(finished: list[tuple], out, stats) -> list[tuple]:
         result = EmbeddingResult(req.id, vec.tolist(), len(seq.prompt_ids), getattr(req, "truncated", False),
                                  {"latency": now - req.arrival})
         out.complete(req, result)
-    return [(s, kv) for s, kv in finished if not s.embedding]
+    return [s for s in finished if not s.embedding]
 
 
 def make_spec(config: EmbeddingConfig, pooling: str | None, normalize: bool | None,

@@ -10,9 +10,12 @@ it at every step of its life:
 - ``open_rows`` (attention layout): the prompt's row in the pool of the lane it will decode in,
   borrowing the hit's pages; its prefill writes its KV there, once (``paged_prefill``).
   ``prompt_cache`` (mixed layout): the caches its prefill starts from (the snapshot, or empty ones).
-- ``commit_split`` / ``commit_prompts``: a finished (part of a) prompt goes into the prefix cache and
-  the sequences into the batch (attention layout: the rows join as they are, and the tree holds their
-  pages by reference); ``join_late``: mixed-layout rows join after the step's prefill.
+- ``commit_prompts``: finished prompts go into the prefix cache and the sequences into the batch
+  (attention layout: the rows join as they are, and the tree holds their pages by reference);
+  ``join_late``: mixed-layout rows join after the step's prefill; ``commit_split``: after the step, a
+  mixed-layout chunk that ended at a prefix other queued prompts share is snapshotted.
+- ``prefills_alone`` / ``takes_ragged_steps`` / ``rolls_back`` / ``prefill_lanes``: what this KV can do,
+  which the planner and the runner ask instead of naming a layout.
 - ``commit_row``: a running row's context into the prefix cache (retiring, preemption);
   ``free_rows`` / ``clear``: its KV goes.
 - ``trim`` / ``reserve_decode`` / ``end_reads``: page pools follow the budget around a step.
@@ -29,7 +32,7 @@ from parallm_engine.runner.decode_batch import DecodeBatch
 from parallm_engine.kv.kv_manager import KVManager
 from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.kv.kv_pages import PagedLaneKV
-from parallm_engine.kv.model_caches import MixedDecodeBatch, cache_arrays, cache_layout, make_cache
+from parallm_engine.kv.model_caches import MixedDecodeBatch, cache_arrays, cache_layout, layout_rolls_back, make_cache
 from parallm_engine.kv.paged_prefill import PrefillRow
 from parallm_engine.kv.prefix_sharing import continues_shared, share_for_prefill, shared_prefix_flags
 from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache
@@ -104,6 +107,29 @@ class KVCacheManager(KVManager):
     @property
     def has_snapshots(self) -> bool:
         return self.snapshots is not None
+
+    # What this KV can do, for the planner and the runner (the layout stays inside kv).
+    @property
+    def prefills_alone(self) -> bool:
+        """A prompt's prefill runs alone through its own caches (mixed layout: mlx-lm's caches, which hold
+        one sequence each until it joins the batch); otherwise prompts prefill side by side in pages."""
+        return self.layout != "attention"
+
+    @property
+    def takes_ragged_steps(self) -> bool:
+        """A decode forward can also compute prompts' chunks (rows of different lengths in one step,
+        ``kv.fused_step``): the running rows' KV is in pages."""
+        return self.layout == "attention"
+
+    @property
+    def rolls_back(self) -> bool:
+        """A row's KV can be cut back to an earlier length (speculative decoding's rejected tokens)."""
+        return layout_rolls_back(self.layout)
+
+    @property
+    def prefill_lanes(self) -> int:
+        """The decode lanes a prompt's row may be placed in (a prefill forward per lane's stream)."""
+        return len(self.batch.lanes) if self.layout == "attention" else 1
 
     # -- a prompt's prefix ----------------------------------------------------------------------
     def match(self, seq) -> None:
@@ -195,18 +221,18 @@ class KVCacheManager(KVManager):
         if self.snapshots is not None and seq.pos == seq.split:
             self.snapshots.insert(seq.prefill_ids[: seq.pos], seq.cache, ns=seq.adapter_key)
 
-    def commit_prompts(self, finished: list[tuple], fused: bool = False) -> None:
-        """Contexts prefilled (all but their last token), ``(sequence, its caches)``: store them in the
-        prefix cache. Attention layout: the sequences join the batch now (one write per layer for all
-        of them), each reading the prefix the tree holds in its lane's pool from there (borrowed pages)
-        and writing the rest into its own pages, which the tree then holds by reference: a prompt's KV
-        is held once, and a prefill later in this step finds it in the tree (in-flight dedup). ``fused``: the
-        step's decode forward has yet to write their new tokens (``kv.fused_step``): the rows join as they
-        were prefilled (no shared prefix is chosen from them, whose one copy would be read now), and the tree
-        takes them once that forward is built (:meth:`index_fused`): nothing planned before it reads them."""
-        seqs = [seq for seq, _ in finished]
-        for seq, cache in finished:
-            seq.cache = cache
+    def commit_prompts(self, seqs: list, fused: bool = False) -> None:
+        """Contexts prefilled (all but their last token; ``seq.cache`` their KV): store them in the prefix
+        cache; their KV now holds their whole context (``seq.consumed``). Attention layout: the sequences
+        join the batch now (one write per layer for all of them), each reading the prefix the tree holds in
+        its lane's pool from there (borrowed pages) and writing the rest into its own pages, which the tree
+        then holds by reference: a prompt's KV is held once, and the next step's prompts find it in the tree
+        (in-flight dedup). ``fused``: the step's decode forward has yet to write their new tokens
+        (``kv.fused_step``): the rows join as they were prefilled (no shared prefix is chosen from them,
+        whose one copy would be read now), and the tree takes them once that forward is built
+        (:meth:`index_fused`). Mixed layout: the rows join once the step's prefill is over (``join_late``)."""
+        for seq in seqs:
+            seq.consumed = len(seq.prefill_ids)
         if self.layout == "attention":
             if fused:
                 self._join(seqs, as_prefilled=True)
@@ -216,9 +242,9 @@ class KVCacheManager(KVManager):
                 self._join(seqs)
                 self._insert(seqs)
         elif self.snapshots is not None:
-            for seq, cache in finished:
+            for seq in seqs:
                 if seq.prefill_ids and seq.cached_tokens < len(seq.prefill_ids):
-                    self.snapshots.insert(seq.prefill_ids, cache, ns=seq.adapter_key)
+                    self.snapshots.insert(seq.prefill_ids, seq.cache, ns=seq.adapter_key)
 
     def _tree_tokens(self, seqs: list) -> None:
         """Each sequence's leading tokens whose KV is bitwise the tree's copy, were it inserted now."""

@@ -70,6 +70,12 @@ def cache_layout(model, model_type: str = "") -> str:
     return "attention" if all(k == "attention" for k in kinds) else "mixed"
 
 
+def layout_rolls_back(layout: str) -> bool:
+    """Whether a model with this cache layout has KV that can be cut back to an earlier length
+    (speculative decoding's rejected tokens): plain attention; sliding-window or recurrent state cannot."""
+    return layout == "attention"
+
+
 # -- copies of one sequence's caches --------------------------------------------------------------
 # MLX arrays are values: a slice or a reference taken now keeps today's contents even after the live
 # cache writes into its buffer (MLX copies instead of writing in place while another array refers to
@@ -87,7 +93,7 @@ def copy_cache(cache):
         return out
     if t is RotatingKVCache:
         out = RotatingKVCache(cache.max_size, cache.keep)
-        out.keys, out.values, out.offset, out._idx = cache.keys, cache.values, cache.offset, cache._idx
+        out.state = cache.state  # keys, values, offset, keep, max_size and the ring's write index
         if cache.keys is not None:
             out.keys, out.values = cache.keys[...], cache.values[...]
         return out

@@ -239,7 +239,7 @@ class PagedSegment:
 
     __slots__ = ("lane", "slots", "pages")
 
-    def __init__(self, lane: "PagedLaneKV", slots: np.ndarray):
+    def __init__(self, lane, slots: np.ndarray):  # lane: the kv_pages.PagedLaneKV whose pool holds the slots
         self.lane = lane
         self.slots = np.asarray(slots, dtype=np.int32)
         self.pages = pages_of(self.slots)

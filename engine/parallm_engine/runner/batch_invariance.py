@@ -112,17 +112,17 @@ def min_rows(k: int, n: int, bias: bool = False, dtype=mx.float32) -> int | None
 
 
 class _RowPaddedLinear(nn.Linear):
-    """A model's ``nn.Linear`` with its class switched: products of fewer than ``_min_rows`` rows padded."""
+    """A model's ``nn.Linear`` with its class switched: products of fewer than ``padded_rows`` rows padded."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return padded_matmul(x, super().__call__, self._min_rows)
+        return padded_matmul(x, super().__call__, self.padded_rows)
 
 
 class _RowPaddedEmbedding(nn.Embedding):
     """A model's ``nn.Embedding`` with its class switched: the tied output head's products padded."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return padded_matmul(x, super().as_linear, self._min_rows)
+        return padded_matmul(x, super().as_linear, self.padded_rows)
 
 
 @dataclass
@@ -169,7 +169,7 @@ def install(model) -> BatchInvariance:
         r = min_rows(k, n, bias)
         done.record(k, n, r)
         if r is not None and r > 1:
-            module._min_rows = r
+            module.padded_rows = r
             module.__class__ = _RowPaddedLinear if cls is nn.Linear else _RowPaddedEmbedding
     if done.variant:
         logger.info("batch invariance %s", done.describe())

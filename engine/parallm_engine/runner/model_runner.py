@@ -8,8 +8,8 @@ speculative verify steps), which computes the step's prefill items in its own fo
 scheduler marked them ``fused`` (``kv.fused_step``). The engine's attention hook and, on the CPU, its kernels are installed on
 the model here, bound to this model's own module instances (nothing process-wide); per-family quirks
 come from the family adapter (``family_adapters``). The KV the forwards read and write is the KV cache
-manager's (``kv_cache_manager``): the runner asks it for the prompts' rows (or caches), and hands the
-finished prompts back through the plan (the scheduler commits them).
+manager's (``kv_cache_manager``): the runner asks it for the prompts' rows (or caches) and joins the
+prompts an item finishes to the batch through it; ``Scheduler.update`` does the rest of the bookkeeping.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ModelRunner(DecodeRunner):
         kv.use_attention_hook(hooked)
         # Speculative decoding needs KV it can roll back: the engine's own (attention layout) only; and
         # not quantized KV (kv_quant.NO_SPECULATION says why).
-        self.no_speculation = None if kv.layout == "attention" else NO_SPECULATION_MIXED
+        self.no_speculation = None if kv.rolls_back else NO_SPECULATION_MIXED
         if kv.kv_format is not None:
             self.no_speculation = kv_quant.NO_SPECULATION
         # Positions one verify step may compute: on the CPU, what the native linear takes per lane (past it
@@ -62,20 +62,20 @@ class ModelRunner(DecodeRunner):
             kv.draft_kv_bytes = speculator.draft_rows.nbytes
         # Decode steps that compute a prompt's chunk in their forward (kv.fused_step) need the exact split
         # of the model into hidden states and head, and attention through the hook as a ragged step's.
-        self.split = split_head(model) if config.fuse_prefill and kv.layout == "attention" \
+        self.split = split_head(model) if config.fuse_prefill and kv.takes_ragged_steps \
             and kv.batch.ragged_ok(model) else None
         # Prefill forwards that run at once: a multi-lane CPU without the native kernels runs a forward per
         # lane's stream, each on one core (``_prefill_paged``), so long contexts are chunked one per stream.
-        self.prefill_streams = len(kv.batch.lanes) if kv.layout == "attention" and not self.native_kernels else 1
+        self.prefill_streams = 1 if self.native_kernels else kv.prefill_lanes
         super().__init__(model, kv.batch, out, stats, pipeline=config.pipeline, speculator=speculator,
                          retire=retire)
 
     # -- the step -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run ``plan``: its prefill work as the scheduler hands it out (each item planned once the one
-        before has run), the mixed layout's late joins, then one decode step for every running row, with
-        the plan's fused work in its forward (``kv.fused_step``; alone where no row was left to decode).
-        Returns what ran and how long it took; the plan is not written."""
+        """Run ``plan``: its prefill items in order (none started after its deadline, at least one run),
+        the prompts each finishes joined to the batch through the KV cache manager, then one decode step
+        for every running row, with the plan's fused work in its forward (``kv.fused_step``; alone where no
+        row was left to decode). Returns what ran and how long it took; the plan is not written."""
         self.plain_rows = 0
         out = StepOutput()
         with cpu_kernels.enabled(self.cpu_kernels):
@@ -84,13 +84,20 @@ class ModelRunner(DecodeRunner):
             self._fused = None
             try:
                 for work in plan.prefill:
+                    if out.prefill_ran and plan.deadline is not None and time.perf_counter() >= plan.deadline:
+                        break  # the rest waits for the next step (Scheduler.update)
                     self.prefill(work)
+                    out.prefill_ran += 1
+                    joins = [s for s in work.finishes if not s.embedding]  # embedding rows are delivered
+                    if joins:
+                        self.kv.commit_prompts(joins, work.fused)
+                        out.joined += joins
             finally:
                 self.kv.end_reads()
             fused, self._fused = self._fused, None
             out.prefill_s = time.perf_counter() - t0
             out.prefill_tokens = self.stats.prefill_tokens - before
-            self.kv.join_late(plan.joined)
+            self.kv.join_late(out.joined)
             t_decode = time.perf_counter()
             built = False
             try:
@@ -127,34 +134,27 @@ class ModelRunner(DecodeRunner):
         return self.split is not None and not seq.embedding and getattr(seq.request, "vision", None) is None
 
     def prefill(self, work: PrefillWork) -> None:
-        """One prefill work item; the prompts it finished go to ``work.finished`` with their KV. Work the
-        scheduler fused into the decode step is only prepared here (``_prepare_fused``)."""
+        """One prefill work item: the sequences' rows (or caches) opened and ``work.new`` more context
+        tokens of each computed into them. Work the scheduler fused into the decode step is only prepared
+        here (``_prepare_fused``)."""
         seqs = work.seqs
         if work.fused:
             self._prepare_fused(work)
-            return
-        if self.kv.layout == "mixed":
+        elif self.kv.prefills_alone:
             if work.kind == "cached":  # the whole context is cached: no forward
-                work.finished = [(seqs[0], self.kv.prompt_cache(seqs[0]))]
+                seqs[0].cache = self.kv.prompt_cache(seqs[0])
             else:
-                self._prefill_chunk(seqs[0], work.n_tokens)
-                work.finished = [(seqs[0], seqs[0].cache)] if seqs[0].pos == len(seqs[0].prefill_ids) else []
-            return
-        if work.kind == "cached":
-            self.kv.open_rows(seqs)
+                self._prefill_chunk(seqs[0], work.new[0])
+        elif work.kind == "cached":
+            self.kv.open_rows(list(seqs))
         else:
-            self._prefill_paged(seqs, self._new_tokens(work))
-        work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
-
-    @staticmethod
-    def _new_tokens(work: PrefillWork) -> list[int]:
-        return work.new if work.kind == "chunk" else [len(s.prefill_ids) - s.pos for s in work.seqs]
+            self._prefill_paged(list(seqs), list(work.new))
 
     def _prepare_fused(self, work: PrefillWork) -> None:
         """The work the decode forward computes (``kv.fused_step``): rows opened and grown by the new
-        tokens' pages, positions advanced; prompts it finishes go to ``work.finished`` (they join the batch
-        before the forward, their last context token one of its decode rows)."""
-        seqs, new = work.seqs, self._new_tokens(work)
+        tokens' pages, positions advanced (the prompts it finishes join the batch before the forward, their
+        last context token one of its decode rows)."""
+        seqs, new = list(work.seqs), list(work.new)
         self.kv.open_rows(seqs)
         rows = [s.cache for s in seqs]
         tokens = []
@@ -165,7 +165,6 @@ class ModelRunner(DecodeRunner):
         if self._fused is None:
             self._fused = FusedWork(self.split)
         self._fused.add(seqs, new, rows, tokens)
-        work.finished = [(s, s.cache) for s in seqs if s.pos == len(s.prefill_ids)]
 
     def _prefill_paged(self, seqs: list, new: list[int]) -> None:
         """Attention layout: ``new[i]`` more context tokens of each sequence, their KV written once into

@@ -102,7 +102,7 @@ def _load(cfg) -> DraftModel:
 
 
 def _check_layout(draft: DraftModel) -> None:
-    from parallm_engine.kv.model_caches import cache_layout
+    from parallm_engine.kv.model_caches import cache_layout, layout_rolls_back
 
     if getattr(draft.model, "vision", None) is not None:
         raise _speculative_error(f"speculative.model: {draft.name} is a vision model; a draft must be a text model")
@@ -111,7 +111,7 @@ def _check_layout(draft: DraftModel) -> None:
         layout = cache_layout(draft.model, model_type)
     except ParaLLMError as exc:
         raise _speculative_error(f"speculative.model: {exc}") from exc
-    if layout != "attention":
+    if not layout_rolls_back(layout):
         raise _speculative_error(
             f"speculative.model: draft model {draft.name} has sliding-window or recurrent layers (cache layout "
             f"{layout!r}); a draft's KV must be trimmable after rejections (plain attention only)")

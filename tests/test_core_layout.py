@@ -124,6 +124,35 @@ def test_a_plan_is_complete_and_frozen_before_it_runs(tiny_model_dir):
     assert max(seen) >= 2  # steps planned several items at once
 
 
+#: Modules that call a model of their own, not the engine's rows: load-time probes, the draft model, the
+#: BERT-family encoder engine.
+OWN_MODELS = {"runner/logits_head.py", "kv/kv_quant.py", "spec/draft_model.py", "embed/encoder_engine.py"}
+
+
+def test_the_model_is_called_from_one_module():
+    """Every forward of engine rows goes through ``runner/forward.py`` (prefill, decode, ragged, fused, the
+    compiled step): vision, embeddings and LoRA supply their parts to it instead of wrapping the model."""
+    import ast
+
+    root = PACKAGE.parent
+    calls = []
+    for path in root.rglob("*.py"):
+        name = str(path.relative_to(root))
+        if name == "runner/forward.py" or name in OWN_MODELS:
+            continue
+        tree = ast.parse(path.read_text())
+        own = {id(n) for d in ast.walk(tree) if isinstance(d, ast.FunctionDef) and d.name == "__call__"
+               for n in ast.walk(d)}  # a model class's own forward (the VLM wrapper's) calls its parts
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or id(node) in own:
+                continue
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in ("model", "backbone", "head")) or \
+                    (isinstance(f, ast.Attribute) and f.attr in ("model", "language_model")):
+                calls.append(f"{name}:{node.lineno}")
+    assert not calls, calls
+
+
 def test_no_layout_branch_outside_kv():
     """The KV layout ("attention": paged; "mixed": mlx-lm's caches) is kv's: other layers ask it what it can
     do (``prefills_alone``, ``takes_ragged_steps``, ``rolls_back``, ``prefill_lanes``) instead of comparing

@@ -293,3 +293,45 @@ def test_bench_embed_workload_quick():
     assert beside["chat_tokens"] == sizes["streams"] * sizes["new_tokens"] * 4  # every chat stream finished
     lines = bench_embed.format_lines(entry)
     assert "embed" in bench.ALL_WORKLOADS and any("beside 8 decoding chat streams" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_an_embedding_row_beside_an_adapter_row_in_one_prefill_forward(embedder_dir, tmp_path, backend):
+    """An embedding text and a chat prompt under a LoRA adapter in one prefill forward (``runner.forward``
+    binds every row's adapter, the embedding rows' hidden states included): the prompt is computed under
+    its adapter (mlx-lm with that adapter loaded gives the same greedy tokens), and the vector is the one
+    the text gets alone."""
+    import json
+    import threading
+
+    from mlx_lm import load
+
+    from parallm_bench.lora import write_random_adapter
+    from parallm_engine import Engine
+    from tests.model_zoo import prompt_ids, reference_greedy
+
+    adapter = write_random_adapter(embedder_dir, tmp_path / "adapter", rank=4, seed=5)
+    vocab = json.loads((embedder_dir / "config.json").read_text())["vocab_size"]
+    prompt = prompt_ids(30, vocab, seed=3)
+    want = reference_greedy(load(str(embedder_dir), adapter_path=str(adapter))[0], prompt, 8)
+    assert want != reference_greedy(load(str(embedder_dir))[0], prompt, 8)  # the adapter changes the answer
+    eng = Engine(str(embedder_dir), adapters={"a": str(adapter)}, backend=backend, decode_lanes=1,
+                 prefill_chunk=128)
+    try:
+        text = "the cat sat on the mat and the dog ran fast"
+        [alone] = eng.embed(text)
+        forwards = eng.stats()["prefill_forwards"]
+        release, held = threading.Event(), threading.Event()
+        holder = threading.Thread(target=eng.run_on_engine_thread, args=(lambda: (held.set(), release.wait(30)),))
+        holder.start()
+        assert held.wait(30)
+        vector = eng.submit_embedding(text)
+        chat = eng.submit(prompt, adapter="a", max_tokens=8, temperature=0, ignore_eos=True)
+        release.set()
+        holder.join()
+        assert eng._collect(chat).token_ids == want
+        together = vector.result().embedding
+        assert eng.stats()["prefill_forwards"] - forwards == 1  # one forward held both rows
+        assert cos(together, alone) > 0.99999
+    finally:
+        eng.shutdown()

@@ -15,7 +15,7 @@ from parallm_bench.soak import SoakConfig, format_lines, run_soak
 @pytest.mark.timeout(900)
 def test_one_minute_soak_ends_clean_with_probes_unchanged():
     # One minute in four 15 s intervals (two minutes cost the CI run more than they found; the long soak
-    # runs for 30 minutes and more: `parallm bench --workloads soak`, docs/benchmarks.md).
+    # runs for 30 minutes and more: `parallm bench --workloads soak`, docs/benchmarks-archive.md).
     result = run_soak(SoakConfig(minutes=1, interval_s=15, workers=6, target="inproc", seed=7))
     report = "\n".join(format_lines(result))
     assert len(result.intervals) == 4, report

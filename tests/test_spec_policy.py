@@ -214,7 +214,7 @@ def test_rows_of_a_batch_keep_their_own_runs(engine):
         out = verify(sched_, running, drafts)
         widths.append(out[0] / len(running))  # positions per row (rows verify their own: ragged)
         live = [s for s in running if s.finish_reason is None]
-        behind.extend(s.total_len - s.consumed for s in live)
+        behind.extend(s.total_len - s.computed for s in live)
         emitted = {len(s.output_ids) - b for s, b in zip(running, before) if s.finish_reason is None}
         uneven.append(len(emitted) > 1)
         return out

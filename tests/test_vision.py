@@ -495,7 +495,7 @@ def test_mrope_positions_of_any_window_are_the_prompts(mrope_engine):
     full, delta = prompt_positions(enc.vlm, prompt.token_ids + [1, 2, 3, 4], grids)
     assert delta == prompt.rope_delta != 0 and (full[:, :L] == prompt.mrope).all()
     for k in range(L + 4 - W + 1):
-        seq = SimpleNamespace(request=SimpleNamespace(vision=prompt), consumed=k, output_ids=[1, 2, 3, 4])
+        seq = SimpleNamespace(request=SimpleNamespace(vision=prompt), computed=k, output_ids=[1, 2, 3, 4])
         assert (np.array(decode_positions([seq], W))[:, 0] == full[:, k:k + W]).all(), k
         padded = np.array(prefill_positions([(seq, k, W)], W + 2))[:, 0]
         assert (padded[:, 2:] == full[:, k:k + W]).all(), k

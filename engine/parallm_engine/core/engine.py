@@ -63,8 +63,8 @@ def _shutdown_live_engines() -> None:
 
 
 #: Above this many bytes of weights, a decode step is bound by reading them: every CPU lane streams all of
-#: them, so parallel lanes slow it down. Measured on the 2-core CI machine (MKL): the 0.54 GB default model
-#: decodes 1.4x faster on 2 lanes; a 3 GB qwen3-4b-shaped model 1.9x faster on 1 (9.7 vs 5.2 tok/s).
+#: them, so parallel lanes slow it down. A small model decodes faster on two lanes, a multi-GB one on one
+#: (docs/benchmarks-archive.md, "Real family shapes, the memory workload, plots").
 LANE_WEIGHT_LIMIT = 1536 << 20
 
 
@@ -246,8 +246,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         Sampling settings left unset (absent or None) among temperature / top_p / top_k / min_p /
         repetition_penalty / max_tokens take the model's recommendation (:attr:`sampling_defaults`); explicit
         values always win. A request that sets no ``max_tokens`` is also ended (``finish_reason="length"``)
-        when its output starts cycling through one block of tokens (``repetition_guard.py``). A ready-made ``params=SamplingParams(...)`` is used as it is. The effective settings
-        are on the handle: ``handle.request.params``.
+        when its output starts cycling through one block of tokens (``repetition_guard.py``). A ready-made
+        ``params=SamplingParams(...)`` is used as it is. The effective settings are on the handle:
+        ``handle.request.params``.
 
         ``adapter``: the LoRA adapter the request runs under (a name given in ``adapters=`` or
         :meth:`load_adapter`, an adapter directory, or a cached HF repo id); None: the base model. It

@@ -35,7 +35,6 @@ class PrefillPlanner:
         self.kv.match(seq)
         if self.kv.has_snapshots and not seq.embedding:
             seq.split = self._shared_boundary(seq, seq.prefill_ids)
-        seq.pos = seq.cached_tokens
         seq.started = True
 
     def _shared_boundary(self, seq: Sequence, ids: list[int]) -> int:
@@ -140,15 +139,15 @@ class PrefillPlanner:
                     break
                 if step.opened(seq):
                     continue
-                cached = seq.pos if seq.started else self.kv.peek(seq)
+                cached = seq.computed if seq.started else self.kv.peek(seq)
                 left = len(seq.prefill_ids) - cached
                 if left == 0 or used + left > min(chunk, budget) or not self._joins(seq, group, cached, step):
                     continue
                 group.append(seq)
-                used += len(seq.prefill_ids) - seq.pos
+                used += len(seq.prefill_ids) - seq.computed
             for seq in group:
                 self.prefilling.remove(seq)
-            work = PrefillWork("group", tuple(group), tuple(len(s.prefill_ids) - s.pos for s in group),
+            work = PrefillWork("group", tuple(group), tuple(len(s.prefill_ids) - s.computed for s in group),
                                finishes=tuple(group))
             step.add(replace(work, fused=self._fuses(work, budget, step)))
             budget -= used
@@ -162,7 +161,7 @@ class PrefillPlanner:
             return 0
         total = 0
         for seq in list(self.prefilling)[: self.config.max_batch_size]:
-            cached = seq.pos if seq.started else self.kv.peek(seq)
+            cached = seq.computed if seq.started else self.kv.peek(seq)
             if len(seq.prefill_ids) - cached <= whole:
                 total += len(seq.prefill_ids) - cached
         return total
@@ -185,8 +184,8 @@ class PrefillPlanner:
             return None
         head = self.prefilling[0]
         n, cached = len(head.prefill_ids), head.cached_tokens if head.started else self.kv.peek(head)
-        if n - max(head.pos, cached) < 2 * whole:  # also every head that _finishes_in one chunk
-            return None  # a chunk or two left: the short prompts wait those steps, as before
+        if n - max(head.computed, cached) < 2 * whole:  # also every head that _finishes_in one chunk
+            return None  # a chunk or two left: the short prompts wait those steps
         room = min(whole, n - cached - head.overtaken)  # short prompts' tokens that may still go ahead of it
         if room <= 0:
             return None
@@ -195,7 +194,7 @@ class PrefillPlanner:
         used = 0
         for seq in list(self.prefilling)[1:]:
             n = len(seq.prefill_ids)
-            cached = seq.pos if seq.started else self.kv.peek(seq)
+            cached = seq.computed if seq.started else self.kv.peek(seq)
             if (self._finishes_in(seq, whole, peeked=cached) and seq.request.priority <= head.request.priority
                     and used + n - cached <= room and not self._uncached_overlap(seq, [*behind, *ahead], cached)):
                 ahead.append(seq)
@@ -266,19 +265,15 @@ class PrefillPlanner:
             end = seq.split
         return end - pos
 
-    def _prompts_done(self, seqs: list[Sequence]) -> list[Sequence]:
+    def _prompts_done(self, seqs: list[Sequence]) -> None:
         """After the step: contexts prefilled (all but their last token), whose rows the runner joined to the
-        batch. Embedding rows are delivered here and go no further (``embedding.finish_embeddings``); the
-        others are unpinned and counted. Returns the sequences that joined."""
+        batch (and counted in the usage). Embedding rows are delivered here and go no further
+        (``embedding.finish_embeddings``); the others are unpinned."""
         for seq in seqs:
             if seq.embedding:  # delivered here: its KV (and the row holding it) goes
                 self.kv.release(seq)
-        joined = embedding.finish_embeddings(seqs, self.out, self.stats)
-        for seq in joined:
-            if not seq.preemptions:
-                self.stats.on_prompt_done(seq.request, seq.cached_tokens if seq.index == 0 else None)
+        for seq in embedding.finish_embeddings(seqs, self.out, self.stats):
             self.kv.unpin(seq)
-        return joined
 
 
 class _PlannedStep:
@@ -292,7 +287,7 @@ class _PlannedStep:
         self._at: dict[int, int] = {}
 
     def pos(self, seq: Sequence) -> int:
-        return self._at.get(id(seq), seq.pos)
+        return self._at.get(id(seq), seq.computed)
 
     def opened(self, seq: Sequence) -> bool:
         """``seq`` has its prefill row (or caches): from an earlier step, or a chunk planned in this one."""

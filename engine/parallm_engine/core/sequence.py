@@ -39,13 +39,15 @@ class Sequence:
 
     def _reset_prefill(self) -> None:
         self.cache = None  # per-layer caches while prefilling
-        self.pos = 0  # context tokens prefilled so far
+        # Context tokens whose KV this sequence's row (or caches) holds: a prefix-cache hit's (set by
+        # kv.match), then the prefill's progress, then one more per decode step once its forward is built
+        # (advanced by the runner).
+        self.computed = 0
         self.match: PrefixMatch | Snapshot | None = None  # pinned prefix-cache hit during prefill
         self.cached_tokens = 0
         self.tree_tokens = 0  # leading tokens whose KV is bitwise the radix tree's copy
         self.started = False  # looked up in the prefix cache (and pinned) yet?
         self.split = 0  # mixed layout: stop the first chunk here and snapshot (a shared prefix's end)
-        self.consumed = 0  # context tokens the sequence's caches have taken in (the forwards built)
         self.overtaken = 0  # prompt tokens of short prompts that went ahead of it (prefill_planner._shorts_first)
 
     @property

@@ -1,9 +1,10 @@
 """Embedding requests on the shared engine: prefill only, no decode, no sampling.
 
 An embedding request is one :class:`EmbeddingSequence` that the scheduler queues, admits (its tokens
-count in the KV budget while it runs) and prefills like any prompt: it rides in the same batched prefill
-forward as the chat prompts of that step (``model_runner``), or chunk by chunk when it is long. The
-forward for a group that holds an embedding row runs the model's backbone (``model.model``: hidden
+count in the KV budget while it runs) and plans like any prompt; the model runner prefills it in the same
+batched prefill forward as the chat prompts of that step (``runner.forward.prefill``), or chunk by chunk
+when it is long.
+The forward for a group that holds an embedding row runs the model's backbone (``model.model``: hidden
 states after the final norm, the LM head skipped; the other rows need only their KV, which is the same);
 each embedding row pools its own positions (last token / mean / first token) as its chunks pass. When its
 prefill ends the vector is normalised, delivered, and its KV dropped: it never joins the decode batch.
@@ -23,7 +24,6 @@ import mlx.core as mx
 from parallm_engine.embed.embedding_config import EmbeddingConfig, not_an_embedding_model
 from parallm_engine.core.request import RequestHandle
 from parallm_engine.core.sequence import Sequence
-from parallm_engine.vision.vlm import prefill_forward as model_prefill_forward
 
 
 @dataclass(frozen=True)
@@ -105,32 +105,14 @@ class EmbeddingSequence(Sequence):
         return v
 
 
-def backbone(model):
-    """The model's hidden-state forward (before the LM head), or a typed error for families without one."""
+def check_backbone(model) -> None:
+    """A typed error unless the model has a hidden-state forward (``model.model``, before the LM head) that
+    embedding rows can run (``runner.forward.prefill``)."""
     inner = getattr(model, "model", None)
     if inner is None or not callable(inner):
         raise not_an_embedding_model(type(model).__module__, "its family has no hidden-state forward (model.model)")
     if getattr(model, "vision", None) is not None or getattr(model, "mrope", False):
         raise not_an_embedding_model(type(model).__module__, "vision-language models are not supported")
-    return inner
-
-
-def prefill_forward(model, tokens: mx.array, caches: list, rows: list[tuple]):
-    """The scheduler's prefill forward (``vision.prefill_forward``'s signature). A batch with embedding
-    rows runs the backbone, and each embedding row pools its own (right-aligned) positions."""
-    if not any(getattr(seq, "embedding", False) for seq, _, _ in rows):
-        return model_prefill_forward(model, tokens, caches, rows)
-    hidden = backbone(model)(tokens, cache=caches)
-    L = tokens.shape[1]
-    for r, (seq, start, n) in enumerate(rows):
-        if seq.embedding:
-            seq.take(hidden[r, L - n:], start)
-    return hidden
-
-
-def pooled_arrays(seqs) -> list[mx.array]:
-    """What the prefill's ``mx.eval`` must also compute: the embedding rows' pooled states so far."""
-    return [s.pooled for s in seqs if getattr(s, "embedding", False) and s.pooled is not None]
 
 
 def finish_embeddings(finished: list, out, stats) -> list:

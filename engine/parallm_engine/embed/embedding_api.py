@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Sequence
 
-from parallm_engine.embed.embedding import EmbeddingHandle, EmbeddingResult, EmbeddingSpec, backbone, make_spec
+from parallm_engine.embed.embedding import EmbeddingHandle, EmbeddingResult, EmbeddingSpec, check_backbone, make_spec
 from parallm_engine.embed.embedding_config import EmbeddingConfig, not_an_embedding_model, resolve_embedding_config
 from parallm_engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, NotAnEmbeddingModelError
 from parallm_engine.core.request import Channel, Request
@@ -55,10 +55,10 @@ class EmbeddingAPI:
         return resolve_embedding_config(info.path, info.name, dims, pooling=pooling, normalize=normalize)
 
     def _check_embedding_model(self) -> None:
-        """``Engine``: the decoder must have a hidden-state forward (``embedding.backbone``), and be causal:
+        """``Engine``: the decoder must have a hidden-state forward (``embedding.check_backbone``), and be causal:
         a bidirectional embedder (EmbeddingGemma) run with the engine's causal attention would give wrong
         vectors, so it is refused."""
-        backbone(self.model)
+        check_backbone(self.model)
         cfg = self.model_info.config.get("text_config", self.model_info.config)
         if cfg.get("use_bidirectional_attention") or cfg.get("is_causal") is False:
             raise not_an_embedding_model(self.model_info.name, "its attention is bidirectional, and the engine runs "

@@ -2,33 +2,33 @@
 
 Where no kernel reads the pool through the slot table (MLX's SDPA on Metal, the CPU's MLX backend, MLA's
 latents), attention takes each layer's keys and values laid out ``(B, KV heads, T, D)``, left-padded, and
-``kv_pages`` gathers that working set from the pool: a copy of every row's KV, per layer, every step (on the
-2-core CI machine, 32 rows x 228 tokens of the default model: 1.7 ms a layer, ~52 ms of a ~300 ms step).
+``kv_pages`` gathers that working set from the pool: a copy of every row's KV, per layer, every step, a
+noticeable share of a CPU decode step (docs/benchmarks-archive.md, "The working set kept between decode steps").
 Between two plain decode steps of the same rows the working set changes by one column, each row's newest
 token (the left-padded table grows by a column on the right and keeps the rest), so this keeps it and writes
 that column: one ``(B, KH, 1, D)`` write per layer per step, as mlx-lm's ``BatchKVCache`` does, with room for
 ``ROOM`` more columns. Any other change (rows joining or leaving, a rollback, a multi-position step, a shared
 prefix set, pages renumbered) invalidates it (``kv_pages`` calls :meth:`invalidate`) and the next plain step
-gathers as before; the step after it, if the rows are unchanged, rebuilds the kept arrays with one gather
-(into the wider array directly), and the steps after that append.
+gathers; the step after it, if the rows are unchanged, rebuilds the kept arrays with one gather (into the
+wider array directly), and the steps after that append.
 
 The pool stays the KV's home (the prefix cache's pages, prefills, preemption read it, and the KV budget counts
 it); these arrays are a read copy of the running rows' own tokens (a shared prefix is not in them), which the
-gather path built one layer at a time: kept, they take that memory once more for every layer (at 32 rows x
-~230 tokens of the default model, peak memory 856 -> 1,190 MB). So they are bounded by ``limit`` bytes per lane
-(the decode batch's share of ``memory_budget.working_set_bytes``: memory the KV budget leaves free, at most the
-budget itself, as mlx-lm's batch caches hold the rows' tokens once), reported as ``kv_working_set_bytes`` beside
-the KV budget's figures; above the limit, and for quantized KV (whose working set is dequantized), every step
-gathers. ``PARALLM_DECODE_WORKING_SET=0`` turns it off.
+gather path builds one layer at a time: kept, they hold it for every layer at once. So they are bounded by
+``limit`` bytes per lane (the decode batch's share of ``memory_budget.working_set_bytes``: memory the KV budget
+leaves free, at most the budget itself, as mlx-lm's batch caches hold the rows' tokens once), reported as
+``kv_working_set_bytes`` beside the KV budget's figures; above the limit, and for quantized KV (whose working
+set is dequantized), every step gathers. ``PARALLM_DECODE_WORKING_SET=0`` turns it off.
 
 An append step does not write its column into the pool: the kept arrays hold it, and the columns the pool
 lacks (``PagedLayerKV.ws_pending``) are written in one scatter per array per layer when anything else is about to
 happen to the lane (:meth:`flush`: the arrays invalidated or rebuilt, rows joining or leaving, the prefix
 cache taking a row's pages, a row read). Why: on a GPU, and for a small model on a CPU, a decode step costs
-what its operations cost to dispatch, and the pool write was 2 scatters (and 2 copies into the pool's
-layout) per layer per step that mlx-lm's caches do not have: measured on this CPU with a dispatch-bound
-stand-in model (28 layers 128 wide, 32 rows), 8% of the step. Between two such events the pool's copy of
-those columns is never read: only the running rows' own attention reads them, from the kept arrays.
+what its operations cost to dispatch, and a pool write every step would be 2 scatters (and 2 copies into the
+pool's layout) per layer per step that mlx-lm's caches do not have, a visible share of such a step
+(docs/benchmarks-archive.md, "The pool written at a flush, not every append step"). Between two such events
+the pool's copy of those columns is never read: only the running rows' own attention reads them, from the
+kept arrays.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ import mlx.core as mx
 
 class SharedPrefix:
     """A prefix held once for every batch row that continues it: its tokens and, per layer, its
-    (1, H, P, D) keys and values. ``release`` is called once when the batch stops using it (the
-    scheduler unpins the radix node the KV came from, so the tree cannot evict and recompute it).
+    (1, H, P, D) keys and values. ``release`` is called once when the batch stops using it: it unpins
+    the radix node the KV came from (pinned while the batch holds it, so the tree cannot evict and
+    recompute it; ``prefix_sharing``).
     ``tree_node``: the radix node whose own arrays these are (not a concatenation), so holding them
     costs no memory beyond the tree's, as long as the node still holds them (a split gives the node
     copies of its halves: from then on the batch's arrays are its own)."""

@@ -101,7 +101,7 @@ class KVCacheManager(KVManager):
 
     @property
     def has_tree(self) -> bool:
-        """Prefixes computed in this step are found by later prefills of the step (radix tree)."""
+        """Prefixes computed are found by later prefills (radix tree), in the next step at the earliest."""
         return self.radix is not None
 
     @property
@@ -134,7 +134,7 @@ class KVCacheManager(KVManager):
     # -- a prompt's prefix ----------------------------------------------------------------------
     def match(self, seq) -> None:
         """Look ``seq``'s context up in the prefix cache and pin what matched until its prefill is done
-        (``seq.match``, ``seq.cached_tokens``)."""
+        (``seq.match``, ``seq.cached_tokens``): the hit's tokens count as computed (its row borrows them)."""
         ids = seq.prefill_ids
         if seq.embedding:  # embedding rows neither read nor fill the prefix cache (embedding.py says why)
             return
@@ -148,6 +148,7 @@ class KVCacheManager(KVManager):
                 self.snapshots.pin(snap)
                 seq.match = snap
                 seq.cached_tokens = len(snap.tokens)
+        seq.computed = seq.cached_tokens
 
     def peek(self, seq) -> int:
         """Context tokens the radix tree holds for ``seq`` now (nothing is pinned or counted)."""
@@ -218,12 +219,12 @@ class KVCacheManager(KVManager):
     # -- committing -----------------------------------------------------------------------------
     def commit_split(self, seq) -> None:
         """Mixed layout: a chunk that ended at a prefix other queued prompts share snapshots it."""
-        if self.snapshots is not None and seq.pos == seq.split:
-            self.snapshots.insert(seq.prefill_ids[: seq.pos], seq.cache, ns=seq.adapter_key)
+        if self.snapshots is not None and seq.computed == seq.split:
+            self.snapshots.insert(seq.prefill_ids[: seq.computed], seq.cache, ns=seq.adapter_key)
 
     def commit_prompts(self, seqs: list, fused: bool = False) -> None:
         """Contexts prefilled (all but their last token; ``seq.cache`` their KV): store them in the prefix
-        cache; their KV now holds their whole context (``seq.consumed``). Attention layout: the sequences
+        cache (their KV holds their whole context: ``seq.computed``). Attention layout: the sequences
         join the batch now (one write per layer for all of them), each reading the prefix the tree holds in
         its lane's pool from there (borrowed pages) and writing the rest into its own pages, which the tree
         then holds by reference: a prompt's KV is held once, and the next step's prompts find it in the tree
@@ -231,8 +232,6 @@ class KVCacheManager(KVManager):
         (``kv.fused_step``): the rows join as they were prefilled (no shared prefix is chosen from them,
         whose one copy would be read now), and the tree takes them once that forward is built
         (:meth:`index_fused`). Mixed layout: the rows join once the step's prefill is over (``join_late``)."""
-        for seq in seqs:
-            seq.consumed = len(seq.prefill_ids)
         if self.layout == "attention":
             if fused:
                 self._join(seqs, as_prefilled=True)
@@ -305,11 +304,11 @@ class KVCacheManager(KVManager):
         state under exactly the tokens it has taken in (a pipelined step may have run one more: the
         state cannot be rewound, so the snapshot says so)."""
         if self.radix is not None:
-            ids = seq.prefill_ids[: seq.consumed]  # the tokens its KV holds
+            ids = seq.prefill_ids[: seq.computed]  # the tokens its KV holds
             if ids:
                 self.radix.insert(ids, self.batch.row_segments(seq), ns=seq.adapter_key)
-        elif self.snapshots is not None and seq.consumed:
-            self.snapshots.insert((seq.prompt_ids + seq.output_ids)[: seq.consumed], self.batch.row_caches(seq),
+        elif self.snapshots is not None and seq.computed:
+            self.snapshots.insert((seq.prompt_ids + seq.output_ids)[: seq.computed], self.batch.row_caches(seq),
                                   ns=seq.adapter_key)
 
     # -- freeing --------------------------------------------------------------------------------

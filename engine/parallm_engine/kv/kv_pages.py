@@ -21,7 +21,7 @@ SDPA on Metal and CUDA, the MLX-ops attention, quantized KV) a layer's ``update_
 the step's working set gathered from the pool, ``(B, KV heads, T, D)``, left-padded as mlx-lm's models
 expect: one gather per array per layer per step. Where the native kernel reads the pool, none is built
 (``update_and_fetch`` hands out the pools as stand-ins; the attention hook gathers the working set only
-if the kernel declines). The measured cost of the gather is in docs/benchmarks.md. On the CPU a step's
+if the kernel declines). The measured cost of the gather is in docs/benchmarks-archive.md. On the CPU a step's
 new KV is written by the native ``paged_write`` (in place); elsewhere by MLX's scatter, except in a step that
 appends to the decode working set kept between steps: that leaves the pool's copy to the working set's next
 flush (``decode_working_set``; :meth:`PagedLaneKV.flush_writes` before anything else reads or changes the

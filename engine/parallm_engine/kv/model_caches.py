@@ -25,7 +25,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from parallm_engine.errors import UnsupportedModelError
-from parallm_engine.runner.lora import adapter_rows
 
 # Families whose forward cannot take a batch of rows with different histories in mlx-lm 0.32 even
 # through its own batched caches (checked with tiny random models against mlx-lm's own generation).
@@ -205,7 +204,8 @@ def _rows(cache: ArraysCache) -> int:
 class MixedDecodeBatch:
     """The running batch of a ``"mixed"`` model: one mlx-lm batched cache per layer, rows in
     :attr:`running` order. The same interface as ``decode_batch.DecodeBatch`` where the scheduler
-    uses it (one lane, no shared prefix: a window or a state cannot be shared by reference)."""
+    uses it (one lane, no shared prefix: a window or a state cannot be shared by reference); its forward
+    is the runner's (``ModelRunner.decode_forward``)."""
 
     def __init__(self):
         self.running: list = []
@@ -248,12 +248,6 @@ class MixedDecodeBatch:
     def clear(self) -> None:
         self.running = []
         self.caches = None
-
-    def forward(self, model, tokens: mx.array) -> mx.array:
-        """Lazy float32 logits, one row per running sequence: the model's own forward."""
-        extra = model.decode_kwargs(self.running, 1) if hasattr(model, "decode_kwargs") else {}  # M-RoPE positions
-        with adapter_rows(model, self.running):
-            return model(tokens[:, None], cache=self.caches, **extra)[:, -1, :].astype(mx.float32)
 
     def row_caches(self, seq) -> list:
         """``seq``'s own per-layer caches, extracted from the batch (for a snapshot)."""

@@ -11,7 +11,8 @@ Each namespace (``ns``: a LoRA adapter's key, ``lora_adapters.LoRAAdapter.key``;
 its own root: KV computed under one adapter is never matched by another's tokens (adapters change every
 layer's keys and values), while rows of one adapter share prefixes as the base's rows do.
 The tree's bytes are its arrays plus the pages only it holds (pages a row also holds are the row's):
-``page_nbytes`` and ``cached_pages`` are set by the owner of the pools (the scheduler).
+``page_nbytes`` and ``cached_pages`` are set by the owner of the pools (the KV cache manager,
+``kv/kv_cache_manager.py``).
 """
 
 from __future__ import annotations

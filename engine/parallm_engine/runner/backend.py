@@ -1,9 +1,9 @@
 """Pick the fast compute path for this machine before MLX is imported.
 
-MLX's Linux CPU wheel bundles the netlib reference BLAS (~5 GFLOP/s fp32 GEMM). Loading an optimised
-CBLAS with global symbols *before* ``import mlx`` lets MLX resolve ``cblas_sgemm`` to it instead
-(~300 GFLOP/s on the 2-core CI machines). This must run before anything imports ``mlx.core``, so the
-package ``__init__`` calls :func:`preload_blas` first thing.
+MLX's Linux CPU wheel bundles the netlib reference BLAS, whose fp32 GEMM is tens of times slower than an
+optimised one. Loading an optimised CBLAS with global symbols *before* ``import mlx`` lets MLX resolve
+``cblas_sgemm`` to it instead. This must run before anything imports ``mlx.core``, so the package
+``__init__`` calls :func:`preload_blas` first thing.
 
 Dtypes: on the CPU backend float16/bfloat16 and quantized matmuls have no fast kernels, so weights
 run in float32; on Metal and CUDA the checkpoint's native dtype is right.
@@ -24,15 +24,14 @@ from parallm_engine.cpu_info import cpu_features
 
 logger = logging.getLogger("parallm_engine")
 
-# Candidate CBLAS libraries. Which is faster depends on the CPU (measured on the 2-core CI-class
-# machines, fp32, single-core GEMMs of a decode step; see docs/benchmarks.md):
-# - Intel: MKL (PyPI `mkl`, a dependency on Linux x86_64) ran the skinny decode GEMMs faster than
+# Candidate CBLAS libraries. Which is faster depends on the CPU (fp32 GEMMs of a decode step's shapes;
+# docs/benchmarks-archive.md, "The previous round: BLAS per CPU, shared prefixes, measurement fixes"):
+# - Intel: MKL (PyPI `mkl`, a dependency on Linux x86_64) runs the skinny decode GEMMs faster than
 #   Debian's OpenBLAS 0.3.21.
 # - AMD with AVX-512 (Zen 4/5): MKL takes its generic non-Intel code path and packs the weight matrix on
-#   every call (20% of a decode step's CPU time in `mkl_blas_def_sgemm_scopy_right16_bdz`), and
-#   OpenBLAS 0.3.21 predates Zen 4 and picks its AVX2 Haswell kernels. OpenBLAS with its AVX-512
-#   SkylakeX kernels (OPENBLAS_CORETYPE) and both cores inside each GEMM makes a batch-32 decode step
-#   1.3x faster than MKL; :func:`blas_candidates` puts it first there.
+#   every call, and OpenBLAS 0.3.21 predates Zen 4 and picks its AVX2 Haswell kernels. OpenBLAS with its
+#   AVX-512 SkylakeX kernels (OPENBLAS_CORETYPE) and both cores inside each GEMM runs a decode step faster
+#   than MKL there, so :func:`blas_candidates` puts it first.
 # PyPI `scipy-openblas32` does NOT work (its symbols are prefixed).
 _OPENBLAS_CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -137,8 +136,8 @@ def preload_blas() -> str | None:
     if choice.lower() == "none":
         return None
     if _mlx_imported():
-        # Measured: a (512x576)@(576x1536) matmul 121 ms instead of 14. backend_info reports the
-        # reference BLAS and the engine warns (warn_if_slow_blas) with how to fix the import order.
+        # MLX already bound the reference BLAS, about an order of magnitude slower on a matmul. backend_info
+        # reports it and the engine warns (warn_if_slow_blas) with how to fix the import order.
         global _preload_too_late
         _preload_too_late = True
         return None
@@ -172,7 +171,7 @@ def _configure_openblas() -> dict[str, str | None]:
 
     On an AVX-512 CPU it does not know (Debian's 0.3.21 and Zen 4) OpenBLAS falls back to its AVX2
     Haswell kernels; its SkylakeX AVX-512 kernels run there (Zen 4 implements every AVX-512 subset
-    they use) and are 1.2-1.4x faster on decode-shaped GEMMs. The core type is set only while
+    they use) and are faster on decode-shaped GEMMs. The core type is set only while
     ParaLLM's OpenBLAS loads, so an OPENBLAS_CORETYPE in the environment (some machines pin it for
     numpy's own OpenBLAS) still applies to everything else; PARALLM_OPENBLAS_CORETYPE picks another
     core type for ParaLLM's ("inherit": use OPENBLAS_CORETYPE as it is). Its threads default to one
@@ -203,9 +202,9 @@ def cpu_lanes() -> int:
     """Decode lanes on the CPU backend (see ``decode_batch``).
 
     With OpenBLAS: one lane, and OpenBLAS's own threads use every core inside each GEMM (GEMMs are
-    ~60% of a decode step; at batch 32 one 2-thread GEMM over all rows beats two 1-thread GEMMs over
-    16 rows each by enough to pay for the elementwise work left on one core, and at batch 1 the
-    2-thread GEMV is 1.2x faster). Otherwise one lane per core, at most 4: MLX runs each stream on one
+    most of a decode step; one multi-threaded GEMM over all rows beats one single-threaded GEMM per lane
+    by enough to pay for the elementwise work left on one core, and a single row's GEMV is faster on
+    every core too). Otherwise one lane per core, at most 4: MLX runs each stream on one
     thread with scalar elementwise kernels, so parallel lanes are what uses the other cores, and MKL
     runs single-threaded inside each (``_configure_mkl``). ``PARALLM_DECODE_LANES`` overrides."""
     lanes = settings.decode_lanes()
@@ -222,11 +221,10 @@ def _configure_mkl() -> None:
     Each decode lane (``cpu_lanes``) calls the BLAS from its own thread (MLX's stream worker), and beside
     the lanes the engine thread builds the next step and delivers tokens while they compute. So MKL gets
     the cores left per lane once one is left for that host work: SEQUENTIAL where that is one, otherwise
-    GNU OpenMP with that many threads. Measured on the 2-core Xeon (MKL), default model, 32 rows, one lane
-    forced (``PARALLM_DECODE_LANES=1``): a 2-thread MKL made decode 3x slower (ITL p50 1.28-1.33 s vs
-    0.23 s, 24 vs 70 tok/s; ``OMP_WAIT_POLICY=PASSIVE`` no better) though alone its GEMMs are 1.2-1.9x
-    faster than one thread's: with no core free the OpenMP team and the host threads take turns. Explicit
-    MKL_THREADING_LAYER / MKL_NUM_THREADS settings win."""
+    GNU OpenMP with that many threads. An OpenMP team with no core left free takes turns with the host
+    threads, and decode runs several times slower though the team's GEMMs alone are faster
+    (docs/benchmarks-archive.md, "One lane on a 2-core MKL machine; the compiled step measured fairly").
+    Explicit MKL_THREADING_LAYER / MKL_NUM_THREADS settings win."""
     per_lane = mkl_threads_per_lane(usable_cores(), cpu_lanes())
     if per_lane <= 1:
         os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
@@ -314,8 +312,8 @@ BACKEND_NAMES = ("cpu-native", "cpu-mlx", "metal", "cuda")
 
 @dataclass
 class Backend:
-    """Everything that differs between backends, decided once per engine. The scheduler, model runner
-    and memory budget ask this object; nothing else looks at the device.
+    """Everything that differs between backends, decided once per engine. The engine configures the
+    scheduler, the model runner and the memory budget from this object; nothing else looks at the device.
 
     - ``cpu-native``: MLX's CPU backend with ParaLLM's native kernels (attention, RMSNorm, SwiGLU,
       RoPE, the decode step's linear) and its pure-MLX CPU kernels where the native ones do not apply.
@@ -339,10 +337,9 @@ class Backend:
 
     @property
     def prefill_chunk(self) -> int:
-        """Default most prompt tokens in one prefill forward. On CUDA (measured on an H100, the default
-        model's shape in bf16, 32 prompts of 100 tokens, warm): 512 gave a TTFT p50 of 0.18 s, one
-        4,096-token forward 0.04 s (mlx-lm BatchGenerator 0.06 s); a GPU's forward is short next to the
-        host's per-forward work. Metal is unmeasured and keeps the CPU's."""
+        """Default most prompt tokens in one prefill forward. A GPU's forward is short next to the
+        host's per-forward work, so CUDA takes a much larger chunk than the CPU (docs/benchmarks-archive.md,
+        "GPU (CUDA): the pure-MLX path on an NVIDIA H100"). Metal is unmeasured and keeps the CPU's."""
         return 4096 if self.name == "cuda" else 512
 
     @property

@@ -1,9 +1,10 @@
 """A plain decode step as one compiled MLX graph: ``PARALLM_COMPILE_DECODE=1`` (off by default).
 
-Why: on a GPU a short decode step is bound by the host thread (docs/benchmarks.md, "An H100"): Python
-building the graph (~1,500 MLX primitives for a 36-layer model) and MLX encoding its kernels, for mlx-lm's
-BatchGenerator as for ParaLLM. ``mx.compile`` traces the step once and then replays the tape: no Python per
-layer, and chains of elementwise operations fused into one kernel each (fewer kernels to encode).
+Why: on a GPU a short decode step is bound by the host thread (docs/benchmarks-archive.md, "An H100: the step
+is the host encoding MLX's kernels, for mlx-lm too"): Python building the graph (well over a thousand MLX
+primitives for a 36-layer model) and MLX encoding its kernels, for mlx-lm's BatchGenerator as for ParaLLM.
+``mx.compile`` traces the step once and then replays the tape: no Python per layer, and chains of elementwise
+operations fused into one kernel each (fewer kernels to encode).
 
 What it takes: every value that changes from step to step must be an input array, never a Python number
 the trace would freeze. The step compiled here is the kept working set's *append* step
@@ -16,15 +17,16 @@ takes the kept arrays' new columns when the lane flushes them (``DecodeWorkingSe
 while rows decode, and a pool inside the graph would make every growth a new trace). Attention reads the
 whole capacity under a mask built in the graph (the columns after this step's are masked), so the shapes
 stay fixed until the kept arrays are rebuilt (their capacity a multiple of ``decode_working_set.ROOM``) or
-the rows change; those steps run eagerly, and the next append traces anew (measured: a trace costs ~35-50 ms
-of host time for a 28-layer model on this CPU). Traces are kept per lane in a small LRU keyed by their
-shapes, each in a function object of its own (MLX erases a compiled function's traces when the object goes).
+the rows change; those steps run eagerly, and the next append traces anew (a trace costs several eager steps'
+host time: docs/benchmarks-archive.md, "The plain decode step as one compiled graph; llama.cpp on the default
+agents trace"). Traces are kept per lane in a small LRU keyed by their shapes, each in a function object of
+its own (MLX erases a compiled function's traces when the object goes).
 
 Where it applies (:func:`applies`): a plain one-token step of a lane in append mode, float KV, no shared
 prefix, no LoRA adapters, no per-row model extras, attention not read from the pool by a kernel. A model
 whose trace fails is refused, and that lane runs eagerly from then on: one whose forward never asks the
 cache for its mask (:class:`NotCompilable`: it would attend over the unwritten columns), or one whose Python
-needs values a trace does not have. Everything else runs eagerly as before.
+needs values a trace does not have. Everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections import OrderedDict
 import mlx.core as mx
 
 from parallm_engine import settings
-from parallm_engine.runner import lora
+from parallm_engine.runner import forward, lora
 
 logger = logging.getLogger("parallm_engine")
 
@@ -92,7 +94,7 @@ def _traced_step(model):
         mask = ((cols >= starts[:, None]) & (cols <= column))[:, None, None, :]
         inputs = _StepInputs(offset, mask, column)
         caches = [_TracedLayerKV(inputs, *layer) for layer in state]
-        logits = model(x, cache=caches)
+        logits = forward.plain(model, x, caches)
         if not inputs.masked:
             raise NotCompilable("the model's attention does not take its mask from the cache")
         return logits[:, -1, :].astype(mx.float32), [(c.ws_k, c.ws_v) for c in caches]

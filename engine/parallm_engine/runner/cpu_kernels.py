@@ -1,15 +1,15 @@
 """Faster attention, SwiGLU and RoPE for MLX's CPU backend, used only inside the engine's own forwards.
 
 MLX's CPU ``exp`` (and so ``softmax``, ``sigmoid``, SiLU and the fused SDPA, which falls back to
-them) runs at ~25 ns per element on x86 Linux, while ``mx.power(2.0, x)`` runs at ~9 ns with the
-same accuracy (max relative error ~1e-6 vs numpy's exp on the measured range). Attention's softmax
-and the MLP's SiLU are the two places a llama decode step spends most of its non-GEMM time, so:
+them) is scalar and several times slower per element on x86 Linux than ``mx.power(2.0, x)``, which
+has the same accuracy. Attention's softmax and the MLP's SiLU are the two places a llama decode step
+spends most of its non-GEMM time, so:
 
 - :func:`attention`: scores in log2 units (``q`` pre-scaled by ``scale * log2(e)``), GQA as one
   batched matmul per KV head group, ``2 ** (s - max)``, normalised after the value matmul (one
-  divide per output instead of per score). 1.35-1.7x faster than ``mx.fast.scaled_dot_product_attention``
-  on this machine for decode (batch 16-32, 160-600 keys) and prefill (32-512 queries) shapes.
-- :func:`swiglu`: ``gate / (1 + 2 ** (-gate * log2(e))) * x``, 2.8-4.5x faster than ``silu(gate) * x``.
+  divide per output instead of per score). Faster than ``mx.fast.scaled_dot_product_attention`` on the
+  CPU for decode and prefill shapes.
+- :func:`swiglu`: ``gate / (1 + 2 ** (-gate * log2(e))) * x``, several times faster than ``silu(gate) * x``.
 - :class:`RoPETable`: rotary embedding from a cos/sin table built once, instead of ``mx.fast.rope``'s
   per-call scalar trigonometry, for prefill and speculative verification (decode's one position per
   row keeps ``mx.fast.rope`` without the native kernels).
@@ -19,19 +19,20 @@ and the MLP's SiLU are the two places a llama decode step spends most of its non
 Where ParaLLM's native kernels are built (``native``: MLX primitives compiled with ``-march=native``),
 float32 forwards use them instead: fused, vectorised attention for decode and prefill (causal or a
 boolean mask, the shared-prefix cascade included) split over the cores, SwiGLU, RoPE from the same
-table (one op, bitwise the table's MLX ops), RMSNorm, and a linear that reads the weights in place for a decode step's few
-rows (up to ``NATIVE_LINEAR_ROWS``, 16 with AVX2's tiles; a prefill chunk keeps the BLAS's packed
-GEMM), speculative verification's few positions per row included. Measured on the
-2-core CI machine: a batch-32 decode step 72 ms -> ~50 ms (its 211 GEMMs 48 -> ~33 ms), batch 1
-33 -> ~18 ms, a 512-token prefill 640 -> ~400 ms (its attention ~400 -> ~75 ms).
+table (one op, bitwise the table's MLX ops), RMSNorm, and a linear that reads the weights in place for
+a decode step's few rows (up to ``NATIVE_LINEAR_ROWS``, 16 with AVX2's tiles; a prefill chunk keeps the
+BLAS's packed GEMM), speculative verification's few positions per row included. They cut both the decode
+step and prefill substantially (docs/benchmarks-archive.md, "This round: the decode GEMMs, prefill
+attention, and the graph").
 
 :func:`install` binds them to one model's own module instances, never to mlx-lm's modules: each
 attention / MLP instance is switched to a subclass whose methods read the engine's
 ``scaled_dot_product_attention`` / ``swiglu`` (same code, private globals), each layer's plain
 ``nn.RoPE`` is wrapped, and plain float32 ``nn.Linear`` / ``nn.RMSNorm`` / tied ``nn.Embedding``
 instances get a switched class. The kernels run only while :func:`enabled` is active on the building
-thread: the scheduler's forwards turn it on; anything else calling the same model (mlx-lm's own
-generate in ``parallm bench``) gets mlx-lm's functions, and another model in the process is untouched.
+thread: the model runner turns it on for its step (``ModelRunner.execute``); anything else calling the
+same model (mlx-lm's own generate in ``parallm bench``) gets mlx-lm's functions, and another model in the
+process is untouched.
 On Metal and CUDA (and the CPU's pure-MLX backend) only the attention hook is bound: it reads a
 shared prefix with the MLX-op cascade and otherwise calls mlx-lm's fused attention.
 """
@@ -259,8 +260,8 @@ class _SwitchedRoPE:
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         # Decode (one position per row) uses the table only through the native kernel (one fused op);
-        # otherwise it keeps mx.fast.rope, one op where the table takes several. The table's gain
-        # without the native kernel is in prefill (a 512-token chunk ~6% faster).
+        # otherwise it keeps mx.fast.rope, one op where the table takes several. Without the native
+        # kernel the table pays off only in prefill, where a call covers many positions.
         L = x.shape[2]
         if is_enabled() and (not isinstance(offset, int) or offset + L <= self.table.max_positions):
             if L > 1 or (x.dtype == mx.float32 and _native() is not None):
@@ -268,19 +269,20 @@ class _SwitchedRoPE:
         return self.original(x, offset=offset)
 
 
-# Up to this many rows the native linear beats OpenBLAS's packed GEMM on the 2-core CI machine (the
-# decode step's projections with weights streaming from memory: 64 rows 62 vs 67 ms; 96 rows 92 vs
-# 86 ms). Rows up to it are also bitwise independent of the batch (see kernels.cpp).
+# Up to this many rows the native linear beats OpenBLAS's packed GEMM on the decode step's projections,
+# whose weights stream from memory; above it the packed GEMM wins (docs/benchmarks-archive.md, "This
+# round: the decode GEMMs, prefill attention, and the graph"). Rows up to it are also bitwise independent
+# of the batch (see kernels.cpp).
 NATIVE_LINEAR_ROWS = 64
 # The same limit for the AVX2 build (8-lane tiles), against MKL's single-threaded GEMM per decode lane
-# on a 2-core AVX2 machine (a step's 211 projections, both lanes busy: 8 rows a lane 81 vs 128 ms,
-# 16 rows 121 vs 140, 20 rows 152 vs 149, 32 rows 230 vs 196; one lane, so the kernel's two threads
-# against MKL's one: 1 row 27 vs 48 ms, 5 rows 32 vs 102, 8 rows 39 vs 104). Speculative verification
-# (a few positions per row) is what needs it: MKL's GEMM for 2-8 rows costs ~2x its 1-row GEMV.
+# with every lane busy: past it MKL's GEMM is the faster one. Speculative verification (a few positions
+# per row) is what needs it: MKL's GEMM for a few rows costs about twice its one-row GEMV
+# (docs/benchmarks-archive.md, "Speculative decoding (n-gram prompt lookup): `--workloads spec`").
 NATIVE_LINEAR_ROWS_AVX2 = 16
 # ... and while one decode lane runs alone (``solo_lane``: the kernel's threads are not shared with a
-# second lane's), up to this many: batch 32 on one lane 215-220 tok/s with the native linear for its 32
-# rows vs 187 on two lanes of 16 (decode_batch.LANE_FILL_ROWS).
+# second lane's), up to this many: one lane of 32 rows through the native linear decodes faster than two
+# lanes of 16 (decode_batch.LANE_FILL_ROWS; docs/benchmarks-archive.md, "What users compare with:
+# llama.cpp, agent traces, long context").
 NATIVE_LINEAR_ROWS_AVX2_SOLO = 64
 
 
@@ -319,16 +321,16 @@ def linear_native(x: mx.array, weight: mx.array, bias: mx.array | None = None) -
 
 # The native linear reads float32 weights, or bfloat16 ones (weights_dtype="bfloat16") widened in
 # registers. Above its rows, bfloat16 weights go through gemm_split (a block of weight rows widened
-# into a scratch buffer that stays in cache, then the BLAS, on every core), measured on the 2-core CI machine for
-# the 135M model's projections: 32 rows 33 ms vs the native linear's 43 and MLX's f32 matmul's 47;
-# 16 rows 35 vs 22 (the native linear keeps its rows).
+# into a scratch buffer that stays in cache, then the BLAS, on every core): there it beats both the
+# native linear and MLX's matmul, which would widen the whole weight per call (docs/benchmarks-archive.md,
+# "bf16 on CPU: `weights_dtype="bfloat16"`").
 _LINEAR_WEIGHT_DTYPES = (mx.float32, mx.bfloat16)
 
 
 # Rows from which a GEMM runs on every core (the native gemm_split: output columns over the kernels'
-# threads, each a single-threaded BLAS sgemm). Below it a decode lane's GEMM stays on its own core:
-# two lanes of up to 32 rows each already use both. Measured on the 2-core CI machine (MKL): a
-# (512 x 576) @ (576 x 1536) prefill GEMM 10.1 -> 5.3 ms, 64 rows 0.58 -> 0.34 ms, same bits.
+# threads, each a single-threaded BLAS sgemm), with the same bits as one sgemm. Below it a decode lane's
+# GEMM stays on its own core: two lanes of up to 32 rows each already use both. A prefill chunk's GEMM
+# runs about twice as fast split (docs/benchmarks-archive.md, "Prefill and long-context attention").
 GEMM_SPLIT_MIN_ROWS = 48
 
 

@@ -6,8 +6,8 @@ leaves all but one core idle for most of a step. Each lane holds a share of the 
 with its own KV (:class:`~parallm_engine.kv.kv_pages.PagedLaneKV`: a page pool per layer, a page table per
 row; lanes never write one array, so MLX does not serialise their graphs) and its own MLX stream, so the
 lanes' forwards run at the same time on different cores; the BLAS runs single-threaded inside each
-lane (see ``backend.cpu_lanes``). Measured on the 2-core CI machine, batch 32 at 160 tokens of
-context: one lane 306 ms per step, two lanes 213 ms. On Metal and CUDA there is one lane.
+lane (see ``backend.cpu_lanes``), and a step over several lanes takes markedly less time than over one
+(docs/benchmarks-archive.md). On Metal and CUDA there is one lane.
 
 Rows are ordered lane by lane: :attr:`DecodeBatch.running` is lane 0's sequences, then lane 1's, and
 the logits :meth:`DecodeBatch.forward` returns follow that order. Joining sequences fill the first
@@ -15,15 +15,14 @@ lane up to ``LANE_FILL_ROWS`` rows before the next lane gets any, then go to the
 rows: each lane reads all the weights every step, and while one lane runs alone the native kernels
 (linear, attention) spread its work over every core anyway. A joining row whose prefix the prefix cache
 holds in a running lane's pool (with room) goes to that lane, where it borrows the pages instead of
-storing a copy. Measured on the 2-core AVX2 machine
-(default model, 100-token prompts, decode tok/s): batch 8 on one lane 162-163 vs two lanes of 4: 100;
-batch 32 one lane 215-220 vs two of 16: 187; batch 64 two lanes of 32 (MKL per lane) 244 vs one lane
-225-229. Streams are created lazily because MLX streams belong to the thread that made them (the
-engine thread).
+storing a copy. Up to ``LANE_FILL_ROWS`` rows one lane decodes faster than two half-full ones, and past
+it two full lanes beat one (docs/benchmarks-archive.md, "What users compare with: llama.cpp, agent
+traces, long context"). Streams are created lazily because MLX streams belong to the thread that made
+them (the engine thread).
 
-The batch may hold one :class:`~parallm_engine.kv.kv_cache.SharedPrefix` (chosen by the scheduler):
-rows that continue it keep only their later tokens, every lane reads the same prefix arrays, and it
-is released when the last such row leaves.
+The batch may hold one :class:`~parallm_engine.kv.kv_cache.SharedPrefix` (chosen by the KV cache manager
+through ``kv/prefix_sharing.py``): rows that continue it keep only their later tokens, every lane reads
+the same prefix arrays, and it is released when the last such row leaves.
 """
 
 from __future__ import annotations
@@ -33,14 +32,13 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 
-from parallm_engine.runner import cpu_kernels
+from parallm_engine.runner import cpu_kernels, forward
 from parallm_engine.runner.compiled_decode import CompiledSteps, applies as compiled_applies
 from parallm_engine.kv.fused_step import FusedLayerKV, FusedWork, PromptLayout
 from parallm_engine.kv.kv_cache import SharedPrefix
 from parallm_engine.kv.kv_meter import KVWriteMeter
 from parallm_engine.kv.kv_pages import PAGE, PagedLaneKV, PagedSegment
 from parallm_engine.kv.paged_prefill import PagedPrefillStep
-from parallm_engine.runner.lora import adapter_rows
 
 #: Rows a lane takes before the next lane gets any (see the module docstring).
 LANE_FILL_ROWS = 32
@@ -75,7 +73,7 @@ class DecodeBatch:
         self.shared: SharedPrefix | None = None
         self.shared_readers = 0  # prompts being prefilled that read the shared prefix (paged_prefill)
         # The model's attention takes the layer's keys and values only into the engine's attention hook,
-        # whose native kernel can read the page pool (set by the scheduler): no working set is gathered.
+        # whose native kernel can read the page pool (set by the KV cache manager): no working set is gathered.
         self.attention_reads_pool = False
         # Bytes the lanes' decode working sets kept between steps may take (kv/decode_working_set.py; set by
         # the KV cache manager: the MLX buffer cache the engine sets); None: no limit.
@@ -259,19 +257,17 @@ class DecodeBatch:
                 if rows is not None:
                     mine = rows[start : start + n]
                     lane.kv.begin([len(r) for r in mine], nat, self.attention_reads_pool)
-                    x, extra = mx.array([t for r in mine for t in r], dtype=mx.int32)[:, None], {}
+                    x = mx.array([t for r in mine for t in r], dtype=mx.int32)[:, None]
                 else:
                     x = tokens if n == len(tokens) else tokens[start : start + n]
-                    # the model's per-row extras (an M-RoPE VLM's positions: vision_mrope), if it has any
-                    extra = model.decode_kwargs(lane.seqs, x.shape[1]) if hasattr(model, "decode_kwargs") else {}
                     lane.kv.begin(x.shape[1], nat, self.attention_reads_pool)
                 logits = None
                 if mine is None and compiled_applies(lane.compiled, lane.kv, model, nat):
                     logits = lane.compiled.forward(model, lane.kv, x)  # (B, V): the step as one compiled graph
                 if logits is None:
-                    with cpu_kernels.solo_lane(solo), adapter_rows(model, lane.seqs,
-                                                                   None if mine is None else [len(r) for r in mine]):
-                        logits = model(x, cache=lane.kv.layers, **extra)
+                    with cpu_kernels.solo_lane(solo):
+                        logits = forward.decode(model, x, lane.kv.layers, lane.seqs,
+                                                None if mine is None else [len(r) for r in mine])
                 else:
                     logits = logits[:, None]  # (B, 1, V) as the model's own
                 self.meter.decoded += x.shape[0] * x.shape[1]
@@ -304,8 +300,7 @@ class DecodeBatch:
                 new = [work.new[i] for i in run]
                 L = max(new)
                 ids = mx.array([[0] * (L - n) + work.tokens[i] for i, n in zip(run, new)], dtype=mx.int32)
-                with adapter_rows(model, [work.seqs[i] for i in run]):
-                    model(ids, cache=step.layers)  # its logits: never read
+                forward.prompts(model, ids, step.layers, [work.seqs[i] for i in run])
             work.arrays += steps[-1][1].arrays()  # the lane's pools, as the last forward leaves them
             return None
         B = x.shape[0]
@@ -321,11 +316,8 @@ class DecodeBatch:
         caches = [FusedLayerKV(d, [(step.layers[l], layout) for (_, step), layout in zip(steps, layouts)], B, offset)
                   for l, d in enumerate(lane.kv.layers)]
         ids = mx.array([t for i in mine for t in work.tokens[i]], dtype=x.dtype)[:, None]
-        backbone, head = work.split
-        with adapter_rows(model, lane.seqs + [work.seqs[i] for i in mine], [1] * B + new):
-            hidden = backbone(mx.concatenate([x, ids]), cache=caches)
-        with adapter_rows(model, lane.seqs):  # the head: the decode rows only
-            logits = head(hidden[:B])
+        logits = forward.fused(work.split, model, mx.concatenate([x, ids]), caches, lane.seqs,
+                               [work.seqs[i] for i in mine], new)
         work.arrays += steps[-1][1].arrays()
         self.meter.decoded += B
         return logits[:, -1, :].astype(mx.float32)

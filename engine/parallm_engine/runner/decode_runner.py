@@ -37,6 +37,11 @@ class DecodeRunner:
         self.pending: tuple | None = None
         self.plain_rows = 0  # rows of this step's ordinary pipelined decode, for the speculator's costs
 
+    def decode_forward(self, inputs: mx.array, work=None) -> mx.array:
+        """Lazy float32 logits of the running rows for ``inputs`` (one token each), with ``work`` (the step's
+        fused prefill) in the same forward."""
+        return self.batch.forward(self.model, inputs, work)
+
     @property
     def in_flight(self) -> bool:
         return self.pending is not None
@@ -63,13 +68,12 @@ class DecodeRunner:
             inputs = next_inputs(running, self.pending[0], self.pending[1])
         else:
             inputs = mx.array([s.last_token for s in running])
-        logits = self.batch.forward(self.model, inputs) if work is None else \
-            self.batch.forward(self.model, inputs, work)  # the mixed layout never fuses
+        logits = self.decode_forward(inputs, work)
         extra = []  # the prompts' writes: no logit may depend on them
         if work is not None:
             work.ran, extra = True, work.arrays
         for s in running:
-            s.consumed += 1
+            s.computed += 1
         self.stats.decode_steps += 1
         if constrained:  # masks need the previous tokens: deliver them while the forward runs
             mx.async_eval(logits, *extra)

@@ -22,7 +22,7 @@ gathered working set and MLX's SDPA stay) on float pools (float32 / float16 / bf
 keeps the gather). It is on where MLX runs on CUDA unless ``PARALLM_GPU_PAGED_ATTENTION=0``; anywhere else
 it is never used (MLX's Metal build has no ``cuda_kernel``; Metal would need its own kernel, untested).
 The CUDA device check (``scripts/gpu_check``) compares it with the gather + SDPA on fresh random data
-and times both; the numbers are in docs/benchmarks.md.
+and times both; the numbers are in docs/benchmarks-archive.md.
 """
 
 from __future__ import annotations

@@ -18,9 +18,7 @@ import time
 
 import mlx.core as mx
 
-from parallm_engine.runner import batch_invariance, cpu_kernels
-
-from parallm_engine.embed import embedding
+from parallm_engine.runner import batch_invariance, cpu_kernels, forward
 
 from parallm_engine.kv import kv_quant
 from parallm_engine.kv.fused_step import FusedWork
@@ -92,6 +90,9 @@ class ModelRunner(DecodeRunner):
                     if joins:
                         self.kv.commit_prompts(joins, work.fused)
                         out.joined += joins
+                        for s in joins:  # the usage's cached tokens, before any of their tokens is delivered
+                            if not s.preemptions:
+                                self.stats.on_prompt_done(s.request, s.cached_tokens if s.index == 0 else None)
             finally:
                 self.kv.end_reads()
             fused, self._fused = self._fused, None
@@ -126,6 +127,14 @@ class ModelRunner(DecodeRunner):
         out.plain_rows = self.plain_rows
         return out
 
+    def decode_forward(self, inputs: mx.array, work=None) -> mx.array:
+        """The decode step's forward: the paged batch's lanes (``decode_batch``), or the mixed layout's
+        running rows over mlx-lm's batched caches (``kv.model_caches.MixedDecodeBatch``; it never fuses)."""
+        if self.kv.prefills_alone:
+            return forward.decode(self.model, inputs[:, None], self.batch.caches, self.batch.running)[:, -1, :] \
+                .astype(mx.float32)
+        return self.batch.forward(self.model, inputs, work)
+
     def fuses(self, seq) -> bool:
         """Whether ``seq``'s prefill may run in the decode forward (``kv.fused_step``): the model splits
         exactly into its hidden-state forward and its head (``logits_head``), its attention runs through
@@ -159,9 +168,9 @@ class ModelRunner(DecodeRunner):
         rows = [s.cache for s in seqs]
         tokens = []
         for s, n, r in zip(seqs, new, rows):
-            tokens.append(s.prefill_ids[s.pos : s.pos + n])
+            tokens.append(s.prefill_ids[s.computed : s.computed + n])
             r.row.grow(r.lane.kv.pool, n)
-            s.pos += n
+            s.computed += n
         if self._fused is None:
             self._fused = FusedWork(self.split)
         self._fused.add(seqs, new, rows, tokens)
@@ -185,7 +194,7 @@ class ModelRunner(DecodeRunner):
                 with batch.lane_contexts()[k % len(batch.lanes)]:  # the next lane's stream
                     steps.append((lane, self._forward_share(lane, share, shared, nat, deferred=len(shares) > 1)))
                 k += 1
-        mx.eval([a for _, step in steps for a in step.arrays()] + embedding.pooled_arrays(seqs))
+        mx.eval([a for _, step in steps for a in step.arrays()] + forward.pooled(seqs))
         pools = []
         for lane, step in steps:
             with lane.context():
@@ -193,7 +202,7 @@ class ModelRunner(DecodeRunner):
         if pools:
             mx.eval(pools)
         for s, n in zip(seqs, new):
-            s.pos += n
+            s.computed += n
         self.stats.prefill_tokens += sum(new)
         self.stats.prefill_forwards += len(steps)
 
@@ -202,21 +211,21 @@ class ModelRunner(DecodeRunner):
         step = PagedPrefillStep(lane.kv, [s.cache for s, _ in share], [n for _, n in share], shared, native=nat,
                                 reads_pool=self.batch.attention_reads_pool, deferred=deferred)
         L = max(n for _, n in share)
-        tokens = mx.array([[0] * (L - n) + s.prefill_ids[s.pos : s.pos + n] for s, n in share])
-        embedding.prefill_forward(self.model, tokens, step.layers, [(s, s.pos, n) for s, n in share])
+        tokens = mx.array([[0] * (L - n) + s.prefill_ids[s.computed : s.computed + n] for s, n in share])
+        forward.prefill(self.model, tokens, step.layers, [(s, s.computed, n) for s, n in share])
         return step
 
     def _prefill_chunk(self, seq, n: int) -> None:
         """Mixed layout: ``n`` more context tokens of one sequence through its own caches."""
         if seq.cache is None:
             seq.cache = self.kv.prompt_cache(seq)
-        end = seq.pos + n
-        tokens = mx.array(seq.prefill_ids[seq.pos : end])[None]
-        embedding.prefill_forward(self.model, tokens, seq.cache, [(seq, seq.pos, n)])
-        seq.pos = end
+        end = seq.computed + n
+        tokens = mx.array(seq.prefill_ids[seq.computed : end])[None]
+        forward.prefill(self.model, tokens, seq.cache, [(seq, seq.computed, n)])
+        seq.computed = end
         self.stats.prefill_tokens += n
         self.stats.prefill_forwards += 1
-        mx.eval(self.kv.cache_state(seq.cache) + embedding.pooled_arrays([seq]))
+        mx.eval(self.kv.cache_state(seq.cache) + forward.pooled([seq]))
 
 
 def split_balanced(items: list, weights: list[int], n: int) -> list[list]:

@@ -7,7 +7,8 @@ KV cache stay float32, and every matmul widens the weights to float32 exactly (b
 
 - native kernels (``cpu-native``): the decode linear widens them in registers (``kernels.cpp``); a
   prefill's many rows widen a block of weight rows at a time into a scratch buffer (in cache) for the BLAS
-  (``gemm_split``), which measured faster on the 2-core CI machine than MLX's bfloat16 matmul.
+  (``gemm_split``), much faster than MLX's bfloat16 matmul on the CPU (docs/benchmarks-archive.md, "bf16 on
+  CPU: `weights_dtype="bfloat16"`").
 - pure MLX (``cpu-mlx``): MLX promotes ``float32 @ bfloat16`` to float32 (a widened copy of the weight
   per call): slower, the same math.
 
@@ -158,8 +159,9 @@ def bf16_matmul_classes():
     """(Linear, Embedding) classes for ``weights_dtype="bfloat16-matmul"``: an ``nn.Linear`` and a
     :func:`bf16_embedding_class` whose tied head (``as_linear``) compute :func:`_bf16_matmul`. Where the
     native AVX512_BF16 kernels run them, the weights are packed into 64-column panels on first use
-    (``linear_bf16_packed``: a broadcast-form microkernel, 1.3-1.5x a dot-form kernel on the unpacked
-    weight at decode sizes); embedding lookups then gather rows from the panels."""
+    (``linear_bf16_packed``: a broadcast-form microkernel, faster than a dot-form kernel on the unpacked
+    weight at decode sizes: docs/benchmarks-archive.md, "Packed panels: a broadcast-form `vdpbf16ps`
+    microkernel"); embedding lookups then gather rows from the panels."""
     import mlx.core as mx
     import mlx.nn as nn
 

@@ -159,8 +159,8 @@ def _row_noise(samplers: list[SeqSampler], n: int, width: int) -> mx.array:
 
 def _sample_truncated(logits: mx.array, samplers: list[SeqSampler], rows: list[int]) -> list[int]:
     """Top-k / top-p / min-p sampling of ``rows``, on the host: each row sorts only its non-negligible
-    tokens (a few hundred, not the whole vocabulary: MLX's CPU sort of (32, 49152) logits takes ~0.9 s,
-    this ~5 ms), falling back to the whole row where top-k alone could keep more. Then Gumbel-max over
+    tokens (a few hundred, not the whole vocabulary: MLX's CPU sort of a batch's whole logits is orders of
+    magnitude slower), falling back to the whole row where top-k alone could keep more. Then Gumbel-max over
     the kept tokens, which draws exactly what Gumbel-max over the masked vocabulary would (a seeded row
     reads its full-width draw at its kept tokens)."""
     V = logits.shape[-1]

@@ -236,7 +236,7 @@ class Speculator:
                 drafts.append([])
                 continue
             st = self._state(s, cfg)
-            k = self._k_for(s, st, min(MAX_K, width - (s.total_len - s.consumed)))
+            k = self._k_for(s, st, min(MAX_K, width - (s.total_len - s.computed)))
             if cfg.method == "draft" and k > 0:  # a draft model's rows propose together, below
                 by_model.append((len(drafts), s, loaded_draft(cfg.draft_key), k))
             draft = st.index.propose(s.request.prompt_ids + s.output_ids, k) if k > 0 and cfg.method == "ngram" else []
@@ -290,7 +290,7 @@ class Speculator:
         deliver, roll each row's KV back to what it keeps.
         Returns the positions the forward computed and the tokens delivered."""
         B = len(running)
-        pending = [(s.request.prompt_ids + s.output_ids)[s.consumed :] for s in running]
+        pending = [(s.request.prompt_ids + s.output_ids)[s.computed :] for s in running]
         widths = [len(u) + len(d) for u, d in zip(pending, drafts)]
         W = max(widths)
         batch = runner.batch
@@ -365,7 +365,7 @@ class Speculator:
                 self._account(s, len(d), max(0, min(added - 1, len(d))), chains[i])
         batch.rollback_rows(widths, keep)
         for s, k in zip(running, keep):
-            s.consumed += k
+            s.computed += k
         return (B * W if isinstance(widths, int) else sum(widths)), len(emit)
 
     def _account(self, s, proposed: int, accepted: int, chain) -> None:

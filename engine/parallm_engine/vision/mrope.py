@@ -16,7 +16,7 @@ forward of such a model gets ``position_ids`` (3, B, L) explicitly, built per ro
   positions (a chunk resumed mid-prompt, or after a radix-cache hit, takes exactly its columns), left
   padding included (padded columns are masked: any value does);
 - decode and speculative verification (:func:`decode_positions`, through the decode batch's
-  ``decode_kwargs`` hook): a row's W positions start at the tokens its KV holds (``Sequence.consumed``)
+  ``decode_kwargs`` hook): a row's W positions start at the tokens its KV holds (``Sequence.computed``)
   plus its own delta; text-only rows have delta 0.
 
 A prefix's positions depend only on its own tokens and images (the radix key), so reusing its KV for
@@ -76,15 +76,15 @@ def prefill_positions(rows: list[tuple], L: int) -> mx.array:
 def decode_positions(seqs: list, width: int) -> mx.array:
     """(3, B, W) position ids of a decode (W = 1) or verification forward: row i's W tokens continue its
     KV (``consumed`` tokens) at consecutive positions."""
-    starts = np.fromiter((s.consumed for s in seqs), np.int64, len(seqs))
+    starts = np.fromiter((s.computed for s in seqs), np.int64, len(seqs))
     deltas = np.fromiter((_delta(s) for s in seqs), np.int64, len(seqs))
     pos = np.repeat((starts + deltas)[None, :, None] + np.arange(width), 3, axis=0).astype(np.int32)
     # After its prefill a row's KV holds all but its last prompt token (text: at index + delta, as every
     # later token); a row still inside its prompt's image positions takes them from the prompt.
     for r, s in enumerate(seqs):
         vp = s.request.vision
-        if vp is not None and vp.mrope is not None and s.consumed < vp.mrope.shape[1] - 1:
-            pos[:, r] = _context_positions(s, s.consumed, width)
+        if vp is not None and vp.mrope is not None and s.computed < vp.mrope.shape[1] - 1:
+            pos[:, r] = _context_positions(s, s.computed, width)
     return mx.array(pos)
 
 

@@ -18,13 +18,13 @@ How an image request runs:
    ``get_input_embeddings`` on the image alone (vision tower + projector, exactly its merge), run on the
    vision worker thread with its own MLX stream; the request reaches the scheduler once they are ready,
    so running streams keep decoding meanwhile.
-3. Engine thread (:func:`prefill_forward`, called by the scheduler for every prefill forward): rows of a
+3. Engine thread (:func:`prefill_inputs`, which every prefill forward asks, ``runner.forward``): rows of a
    sequence with images get embeddings instead of token ids: the language model's own token
    embeddings, with image positions replaced by the image's vision features. A prompt whose image and
    text up to it are already in the radix tree skips both the encoder and the prefill. M-RoPE models
    get every row's own positions (and Qwen3-VL its DeepStack rows): ``vision_mrope``.
 4. Decoding is the language model's own forward on token ids, batched with text requests (M-RoPE
-   models: with each row's positions, through the decode batch's ``decode_kwargs`` hook).
+   models: with each row's positions, through the ``decode_kwargs`` hook that ``runner.forward.decode`` asks).
 
 Families: those whose language model uses plain 1-D positions and causal attention over image tokens,
 so image rows are ordinary prompt rows: LLaVA, Idefics3 / SmolVLM, Pixtral and Mistral 3 (Mistral Small
@@ -53,7 +53,6 @@ import mlx.nn as nn
 import numpy as np
 
 from parallm_engine.errors import ImageInputError, ModelLoadError
-from parallm_engine.runner.lora import adapter_rows
 from parallm_engine.vision.inputs import DecodedImage, extract_images
 from parallm_engine.vision.mrope import (MROPE_FAMILIES, decode_positions, deepstack_inputs, image_grid, prefill_positions,
                            prompt_positions)
@@ -78,7 +77,7 @@ MAX_KNOWN_SPANS = 1024
 
 def vision_family(path: Path) -> str | None:
     """The model_type of a vision checkpoint ParaLLM runs with images; None for text models (and for
-    vision families it does not support: mlx-lm loads those text-only, as before)."""
+    vision families it does not support: mlx-lm loads those text-only)."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
@@ -211,9 +210,14 @@ class VisionLanguageModel(nn.Module):
     def embed(self, ids: mx.array) -> mx.array:
         return self.vision.vlm.get_input_embeddings(input_ids=ids).inputs_embeds
 
+    def prefill_inputs(self, tokens: mx.array, rows: list[tuple]) -> tuple[mx.array, dict]:
+        """A prefill forward's token ids and keyword arguments (``prefill_inputs`` below): image rows'
+        embeddings, M-RoPE positions."""
+        return prefill_inputs(self, tokens, rows)
+
     def decode_kwargs(self, seqs: list, width: int) -> dict:
-        """Extra arguments of a decode forward of ``seqs`` over ``width`` positions per row (the decode
-        batch's hook): an M-RoPE model's per-row positions."""
+        """Extra arguments of a decode forward of ``seqs`` over ``width`` positions per row (the hook
+        ``runner.forward.decode`` asks): an M-RoPE model's per-row positions."""
         return {"position_ids": decode_positions(seqs, width)} if self.mrope else {}
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None, **kwargs):
@@ -500,21 +504,17 @@ def _ids(x) -> list[int]:
     return [int(t) for t in (arr[0] if arr.ndim == 2 else arr)]
 
 
-def prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
-    """The scheduler's prefill forward. ``rows``: one ``(sequence, start, n)`` per row of ``tokens``
-    (left-padded to ``tokens.shape[1]``): the row covers context positions ``[start, start + n)``. Rows
-    of image requests read embeddings (their images' feature rows at image positions); other calls are
-    the model's plain forward on token ids. Each row runs under its sequence's LoRA adapter (``lora``)."""
-    with adapter_rows(model, [seq for seq, _, _ in rows]):
-        return _prefill_forward(model, tokens, cache, rows)
-
-
-def _prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
+def prefill_inputs(model, tokens: mx.array, rows: list[tuple]) -> tuple[mx.array, dict]:
+    """A prefill forward's inputs (``VisionLanguageModel.prefill_inputs``, which ``runner.forward.prefill``
+    calls). ``rows``: one ``(sequence, start, n)`` per row of ``tokens`` (left-padded to
+    ``tokens.shape[1]``): the row covers context positions ``[start, start + n)``. Rows of image requests
+    read embeddings (their images' feature rows at image positions); an M-RoPE model gets every row's own
+    positions. Returns the token ids and the model's keyword arguments."""
     B, L = tokens.shape
     # M-RoPE: every row's own positions, text rows included (the model must never derive them itself)
     kwargs = {"position_ids": prefill_positions(rows, L)} if getattr(model, "mrope", False) else {}
     if not any(getattr(seq.request, "vision", None) is not None for seq, _, _ in rows):
-        return model(tokens, cache=cache, **kwargs)
+        return tokens, kwargs
     encoder: VisionEncoder = model.vision
     real = np.array(tokens)
     r_idx, c_idx, f_idx, feats, offset = [], [], [], [], 0
@@ -543,4 +543,4 @@ def _prefill_forward(model, tokens: mx.array, cache: list, rows: list[tuple]):
         embeds[mx.array(r_idx), mx.array(c_idx)] = picked[:, :H]
         if picked.shape[-1] > H:  # Qwen3-VL's DeepStack rows, in the batch's row-major image order
             kwargs.update(deepstack_inputs(picked, H, r_idx, c_idx, B, L))
-    return model(ids, cache=cache, input_embeddings=embeds, **kwargs)
+    return ids, {**kwargs, "input_embeddings": embeds}

@@ -1,0 +1,79 @@
+"""Every forward of the engine's rows: the one module that calls the model for them.
+
+A forward is the model on token ids and per-layer caches. Each row's own parts come from whoever owns
+them, handed in here rather than wrapping the model: the rows' LoRA adapters (``lora.adapter_rows``), a
+vision-language model's image embeddings and M-RoPE positions (its ``prefill_inputs`` / ``decode_kwargs``,
+``vision/vlm.py``), and embedding rows' pooled states (the sequence's ``take``, ``embed/embedding.py``).
+
+- ``prefill``: prompt rows, left-padded, each covering its own context positions.
+- ``decode``: running rows, one or more positions each, or one model row per position (a ragged step).
+- ``fused``: decode rows and prompts' chunks in one forward through the model's hidden-state / head
+  split (``logits_head``, ``kv/fused_step.py``); ``prompts``: such chunks alone.
+- ``plain``: the compiled decode step's traced call (it applies only without adapters and per-row inputs).
+
+Load-time probes (``logits_head``, ``kv_quant``) and other models (a draft model, a BERT encoder) call
+their models themselves.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from parallm_engine.runner.lora import adapter_rows
+
+
+def prefill(model, tokens: mx.array, cache: list, rows: list[tuple]) -> mx.array:
+    """A prefill forward. ``rows``: one ``(sequence, start, n)`` per row of ``tokens`` (left-padded to
+    ``tokens.shape[1]``): the row covers context positions ``[start, start + n)``. A batch with embedding
+    rows runs the hidden-state forward (no head), and each embedding row pools its own positions."""
+    seqs = [seq for seq, _, _ in rows]
+    inputs = getattr(model, "prefill_inputs", None)
+    with adapter_rows(model, seqs):
+        ids, kwargs = inputs(tokens, rows) if inputs is not None else (tokens, {})
+        if not any(seq.embedding for seq in seqs):
+            return model(ids, cache=cache, **kwargs)
+        hidden = model.model(ids, cache=cache, **kwargs)
+    L = tokens.shape[1]
+    for r, (seq, start, n) in enumerate(rows):
+        if seq.embedding:
+            seq.take(hidden[r, L - n :], start)
+    return hidden
+
+
+def pooled(seqs: list) -> list[mx.array]:
+    """What a prefill's ``mx.eval`` must also compute: its embedding rows' pooled states so far."""
+    return [s.pooled for s in seqs if s.embedding and s.pooled is not None]
+
+
+def decode(model, tokens: mx.array, cache: list, seqs: list, positions: list[int] | None = None) -> mx.array:
+    """The logits of running rows ``seqs``: ``tokens`` (B, W), W positions per row, with the model's per-row
+    extras (an M-RoPE model's positions); or a ragged step, ``positions[i]`` model rows of sequence i, one
+    position each (``tokens`` (sum, 1); the positions come from the caches)."""
+    hook = getattr(model, "decode_kwargs", None) if positions is None else None
+    kwargs = hook(seqs, tokens.shape[1]) if hook is not None else {}
+    with adapter_rows(model, seqs, positions):
+        return model(tokens, cache=cache, **kwargs)
+
+
+def prompts(model, ids: mx.array, cache: list, seqs: list) -> None:
+    """Prompts' chunks alone (a lane with fused work and no decode rows): their KV written, logits unread."""
+    with adapter_rows(model, seqs):
+        model(ids, cache=cache)
+
+
+def fused(split, model, tokens: mx.array, cache: list, decode_seqs: list, prompt_seqs: list,
+          new: list[int]) -> mx.array:
+    """Decode rows ``decode_seqs`` (the first ``len(decode_seqs)`` rows of ``tokens``, one position each) and
+    prompts' chunks (``new[i]`` rows of ``prompt_seqs[i]``, one position each) in one hidden-state forward;
+    the head (``split``: the model's exact ``(backbone, head)``) on the decode rows only."""
+    backbone, head = split
+    B = len(decode_seqs)
+    with adapter_rows(model, decode_seqs + prompt_seqs, [1] * B + new):
+        hidden = backbone(tokens, cache=cache)
+    with adapter_rows(model, decode_seqs):
+        return head(hidden[:B])
+
+
+def plain(model, tokens: mx.array, cache: list) -> mx.array:
+    """The model's own forward, nothing bound (the compiled decode step's trace)."""
+    return model(tokens, cache=cache)

@@ -41,8 +41,8 @@ def test_engine_thread_death_raises_in_every_waiting_caller(tiny_model_dir):
         for handle in (*running, queued):
             with pytest.raises(EngineDeadError):
                 list(handle)
-        eng._thread.join(30)
-        assert not eng._thread.is_alive() and not eng.is_alive
+        eng.core.thread.join(30)
+        assert not eng.core.thread.is_alive() and not eng.is_alive
         with pytest.raises(EngineDeadError):
             eng.submit("after the death", max_tokens=2)
         assert eng.stats()["in_flight"] == 0

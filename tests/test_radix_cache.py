@@ -5,7 +5,6 @@ shared prefix once)."""
 from __future__ import annotations
 
 import mlx.core as mx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

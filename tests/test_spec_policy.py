@@ -4,7 +4,6 @@ rows follow what the costs say while the output stays the plain greedy output.""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 from hypothesis import given, settings

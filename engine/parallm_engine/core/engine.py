@@ -18,8 +18,6 @@ import atexit
 import dataclasses
 import logging
 import os
-import queue
-import threading
 import weakref
 from typing import Any
 
@@ -28,7 +26,6 @@ from parallm_engine.errors import (
     ContextLengthExceededError,
     EngineDeadError,
     InvalidRequestError,
-    QueueFullError,
 )
 from parallm_engine.sampling.constrained import compile_constraint
 from parallm_engine.core.request import Channel, Request, RequestHandle
@@ -40,7 +37,7 @@ from parallm_engine.kv.memory_budget import apply_mlx_limits, mlx_limits, workin
 from parallm_engine.embed.embedding_api import EmbeddingAPI
 from parallm_engine.core.engine_api import EngineConvenienceAPI, Prompt
 from parallm_engine.core.engine_base import EngineBase
-from parallm_engine.core.engine_loop import EngineLoop
+from parallm_engine.core.engine_core import EngineCore
 from parallm_engine.runner import lora
 from parallm_engine.models.lora_adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, linear_dims
 from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
@@ -81,7 +78,7 @@ def _weight_bytes(model) -> int:
     return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
-class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
+class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
     def __init__(
         self,
         model: str | os.PathLike | None = None,
@@ -188,15 +185,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         self.backend.batch_invariance = _batch_invariance_line(self._scheduler.runner.batch_invariance,
                                                                self.backend.device)
         logger.info("%s; model layout %s", self.backend.summary(), self._scheduler.layout)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = False
-        self._dead: BaseException | None = None
-        self._pending = 0  # submitted, not yet picked up by the engine thread
-        self._aborting: set[str] = set()  # aborted by their caller, not yet dropped by the engine thread
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="parallm-engine", daemon=True)
-        self._thread.start()
+        #: The engine thread and the one way onto it (enqueue, abort, reject, call between steps).
+        self.core = EngineCore(self._scheduler, self._stats, self.model, max_queue)
         _live_engines.add(self)
 
     # -- properties -----------------------------------------------------------------------------
@@ -207,6 +197,11 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         (``model_info.sampling_defaults_source`` says where it was found). Fields not listed here
         fall back to :class:`SamplingParams`' defaults (OpenAI's)."""
         return dict(self.model_info.sampling_defaults)
+
+    @property
+    def _dead(self) -> BaseException | None:
+        """None while the engine thread runs (``EngineBase.is_alive``)."""
+        return self.core.dead
 
     @property
     def running_count(self) -> int:
@@ -255,8 +250,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         shares the batch with every other request (``lora.py``); an unknown one raises
         :class:`AdapterNotFoundError`, one that does not fit the model :class:`AdapterLoadError`.
         """
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is not running: {self._dead}")
+        if self.core.dead is not None:
+            raise EngineDeadError(f"engine is not running: {self.core.dead}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         given = sampling.pop("params", None)
@@ -289,7 +284,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         if params.max_tokens is None or params.max_tokens > room:
             # Never more than the context leaves (a copy: a caller's ``params`` may serve other prompts).
             params = dataclasses.replace(params, max_tokens=room)
-        self._take_queue_slot()
+        self.core.take_queue_slot()
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
                       tools=list(tools) if tools else None, priority=priority, group=group)
         req.adapter = lora_adapter
@@ -298,20 +293,12 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
             req.vision = prompt
             if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first
                 return RequestHandle(self, req)
-        self.enqueue_add(req)
+        self.core.enqueue_add(req)
         return RequestHandle(self, req)
 
-    def _take_queue_slot(self) -> None:
-        """Count one more request as pending, or refuse it (QueueFullError) when the queue is full."""
-        with self._lock:
-            # Requests a caller has aborted no longer count, though the engine thread frees them only
-            # between steps: their slots are free again at once.
-            if self._stats.in_flight + self._pending - len(self._aborting) >= self.max_queue:
-                self._stats.requests_rejected += 1
-                raise QueueFullError(
-                    f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
-                )
-            self._pending += 1
+    def run_on_engine_thread(self, fn, timeout: float | None = None):
+        """Run ``fn()`` between steps on the engine thread (for tests and maintenance)."""
+        return self.core.call(fn, timeout)
 
     def load_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Register (or re-point) the LoRA adapter ``name`` at ``path`` and load it now (checked against
@@ -353,13 +340,10 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
     def abort(self, request: str | Request) -> None:
         """Abort a request (its id, or the ``Request``; ``RequestHandle.abort`` passes the latter). The
         engine frees its memory between steps; given the ``Request``, its queue slot is free at once."""
-        if isinstance(request, Request):
-            with self._lock:
-                if not request.finished:
-                    self._aborting.add(request.id)
-            request = request.id
-        note_abort(self, request)  # still at the vision encoder: cancelled once it reaches the scheduler
-        self.enqueue_abort(request)
+        req = request if isinstance(request, Request) else None
+        request_id = request.id if req is not None else request
+        note_abort(self, request_id)  # still at the vision encoder: cancelled once it reaches the scheduler
+        self.core.enqueue_abort(request_id, req)
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -368,7 +352,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         command), never read from the live structures it mutates."""
         snap = self._stats.snapshot()
         snap.update(self._stats.published)
-        snap["waiting"] = snap.get("waiting", 0) + self._pending
+        snap["waiting"] = snap.get("waiting", 0) + self.core.pending
         snap["model"] = self.model_name
         vision = getattr(self.model, "vision", None)
         if vision is not None:
@@ -395,10 +379,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineLoop, EngineBase):
         return self.run_on_engine_thread(clear)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._dead = self._dead or EngineDeadError("engine was shut down")
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout)
+        self.core.shutdown(timeout)
         if getattr(self.model, "vision", None) is not None:
             self.model.vision.close()
 

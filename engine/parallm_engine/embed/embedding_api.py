@@ -30,7 +30,7 @@ EmbeddingInput = str | Sequence[int]
 
 
 class EmbeddingAPI:
-    """Mixed into an engine that has ``model_info``, ``tokenizer``, ``encode``, ``abort``, ``_dead`` and
+    """Mixed into an engine that has ``model_info``, ``tokenizer``, ``encode``, ``abort``, ``core`` (its ``EngineCore``) and
     ``_queue_embedding(request)``."""
 
     def embedding_config(self, pooling: str | None = None, normalize: bool | None = None) -> EmbeddingConfig:
@@ -88,8 +88,8 @@ class EmbeddingAPI:
         ``pooling`` / ``normalize``: override the model's own configuration (``pooling`` also lets any
         decoder embed). ``dimensions``: Matryoshka truncation (then renormalised), for models trained so.
         ``truncate``: cut a text longer than the context window instead of refusing it."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is not running: {self._dead}")
+        if self.core.dead is not None:
+            raise EngineDeadError(f"engine is not running: {self.core.dead}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         config = self.embedding_config(pooling, normalize)
@@ -176,5 +176,5 @@ class EmbeddingAPI:
     # -- the decoder engine's queue ---------------------------------------------------------------
     def _queue_embedding(self, req: Request) -> None:
         """``Engine``: the scheduler takes it like any prompt (``embedding.EmbeddingSequence``)."""
-        self._take_queue_slot()
-        self.enqueue_add(req)
+        self.core.take_queue_slot()
+        self.core.enqueue_add(req)

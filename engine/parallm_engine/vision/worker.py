@@ -125,13 +125,13 @@ def submit_after_encoding(engine, req) -> bool:
             aborted = req.id in pending.aborted
             pending.aborted.discard(req.id)
             if error is None:
-                engine.enqueue_add(req)
+                engine.core.enqueue_add(req)
                 if aborted:
-                    engine.enqueue_abort(req.id)
+                    engine.core.enqueue_abort(req.id)
             else:
                 err = error if isinstance(error, ImageInputError) else ImageInputError(
                     f"the vision encoder failed on this request's image: {error}", param="messages")
-                engine.reject_queued(req, err)
+                engine.core.reject_queued(req, err)
 
     encoder.encode_async(prompt, done)
     return True

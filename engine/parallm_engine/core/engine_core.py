@@ -1,0 +1,228 @@
+"""The engine thread and the one way onto it (``EngineCore``, which ``Engine`` holds as ``core``).
+
+Other threads hand it commands (submit, abort, calls run between steps); the thread drains them,
+publishes the statistics other threads read, and runs steps while there is work (``Scheduler.step``: the
+scheduler's plan, ``Scheduler.schedule``; the model runner's execution of it, ``ModelRunner.execute``; the
+scheduler's ``update``). An allocation failure in a step preempts and resumes (``memory_recovery``); any
+other error fails the requests in flight, and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from parallm_engine.runner import lora
+
+from parallm_engine.core import memory_recovery
+from parallm_engine.errors import EngineDeadError, QueueFullError
+from parallm_engine.core.memory_recovery import is_allocation_failure
+from parallm_engine.core.request import batched_deliveries
+
+logger = logging.getLogger("parallm_engine")
+
+
+class EngineCore:
+    """The engine thread of one ``Engine`` and the one way onto it. Any thread may call
+    :meth:`take_queue_slot`, :meth:`enqueue_add`, :meth:`enqueue_abort`, :meth:`reject_queued`,
+    :meth:`call` and :meth:`shutdown`; the scheduler (``scheduler``) is touched by the engine thread only.
+    ``dead`` is None while the thread runs, else the error every later caller gets."""
+
+    def __init__(self, scheduler, stats, model, max_queue: int):
+        self.scheduler = scheduler
+        self.stats = stats
+        self.model = model
+        self.max_queue = max_queue
+        self.dead: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._pending = 0  # submitted, not yet picked up by the engine thread
+        self._aborting: set[str] = set()  # aborted by their caller, not yet dropped by the engine thread
+        self._lock = threading.Lock()
+        self._stats_warned = False
+        self.thread = threading.Thread(target=self._run, name="parallm-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted that the engine thread has not picked up yet."""
+        return self._pending
+
+    # -- the way in ---------------------------------------------------------------------------------
+    def take_queue_slot(self) -> None:
+        """Count one more request as pending, or refuse it (QueueFullError) when the queue is full."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is not running: {self.dead}")
+        with self._lock:
+            # Requests a caller has aborted no longer count, though the engine thread frees them only
+            # between steps: their slots are free again at once.
+            if self.stats.in_flight + self._pending - len(self._aborting) >= self.max_queue:
+                self.stats.requests_rejected += 1
+                raise QueueFullError(
+                    f"engine queue is full ({self.max_queue} requests in flight); retry later", retry_after=1.0
+                )
+            self._pending += 1
+
+    def enqueue_add(self, req) -> None:
+        """Hand a request whose queue slot is taken (:meth:`take_queue_slot`) to the scheduler."""
+        self._commands.put(("add", req))
+        self._wake.set()
+
+    def enqueue_abort(self, request_id: str, req=None) -> None:
+        """Abort a request between steps; given its ``Request`` (``req``), its queue slot is free at once."""
+        if req is not None:
+            with self._lock:
+                if not req.finished:
+                    self._aborting.add(req.id)
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def reject_queued(self, req, error: BaseException) -> None:
+        """End a request whose queue slot is taken but that will never reach the scheduler (its image
+        failed to encode) with ``error``, from the engine thread; its slot is free at once."""
+        with self._lock:
+            self._pending -= 1
+        self._commands.put(("call", (lambda: self.scheduler.reject(req, error), [], threading.Event())))
+        self._wake.set()
+
+    def call(self, fn, timeout: float | None = None):
+        """Run ``fn()`` between steps on the engine thread and return what it returns (or raise what it
+        raised)."""
+        box: list = []
+        done = threading.Event()
+        self._commands.put(("call", (fn, box, done)))  # answered by _drain_commands, or _fail_waiting
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("engine thread did not answer")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread: the requests in flight end with EngineDeadError."""
+        self.dead = self.dead or EngineDeadError("engine was shut down")
+        self._stop = True
+        self._wake.set()
+        self.thread.join(timeout)
+
+    # -- the engine thread ----------------------------------------------------------------------------
+    def _publish_stats(self) -> None:
+        """Engine thread only (between steps): publish what :meth:`stats` may not walk from another thread.
+        Read defensively: a monitoring snapshot must never stop the engine."""
+        sched = self.scheduler
+        gauges: dict[str, Any] = {"waiting": len(getattr(sched, "waiting", ())),
+                                  "prefilling": len(getattr(sched, "prefilling", ()))}
+        cache = getattr(sched, "prefix_cache", None)
+        if cache is not None:
+            try:
+                gauges["prefix_cache"] = cache.stats()
+            except Exception:  # noqa: BLE001
+                if not self._stats_warned:
+                    self._stats_warned = True
+                    logger.warning("could not read the prefix cache's stats", exc_info=True)
+        gauges["memory"] = sched.memory_stats()
+        rt = lora.runtime(self.model)
+        if rt is not None:  # the stacks resident in the batch (engine thread's view)
+            gauges["lora"] = rt.stats()
+        self.stats.publish(gauges)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    self.scheduler.add(arg)
+                except Exception as exc:  # one bad request fails alone; the engine keeps serving
+                    logger.exception("could not start request %s", arg.id)
+                    self.scheduler.reject(arg, exc)
+            elif cmd == "abort":
+                with self._lock:  # counted as in flight again until the scheduler has dropped it
+                    self._aborting.discard(arg)
+                self.scheduler.abort(arg)
+            elif cmd == "call":
+                fn, box, done = arg
+                try:
+                    box.append(fn())
+                except BaseException as exc:  # handed back to the caller
+                    box.append(exc)
+                self._publish_stats()  # what the call changed (e.g. a cleared prefix cache) shows at once
+                done.set()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread is dying: nobody may be left waiting on it
+            logger.critical("engine thread died", exc_info=True)
+            self.dead = self.dead or EngineDeadError(f"engine thread died: {exc!r}")
+            self._fail_waiting(self.dead)  # logged above; the thread then ends
+        finally:
+            # However the thread ends, later submits must fail fast instead of waiting forever.
+            self.dead = self.dead or EngineDeadError("engine thread stopped")
+
+    def _fail_waiting(self, error: EngineDeadError) -> None:
+        """End every request in flight and every one still queued, and answer pending calls, with
+        ``error`` (the engine thread is dying; best effort: each part on its own)."""
+        try:
+            self.scheduler.fail_all(error)
+        except BaseException:  # noqa: BLE001  (the scheduler may be what broke)
+            logger.exception("could not fail the scheduler's requests; ending each on its own")
+            out = self.scheduler.out
+            for req in list(out.requests.values()):
+                try:
+                    out.end(req, error)
+                except BaseException:  # noqa: BLE001
+                    logger.exception("could not end request %s", req.id)
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd == "add":
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    self.scheduler.reject(arg, error)
+                except BaseException:  # noqa: BLE001
+                    logger.exception("could not fail queued request %s", arg.id)
+            elif cmd == "call":
+                _, box, done = arg
+                box.append(error)
+                done.set()
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._stop:
+            self._drain_commands()
+            self._publish_stats()
+            if not sched.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                with batched_deliveries():  # each consumer loop gets the step's deliveries at once
+                    sched.step()  # schedule() -> runner.execute(plan) -> update(plan, out)
+            except Exception as exc:
+                if is_allocation_failure(exc):  # preempt and resume; fails no request that can still run
+                    memory_recovery.recover(sched, exc)
+                else:  # a bug or another MLX error: fail what is in flight, keep serving
+                    logger.exception("engine step failed; failing the requests in flight")
+                    sched.fail_all(exc)
+            self.stats.busy_time += time.monotonic() - t0
+            self._publish_stats()
+        sched.fail_all(EngineDeadError("engine was shut down"))
+        # MLX keeps per-thread streams whose destructors abort the process at exit unless the owning
+        # thread destroys them itself (mlx issue #3126 / PR #4110: call clear_streams per thread).
+        import mlx.core as mx
+
+        mx.synchronize()
+        mx.clear_streams()

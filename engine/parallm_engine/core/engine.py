@@ -166,7 +166,6 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
             speculative=speculative,
             kv_bits=kv_bits,
         )
-        self.max_queue = max_queue
         self._stats = EngineStats()
         if getattr(self.model, "vision", None) is not None:  # image features share the prefix cache's budget
             self.model.vision.budget_bytes = max(1 << 20, self.config.radix_budget_bytes // 4)
@@ -197,6 +196,16 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         (``model_info.sampling_defaults_source`` says where it was found). Fields not listed here
         fall back to :class:`SamplingParams`' defaults (OpenAI's)."""
         return dict(self.model_info.sampling_defaults)
+
+    @property
+    def max_queue(self) -> int:
+        """Requests in flight at most (queued, prefilling or decoding); more get QueueFullError. May be
+        changed while the engine runs."""
+        return self.core.max_queue
+
+    @max_queue.setter
+    def max_queue(self, value: int) -> None:
+        self.core.max_queue = value
 
     @property
     def _dead(self) -> BaseException | None:

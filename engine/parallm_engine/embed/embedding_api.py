@@ -30,8 +30,8 @@ EmbeddingInput = str | Sequence[int]
 
 
 class EmbeddingAPI:
-    """Mixed into an engine that has ``model_info``, ``tokenizer``, ``encode``, ``abort``, ``core`` (its ``EngineCore``) and
-    ``_queue_embedding(request)``."""
+    """Mixed into an engine that has ``model_info``, ``tokenizer``, ``encode``, ``abort``, ``_dead``
+    (``EngineBase``) and ``_queue_embedding(request)``."""
 
     def embedding_config(self, pooling: str | None = None, normalize: bool | None = None) -> EmbeddingConfig:
         """The model's embedding configuration (``embedding_config.resolve_embedding_config``) with the
@@ -88,8 +88,8 @@ class EmbeddingAPI:
         ``pooling`` / ``normalize``: override the model's own configuration (``pooling`` also lets any
         decoder embed). ``dimensions``: Matryoshka truncation (then renormalised), for models trained so.
         ``truncate``: cut a text longer than the context window instead of refusing it."""
-        if self.core.dead is not None:
-            raise EngineDeadError(f"engine is not running: {self.core.dead}")
+        if not self.is_alive:  # EngineBase: the decoder engine's core, or the encoder engine's own thread
+            raise EngineDeadError(f"engine is not running: {self._dead}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         config = self.embedding_config(pooling, normalize)

@@ -55,8 +55,6 @@ class EngineCore:
     # -- the way in ---------------------------------------------------------------------------------
     def take_queue_slot(self) -> None:
         """Count one more request as pending, or refuse it (QueueFullError) when the queue is full."""
-        if self.dead is not None:
-            raise EngineDeadError(f"engine is not running: {self.dead}")
         with self._lock:
             # Requests a caller has aborted no longer count, though the engine thread frees them only
             # between steps: their slots are free again at once.
@@ -130,12 +128,16 @@ class EngineCore:
             gauges["lora"] = rt.stats()
         self.stats.publish(gauges)
 
-    def _drain_commands(self) -> None:
+    def _queued_commands(self):
+        """The commands queued now, each taken off the queue as it is yielded."""
         while True:
             try:
-                cmd, arg = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for cmd, arg in self._queued_commands():
             if cmd == "add":
                 with self._lock:
                     self._pending -= 1
@@ -181,11 +183,7 @@ class EngineCore:
                     out.end(req, error)
                 except BaseException:  # noqa: BLE001
                     logger.exception("could not end request %s", req.id)
-        while True:
-            try:
-                cmd, arg = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for cmd, arg in self._queued_commands():
             if cmd == "add":
                 with self._lock:
                     self._pending -= 1

@@ -1,4 +1,5 @@
-"""The plain decode step as one compiled graph (``runner/compiled_decode.py``, ``PARALLM_COMPILE_DECODE=1``).
+"""The plain decode step as one compiled graph (``runner/compiled_decode.py``, ``Engine(compile_decode=True)`` or
+``PARALLM_COMPILE_DECODE=1``).
 
 On the pure-MLX path (the one Metal and CUDA run), for every family whose layers are full attention: greedy
 answers of a batch of prompts of different lengths, with rows leaving at different steps and one joining
@@ -73,6 +74,10 @@ def test_off_by_default_and_counted(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("PARALLM_COMPILE_DECODE", "1")
     compiled, stats, _ = _run(tiny_model_dir, prompts, [60, 60, 60])
     assert compiled == eager
+    # the Engine option, without the variable (an explicit option wins over the variable both ways)
+    monkeypatch.setenv("PARALLM_COMPILE_DECODE", "0")
+    by_option, stats_option, _ = _run(tiny_model_dir, prompts, [60, 60, 60], compile_decode=True)
+    assert by_option == eager and stats_option["memory"]["decode_compiled_steps"] >= 50
     assert stats["memory"]["decode_compiled_steps"] >= 50
     # the kept arrays are rebuilt every ROOM steps at most: a trace per capacity, not per step
     assert stats["memory"]["decode_compile_traces"] <= 2
@@ -103,7 +108,7 @@ def test_a_model_that_ignores_the_cache_mask_is_refused(tiny_model_dir, monkeypa
         inner.__class__ = OwnMask
         answers = [r.token_ids for r in eng.generate(prompts, max_tokens=20, temperature=0, ignore_eos=True)]
         assert settled_stats(eng)["memory"]["decode_compiled_steps"] == 0
-        assert all(lane.compiled.refused for lane in eng._scheduler.kv.batch.lanes)
+        assert all(c.refused for c in eng._scheduler.runner.forwards.compiled)
     finally:
         eng.shutdown()
     assert answers == expected

@@ -83,10 +83,13 @@ def test_the_runner_reports_a_step_instead_of_writing_the_plan():
 def test_a_plan_is_complete_and_frozen_before_it_runs(tiny_model_dir):
     """On a real workload (a burst, then prompts arriving into a running batch, one of them longer than a
     chunk): every plan the scheduler returns holds only tuples (its prefill items planned in full, none
-    drawn lazily), and the runner leaves it exactly as it got it."""
+    drawn lazily), the runner leaves it exactly as it got it, and its message (sequences by key) is small,
+    JSON-serialisable and complete: every step runs the plan rebuilt from it."""
     import dataclasses
+    import json
 
     from parallm_engine import Engine
+    from parallm_engine.runner.step_plan import StepPlan, seq_key
 
     from .model_zoo import prompt_ids
 
@@ -107,7 +110,15 @@ def test_a_plan_is_complete_and_frozen_before_it_runs(tiny_model_dir):
             before = snapshot()
             with __import__("pytest").raises(dataclasses.FrozenInstanceError):
                 plan.prefill = ()
-            out = execute(plan)
+            # The plan's message (what another rank would receive) is small JSON and gives the same plan
+            # back; the step runs the plan rebuilt from it.
+            wire = json.dumps(plan.message())
+            named = sum(len(w.seqs) + len(w.finishes) for w in plan.prefill) + len(plan.admitted) + len(plan.preempted)
+            assert len(wire) <= 200 + 80 * named, wire
+            sequences = {tuple(seq_key(s)): s for r in eng._scheduler.out.requests.values() for s in r.sequences}
+            rebuilt = StepPlan.from_message(json.loads(wire), sequences)
+            assert rebuilt == plan
+            out = execute(rebuilt)
             assert snapshot() == before
             assert out.prefill_ran <= len(plan.prefill)
             seen.append(len(plan.prefill))

@@ -13,7 +13,7 @@ from parallm_engine import Engine
 
 from parallm_engine.runner import cpu_kernels
 from parallm_engine.kv.paged_prefill import PrefillRow
-from parallm_engine.runner.decode_batch import LANE_FILL_ROWS, DecodeBatch
+from parallm_engine.kv.decode_batch import LANE_FILL_ROWS, DecodeBatch
 from parallm_engine.runner.model_runner import split_balanced
 
 

@@ -155,7 +155,7 @@ LAYERS = ["errors", "settings", "cpu_info", "native", "models", "formats", "samp
 KNOWN_UPWARD = {
     ("models/loader.py", "runner"), ("models/loader.py", "sampling"), ("models/loader.py", "vision"),
     ("models/loader.py", "kv"), ("models/model_store.py", "runner"),
-    ("kv/kv_pages.py", "runner"), ("kv/kv_cache_manager.py", "runner"),
+    ("kv/kv_pages.py", "runner"),
     ("runner/model_runner.py", "spec"),
     ("core/engine.py", "embed"), ("core/registry.py", "embed"), ("core/prefill_planner.py", "embed"),
     ("core/scheduler.py", "embed"), ("core/engine_api.py", "vision"), ("core/engine.py", "vision"),

@@ -218,7 +218,7 @@ def _make_machine(engine, lanes: int):
 
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_kv_accounting_holds_under_any_sequence_of_operations(tiny_engine, lanes, monkeypatch):
-    from parallm_engine.runner import decode_batch
+    from parallm_engine.kv import decode_batch
 
     monkeypatch.setattr(decode_batch, "LANE_FILL_ROWS", 1)  # with 2 lanes, rows over both
     machine, seen = _make_machine(tiny_engine, lanes)

@@ -354,13 +354,13 @@ def _steps(kv: PagedLaneKV, rows: list[list[float]], n: int) -> list[np.ndarray]
     return out
 
 
-def test_the_decode_working_set_is_kept_and_equals_the_gather(monkeypatch):
+def test_the_decode_working_set_is_kept_and_equals_the_gather():
     """Plain decode steps of the same rows append one column to the kept working set (decode_working_set)
     instead of gathering it: the keys attention gets are the gathered ones, step by step; a row leaving
     drops it (the next step gathers, the one after rebuilds, then appends again)."""
-    def run(enabled: str):
-        monkeypatch.setenv("PARALLM_DECODE_WORKING_SET", enabled)
+    def run(enabled: bool):
         kv = PagedLaneKV(2)
+        kv.ws.enabled = enabled  # the engine's decode_working_set option (DecodeBatch sets it per lane)
         rows = [[float(10 * r + t) for t in range(n)] for r, n in enumerate((3, 9, 14))]
         kv.add([[(_kv(e), _kv(e) + 0.5) for e in rows]] * 2)
         got = _steps(kv, rows, 6)
@@ -369,8 +369,8 @@ def test_the_decode_working_set_is_kept_and_equals_the_gather(monkeypatch):
         got += _steps(kv, rows, 5)
         return got, kv.ws
 
-    kept, ws = run("1")
-    gathered, off = run("0")
+    kept, ws = run(True)
+    gathered, off = run(False)
     assert len(kept) == len(gathered)
     for a, b in zip(kept, gathered):
         np.testing.assert_array_equal(a, b)

@@ -154,8 +154,8 @@ def test_multi_turn_reuses_the_previous_conversation(engine):
     # last generated token, whose KV was never computed).
     assert r2.usage.cached_tokens >= r1.usage.prompt_tokens + len(r1.token_ids) - 1
     # Re-rendered from text, the reuse goes as far as the text re-tokenises to the same ids, less a
-    # last node of fewer than SHORT_TAIL_TOKENS tokens (recomputed; see kv_cache_manager._without_short_tail).
-    from parallm_engine.kv.kv_cache_manager import SHORT_TAIL_TOKENS
+    # last node of fewer than SHORT_TAIL_TOKENS tokens (recomputed; see paged_kv._without_short_tail).
+    from parallm_engine.kv.paged_kv import SHORT_TAIL_TOKENS
 
     msgs2 = msgs + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And in Italy?"}]
     r3 = engine.generate([engine.apply_chat_template(msgs2)], max_tokens=8, temperature=0)[0]

@@ -102,3 +102,31 @@ def test_fuse_prefill_off_turns_it_off(monkeypatch):
     assert SchedulerConfig().fuse_prefill is False
     monkeypatch.setenv("PARALLM_FUSE_PREFILL", "on")
     assert SchedulerConfig().fuse_prefill is True
+
+
+def test_the_step_switches_are_engine_options(tiny_model_dir, monkeypatch):
+    """``fuse_prefill`` / ``compile_decode`` / ``decode_working_set`` are Engine options (the variables only their
+    defaults): an explicit option wins over the variable, each reaches the part it switches, and a value that
+    is not a bool is a typed error."""
+    from parallm_engine import Engine
+    from parallm_engine.errors import InvalidRequestError
+
+    monkeypatch.setenv("PARALLM_FUSE_PREFILL", "on")
+    monkeypatch.setenv("PARALLM_DECODE_WORKING_SET", "on")
+    eng = Engine(str(tiny_model_dir), backend="cpu-mlx", decode_lanes=1, fuse_prefill=False,
+                 compile_decode=True, decode_working_set=False)
+    try:
+        sched = eng._scheduler
+        assert (eng.config.fuse_prefill, eng.config.compile_decode, eng.config.decode_working_set) == \
+            (False, True, False)
+        assert sched.runner.split is None  # no step fuses a prompt's chunk
+        assert sched.runner.forwards.compile_steps is True
+        assert all(lane.kv.ws.enabled is False for lane in sched.kv.batch.lanes)
+        out = eng.generate(["one two three"], max_tokens=24, temperature=0, ignore_eos=True)[0]
+        assert len(out.token_ids) == 24
+        assert eng.stats()["memory"]["kv_working_set_appends"] == 0  # nothing kept, so nothing appended
+    finally:
+        eng.shutdown()
+    with pytest.raises(InvalidRequestError) as err:
+        Engine(str(tiny_model_dir), backend="cpu-mlx", fuse_prefill="off")
+    assert err.value.param == "fuse_prefill"

@@ -183,7 +183,7 @@ def test_fan_out_whose_questions_branch_off_each_other_reads_one_cached_prefix(t
     (" Question 1" vs " Question 12"): every prefill of the group reads one copy of the document (no
     private copy per prompt) and every answer equals the same request on a cold engine."""
     from parallm_engine import Engine
-    from parallm_engine.kv.kv_cache_manager import SHORT_TAIL_TOKENS
+    from parallm_engine.kv.paged_kv import SHORT_TAIL_TOKENS
 
     eng = Engine(str(tiny_model_dir))
     cold = Engine(str(tiny_model_dir), enable_prefix_cache=False)

@@ -313,7 +313,7 @@ def test_server_speculative_field_and_usage_extension(engine):
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["mlx-ops", "cpu-kernels"])
 def test_a_ragged_step_computes_what_the_rectangle_does(kernels):
-    """Verification runs each row over only its own positions (``DecodeBatch.forward_ragged``: one model
+    """Verification runs each row over only its own positions (``BatchForward.forward_ragged``: one model
     row per position, the attention laid out as the rows' rectangle): its logits are the padded
     rectangle's at every real position, on the MLX-ops attention (Metal, CUDA) and the CPU kernels."""
     from mlx_lm.models import llama

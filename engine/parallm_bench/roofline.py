@@ -38,7 +38,8 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
     """Seconds per decode step of the engine's own batch path (its lanes and kernels) at this batch
     size and context."""
     from parallm_engine.runner import cpu_kernels
-    from parallm_engine.runner.decode_batch import DecodeBatch
+    from parallm_engine.kv.decode_batch import DecodeBatch
+    from parallm_engine.runner.batch_forward import BatchForward
     from parallm_bench.sequence_kv import SequenceKV
     from parallm_engine.kv.paged_prefill import PrefillRow
 
@@ -60,12 +61,13 @@ def _decode_step_time(engine, batch: int, context: int, steps: int = 8) -> float
             with lane.context():
                 r.cache = PrefillRow(lane, lane.kv.open_row(np.zeros(0, dtype=np.int32), kv), 0)
         rows.join(joining)
+        forwards = BatchForward(rows)
         toks = mx.array([5] * batch)
         best = 1e9
         with cpu_kernels.enabled(bool(engine._scheduler.runner.cpu_kernels)):
             for i in range(steps + 2):
                 t = time.perf_counter()
-                y = mx.argmax(rows.forward(model, toks), axis=-1)
+                y = mx.argmax(forwards.forward(model, toks), axis=-1)
                 mx.eval(y)
                 y.tolist()
                 if i >= 2:

@@ -100,6 +100,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         adapters: dict[str, str | os.PathLike] | None = None,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         batch_invariant: bool | None = None,
+        fuse_prefill: bool | None = None,
+        compile_decode: bool | None = None,
+        decode_working_set: bool | None = None,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
@@ -120,7 +123,12 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         first use). ``max_adapters`` of them stay loaded (LRU) and resident in the batch's stacks
         (``lora.py``, ``docs/lora.md``). ``batch_invariant`` (CPU; default on, ``PARALLM_BATCH_INVARIANT=0``
         turns it off): pad the BLAS's small products so a row's bits do not depend on the rows beside it
-        (``batch_invariance.py``; ``Engine.backend.batch_invariance`` says whether it holds for this BLAS)."""
+        (``batch_invariance.py``; ``Engine.backend.batch_invariance`` says whether it holds for this BLAS).
+        Switches for the step's execution (None: the ``PARALLM_*`` variable of the same name, else the
+        default): ``fuse_prefill`` (default on) computes a long prompt's chunk in the decode step's forward
+        (``kv/fused_step.py``); ``compile_decode`` (default off, experimental) runs a plain decode step as one
+        compiled graph (``runner/compiled_decode.py``); ``decode_working_set`` (default on) keeps each lane's
+        decode working set between plain steps (``kv/decode_working_set.py``). None changes the tokens."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 
@@ -130,6 +138,11 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
                             ("decode_lanes", 1 if decode_lanes is None else decode_lanes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        switches = {"fuse_prefill": fuse_prefill, "compile_decode": compile_decode,
+                    "decode_working_set": decode_working_set}
+        for name, value in switches.items():
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be True, False or None, got {value!r}", param=name)
         speculative = parse_speculative(speculative)
         kv_bits = resolve_kv_bits(kv_bits)
         try:
@@ -165,6 +178,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
                 settings.batch_invariant() if batch_invariant is None else bool(batch_invariant)),
             speculative=speculative,
             kv_bits=kv_bits,
+            **{name: value for name, value in switches.items() if value is not None},
         )
         self._stats = EngineStats()
         if getattr(self.model, "vision", None) is not None:  # image features share the prefix cache's budget

@@ -29,7 +29,7 @@ from parallm_engine.embed import embedding
 from parallm_engine.core import memory_recovery
 from parallm_engine.errors import RequestCancelledError
 from parallm_engine.runner.family_adapters import adapter_for
-from parallm_engine.kv.kv_cache_manager import KVCacheManager
+from parallm_engine.kv.kv_layouts import make_kv_cache_manager
 from parallm_engine.kv.memory_budget import mlx_memory
 from parallm_engine.runner.model_runner import ModelRunner
 from parallm_engine.core.output_processor import OutputProcessor
@@ -60,9 +60,12 @@ class SchedulerConfig:
     min_prefill_tokens: int = 64  # prefill progress every step, however slow the machine
     speculative: object = None  # the engine-wide default SpeculativeConfig (speculative.py), or None
     kv_bits: int | None = None  # KV stored at 8 or 4 bits (kv_quant.py); None: the model's dtype
-    # A long prompt's chunk computed in the decode forward where it can be (kv/fused_step.py);
-    # PARALLM_FUSE_PREFILL=off turns it off (measurements).
+    # A long prompt's chunk computed in the decode forward where it can be (kv/fused_step.py).
     fuse_prefill: bool = field(default_factory=settings.fuse_prefill)
+    # A plain decode step of unchanged rows as one compiled graph (runner/compiled_decode.py; experimental).
+    compile_decode: bool = field(default_factory=settings.compile_decode)
+    # Lanes keep their decode working sets between plain steps (kv/decode_working_set.py).
+    decode_working_set: bool = field(default_factory=settings.decode_working_set)
 
 
 class Scheduler(PrefillPlanner):
@@ -82,11 +85,9 @@ class Scheduler(PrefillPlanner):
         self.failure_streak = 0  # of those, in a row
         self.kv_budget_configured: int | None = None  # while a failure has lowered the KV budget
         family = adapter_for(model_info)
-        self.kv = KVCacheManager(model, model_info, config, family)
+        self.kv = make_kv_cache_manager(model, model_info, config, family)
         # The forwards, sampling and delivery of each step (and the pipelined decode step in flight).
-        self.runner = ModelRunner(model, model_info, config, stats, self.kv, self.out, family,
-                                  retire=self._retire_rows)
-        self._retired: list[Sequence] = []  # rows retired in the step being run (for its trace)
+        self.runner = ModelRunner(model, model_info, config, stats, self.kv, self.out, family)
         # Measured, for the step-time bound: prefill tokens per second and the rest of a step's time.
         self._prefill_rate: float | None = None
         self._other_step_s = 0.0
@@ -145,7 +146,7 @@ class Scheduler(PrefillPlanner):
             self.kv.release(s)
         rows = {id(s) for s in self.running if s.request is req}
         if rows:
-            self._drop_rows(rows)
+            self.runner.drop_rows(rows)
         self.stats.on_abort(req)
         self.stats.running = len(self.running)
         self.stats.kv_bytes = self.batch_kv_bytes()  # an idle engine runs no step to update it
@@ -170,7 +171,7 @@ class Scheduler(PrefillPlanner):
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_room(self, preempted: list) -> None:
-        """The prefix cache gives way to the running rows first (``kv_manager``); then the least urgent
+        """The prefix cache gives way to the running rows first (``memory_budget.KVBudget``); then the least urgent
         running sequences are preempted while the rows, grown by the watermark, would still exceed the
         budget (never the last one: a single sequence always runs)."""
         self.kv.fit_cache()
@@ -187,7 +188,7 @@ class Scheduler(PrefillPlanner):
         """Free ``seq``'s KV now and queue it to resume: its tokens stay, its KV goes to the prefix
         cache (so most of the re-prefill is a cache hit), its sampler and detokeniser keep their state."""
         self.kv.commit_row(seq)
-        self._drop_rows({id(seq)})
+        self.runner.drop_rows({id(seq)})
         seq._reset_prefill()
         seq.preemptions += 1
         self.preemptions += 1
@@ -200,7 +201,6 @@ class Scheduler(PrefillPlanner):
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> None:
         """One engine step (the engine thread's loop calls it): plan, execute, update."""
-        self._retired = []
         plan = self.schedule()
         self.update(plan, self.runner.execute(plan))
 
@@ -230,7 +230,6 @@ class Scheduler(PrefillPlanner):
                 for s in work.seqs:
                     self.kv.commit_split(s)
         self._prompts_done([s for work in ran for s in work.finishes])
-        retired, self._retired = self._retired, []
         self.stats.on_step_times(plan.plan_s, out.prefill_s, out.decode_s)
         if out.prefill_tokens >= 16 and out.prefill_s > 0:
             self._observe_prefill(out.prefill_tokens / out.prefill_s)
@@ -245,7 +244,7 @@ class Scheduler(PrefillPlanner):
             self.speculator.observe_plain_step(out.plain_rows, other)
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         if self._trace is not None:
-            self._trace.record(plan, out, len(retired), self.stats, self.kv.meter.moved)
+            self._trace.record(plan, out, self.stats, self.kv.meter.moved)
         memory_recovery.step_succeeded(self)
 
     def _observe_prefill(self, rate: float) -> None:
@@ -308,24 +307,7 @@ class Scheduler(PrefillPlanner):
                     break
         return best
 
-
-    # -- retiring -------------------------------------------------------------------------------
-    def _retire_rows(self, rows: set[int]) -> None:
-        """Drop the sequences whose ``id()`` is in ``rows``, caching their KV for the next turn."""
-        for s in self.running:
-            if id(s) in rows:
-                self.kv.commit_row(s)
-                self._retired.append(s)
-        self._drop_rows(rows)
-
-    def _drop_rows(self, rows: set[int]) -> None:
-        """Remove the sequences whose ``id()`` is in ``rows`` from the batch and the step in flight."""
-        self.kv.free_rows(rows)
-        if self.speculator is not None:
-            self.speculator.drop(rows)
-        self.runner.drop(rows)
-        self.kv.evict_freed()
-
     # -- introspection (engine thread) ----------------------------------------------------------
     def memory_stats(self) -> dict:
-        return {**self.kv.memory_stats(), "preemptions": self.preemptions, **mlx_memory()}
+        forwards = self.runner.forwards.stats() if self.runner.forwards is not None else {}
+        return {**self.kv.memory_stats(), **forwards, "preemptions": self.preemptions, **mlx_memory()}

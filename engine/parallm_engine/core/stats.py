@@ -44,7 +44,7 @@ class StepTrace:
         self._launch = 0.0
         self._moved = 0
 
-    def record(self, plan, out, retired: int, stats, moved: int) -> None:
+    def record(self, plan, out, stats, moved: int) -> None:
         wait, self._wait = stats.device_wait_s - self._wait, stats.device_wait_s
         launch, self._launch = stats.launch_s - self._launch, stats.launch_s
         moved, self._moved = moved - self._moved, moved
@@ -53,7 +53,7 @@ class StepTrace:
             "prefill_ms": round(1e3 * out.prefill_s, 3), "decode_ms": round(1e3 * out.decode_s, 3),
             "wait_ms": round(1e3 * wait, 3), "launch_ms": round(1e3 * launch, 3), "prefill_tokens": out.prefill_tokens,
             "fused_tokens": out.fused_tokens,
-            "rows": len(out.decode_rows), "joined": len(out.joined), "finished": retired,
+            "rows": len(out.decode_rows), "joined": len(out.joined), "finished": len(out.finished),
             "moved_bytes": moved}) + "\n")
 
 

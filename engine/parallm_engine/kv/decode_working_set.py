@@ -37,7 +37,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from parallm_engine import settings
 from parallm_engine.kv.table_reads import by_slot, read_table, table_index
 
 #: Columns a rebuilt working set has room for beyond the step's, at least (a rebuild every ROOM steps at most;
@@ -45,14 +44,11 @@ from parallm_engine.kv.table_reads import by_slot, read_table, table_index
 ROOM = 64
 
 
-def enabled_by_env() -> bool:
-    return settings.decode_working_set()
-
-
 class DecodeWorkingSet:
     """What a lane's layers keep (``PagedLayerKV.ws``) and how this step updates it (``mode``)."""
 
     def __init__(self):
+        self.enabled = True  # kept at all (the engine's ``decode_working_set`` option)
         self.table: np.ndarray | None = None  # the (B, T) slot table the layers' arrays hold
         self.capacity = 0  # columns the arrays have
         self.mode: str | None = None  # this step: "append", "rebuild", or None (gather, keep nothing)
@@ -83,7 +79,7 @@ class DecodeWorkingSet:
         step of float KV that attention reads as a working set; ``slot_bytes``: one slot's KV over all layers."""
         B, T = table.shape
         self.mode = None
-        eligible = eligible and B > 0 and enabled_by_env()
+        eligible = eligible and B > 0 and self.enabled
         prev = self.table  # the previous step's table where it was eligible too (else invalidated: None)
         grew = eligible and extends and prev is not None and prev.shape == (B, T - 1)
         if grew and T <= self.capacity:

@@ -1,4 +1,5 @@
-"""A plain decode step as one compiled MLX graph: ``PARALLM_COMPILE_DECODE=1`` (off by default).
+"""A plain decode step as one compiled MLX graph: ``Engine(compile_decode=True)`` or ``PARALLM_COMPILE_DECODE=1``
+(off by default).
 
 Why: on a GPU a short decode step is bound by the host thread (docs/benchmarks-archive.md, "An H100: the step
 is the host encoding MLX's kernels, for mlx-lm too"): Python building the graph (well over a thousand MLX
@@ -36,17 +37,12 @@ from collections import OrderedDict
 
 import mlx.core as mx
 
-from parallm_engine import settings
 from parallm_engine.runner import forward, lora
 
 logger = logging.getLogger("parallm_engine")
 
 #: Compiled steps (one per shape) a lane keeps.
 TRACES = 4
-
-
-def enabled_by_env() -> bool:
-    return settings.compile_decode()
 
 
 class NotCompilable(Exception):
@@ -156,6 +152,6 @@ class CompiledSteps:
 def applies(steps: CompiledSteps, kv, model, native) -> bool:
     """Whether lane KV ``kv``'s step just begun (one position per row) can run compiled. Append mode already
     means a plain one-token step of float KV that no kernel reads from the pool (``DecodeWorkingSet.plan``)."""
-    return (enabled_by_env() and not steps.refused and native is None and not kv.shared_len
+    return (not steps.refused and native is None and not kv.shared_len
             and kv.ws.mode == "append" and all(layer.ws is not None for layer in kv.layers)
             and not hasattr(model, "decode_kwargs") and lora.runtime(model) is None)

@@ -10,8 +10,10 @@ the previous step is delivered (advancing the matchers) and the masks are comput
 only the sampling waits.
 
 The step in flight (``pending``) belongs to this runner: the scheduler flushes it before the batch
-changes shape under it (preemption, joins through the speculator) and drops rows from it when they
-leave.
+changes shape under it (preemption) and drops rows from it when they leave. A row that finishes in a
+delivery is retired at once (``ModelRunner.retire``: its KV into the prefix cache, its row freed), before
+any further forward: a delivery may come in the middle of a step (the step in flight flushed before a
+step that cannot be pipelined, or before speculation). The step reports them (``StepOutput.finished``).
 """
 
 from __future__ import annotations
@@ -25,22 +27,22 @@ from parallm_engine.sampling.sampler import sample_batch
 
 
 class DecodeRunner:
-    def __init__(self, model, batch, out, stats, *, pipeline: bool, speculator, retire):
+    def __init__(self, model, batch, out, stats, *, pipeline: bool, speculator):
         self.model = model
         self.batch = batch
         self.out = out  # OutputProcessor: detokenise, stops, deliver
         self.stats = stats
         self.pipeline = pipeline
         self.speculator = speculator  # None where speculation is refused for this engine
-        self._retire = retire  # scheduler callback: cache and drop the rows whose id() is in a set
+        self.finished: list = []  # rows retired since the last step's output was taken
         # A pipelined decode step in flight: (sequences, tokens, logprob rows, chosen logprobs).
         self.pending: tuple | None = None
         self.plain_rows = 0  # rows of this step's ordinary pipelined decode, for the speculator's costs
 
     def decode_forward(self, inputs: mx.array, work=None) -> mx.array:
         """Lazy float32 logits of the running rows for ``inputs`` (one token each), with ``work`` (the step's
-        fused prefill) in the same forward."""
-        return self.batch.forward(self.model, inputs, work)
+        fused prefill) in the same forward (``ModelRunner.decode_forward``)."""
+        raise NotImplementedError
 
     @property
     def in_flight(self) -> bool:
@@ -157,9 +159,13 @@ class DecodeRunner:
         return toks, logprobs[mx.array(rows)] if rows else None, chosen
 
     def _retire_finished(self) -> None:
-        finished = {id(s) for s in self.batch.running if s.finish_reason is not None}
+        finished = [s for s in self.batch.running if s.finish_reason is not None]
         if finished:
-            self._retire(finished)
+            self.retire(finished)
+
+    def retire(self, seqs: list) -> None:
+        """Rows that finished leave the batch (``ModelRunner.retire``)."""
+        raise NotImplementedError
 
 
 def next_inputs(running: list, prev_seqs: list, prev_toks: mx.array) -> mx.array:

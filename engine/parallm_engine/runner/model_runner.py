@@ -8,8 +8,9 @@ speculative verify steps), which computes the step's prefill items in its own fo
 scheduler marked them ``fused`` (``kv.fused_step``). The engine's attention hook and, on the CPU, its kernels are installed on
 the model here, bound to this model's own module instances (nothing process-wide); per-family quirks
 come from the family adapter (``family_adapters``). The KV the forwards read and write is the KV cache
-manager's (``kv_cache_manager``): the runner asks it for the prompts' rows (or caches) and joins the
-prompts an item finishes to the batch through it; ``Scheduler.update`` does the rest of the bookkeeping.
+manager's (``kv_cache_manager``): the runner asks it for the prompts' rows (or caches), joins the
+prompts an item finishes to the batch through it and retires the rows that finish (``retire``), and
+reports both in the step's output; ``Scheduler.update`` does the rest of the bookkeeping.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import mlx.core as mx
 
 from parallm_engine.runner import batch_invariance, cpu_kernels, forward
+from parallm_engine.runner.batch_forward import BatchForward
 
 from parallm_engine.kv import kv_quant
 from parallm_engine.kv.fused_step import FusedWork
@@ -33,7 +35,7 @@ NO_SPECULATION_MIXED = ("speculative decoding needs KV that can be rolled back; 
 
 
 class ModelRunner(DecodeRunner):
-    def __init__(self, model, model_info, config, stats, kv, out, family, *, retire):
+    def __init__(self, model, model_info, config, stats, kv, out, family):
         self.kv = kv
         self.family = family
         family.install(model)
@@ -58,15 +60,16 @@ class ModelRunner(DecodeRunner):
             if self.no_speculation is None else None
         if speculator is not None:  # a draft model's KV for its rows counts with the rows (draft_model.py)
             kv.draft_kv_bytes = speculator.draft_rows.nbytes
+        # The paged batch's forwards (the mixed layout's is ``decode_forward``'s own).
+        self.forwards = BatchForward(kv.batch, config.compile_decode) if kv.takes_ragged_steps else None
         # Decode steps that compute a prompt's chunk in their forward (kv.fused_step) need the exact split
         # of the model into hidden states and head, and attention through the hook as a ragged step's.
-        self.split = split_head(model) if config.fuse_prefill and kv.takes_ragged_steps \
-            and kv.batch.ragged_ok(model) else None
+        self.split = split_head(model) if config.fuse_prefill and self.forwards is not None \
+            and self.forwards.ragged_ok(model) else None
         # Prefill forwards that run at once: a multi-lane CPU without the native kernels runs a forward per
         # lane's stream, each on one core (``_prefill_paged``), so long contexts are chunked one per stream.
         self.prefill_streams = 1 if self.native_kernels else kv.prefill_lanes
-        super().__init__(model, kv.batch, out, stats, pipeline=config.pipeline, speculator=speculator,
-                         retire=retire)
+        super().__init__(model, kv.batch, out, stats, pipeline=config.pipeline, speculator=speculator)
 
     # -- the step -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -113,7 +116,7 @@ class ModelRunner(DecodeRunner):
                     # the prompts' forward alone, as a lane that decodes nothing runs it. Only unfinished
                     # prompts: one the work finished is a decode row of this step.
                     assert not fused.finishes(), "a prompt joined the batch without its prefill"
-                    self.batch.forward_prompts(self.model, fused)
+                    self.forwards.forward_prompts(self.model, fused)
                     mx.eval(fused.arrays)
                 built = True
             finally:
@@ -125,15 +128,33 @@ class ModelRunner(DecodeRunner):
                 out.fused_tokens = fused.n_tokens
         out.decode_s = time.perf_counter() - t_decode
         out.plain_rows = self.plain_rows
+        out.finished, self.finished = self.finished, []
         return out
 
+    # -- rows leaving -----------------------------------------------------------------------------
+    def retire(self, seqs: list) -> None:
+        """Finished rows leave the batch at once, their KV kept in the prefix cache for the next turn."""
+        for s in seqs:
+            self.kv.commit_row(s)
+        self.drop_rows({id(s) for s in seqs})
+        self.finished += seqs
+
+    def drop_rows(self, rows: set[int]) -> None:
+        """The rows whose ``id()`` is in ``rows`` leave the batch, the step in flight and the speculator's
+        draft state (retired, preempted or cancelled); their pages go back (``kv.free_rows``)."""
+        self.kv.free_rows(rows)
+        if self.speculator is not None:
+            self.speculator.drop(rows)
+        self.drop(rows)
+        self.kv.evict_freed()
+
     def decode_forward(self, inputs: mx.array, work=None) -> mx.array:
-        """The decode step's forward: the paged batch's lanes (``decode_batch``), or the mixed layout's
+        """The decode step's forward: the paged batch's lanes (``batch_forward``), or the mixed layout's
         running rows over mlx-lm's batched caches (``kv.model_caches.MixedDecodeBatch``; it never fuses)."""
-        if self.kv.prefills_alone:
+        if self.forwards is None:
             return forward.decode(self.model, inputs[:, None], self.batch.caches, self.batch.running)[:, -1, :] \
                 .astype(mx.float32)
-        return self.batch.forward(self.model, inputs, work)
+        return self.forwards.forward(self.model, inputs, work)
 
     def fuses(self, seq) -> bool:
         """Whether ``seq``'s prefill may run in the decode forward (``kv.fused_step``): the model splits

@@ -1,7 +1,7 @@
 """How much a speculative step should verify, from what steps are measured to cost on this machine.
 
 Verifying drafts costs positions: one forward over every row's 1 + k positions (a ragged step: a row
-computes only its own positions; ``DecodeBatch.forward_ragged``). Whether that pays depends on the
+computes only its own positions; ``BatchForward.forward_ragged``). Whether that pays depends on the
 hardware, not on a constant: where a decode step is bound by reading the weights (Apple silicon, GPUs, a
 CPU at batch 1) extra positions are nearly free; where it is bound by compute (a CPU at batch 32) each
 costs about as much as a row. So the scheduler times its steps and :class:`StepCost` keeps seconds per

@@ -9,7 +9,7 @@ rows' acceptance rates make best promises more tokens per second than a plain st
 :meth:`Speculator.wants`). Then the scheduler's pipelined step in flight is delivered first (proposals
 need the latest tokens on the host), each row proposes up to ``k`` tokens (the continuation of the
 latest earlier occurrence of its context's last n-gram in its own prompt + output), and one forward
-runs every row over its own 1 + k positions (a ragged step: ``DecodeBatch.forward_ragged``; a row
+runs every row over its own 1 + k positions (a ragged step: ``BatchForward.forward_ragged``; a row
 without drafts costs one position). Where the model's attention does not go through the engine's hook
 the forward is a (B, 1 + max k) rectangle instead: shorter rows are padded, their extra positions
 computed and dropped.
@@ -293,13 +293,13 @@ class Speculator:
         pending = [(s.request.prompt_ids + s.output_ids)[s.computed :] for s in running]
         widths = [len(u) + len(d) for u, d in zip(pending, drafts)]
         W = max(widths)
-        batch = runner.batch
-        if len(set(widths)) > 1 and batch.ragged_ok(runner.model):  # each row computes its own positions only
-            logits = batch.forward_ragged(runner.model, [u + d for u, d in zip(pending, drafts)])
+        batch, forwards = runner.batch, runner.forwards
+        if len(set(widths)) > 1 and forwards.ragged_ok(runner.model):  # each row computes its own positions only
+            logits = forwards.forward_ragged(runner.model, [u + d for u, d in zip(pending, drafts)])
             starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
         else:  # a (B, W) rectangle (shorter rows padded with their last token, computed and dropped)
             inputs = [u + d + [u[-1]] * (W - len(u) - len(d)) for u, d in zip(pending, drafts)]
-            logits = batch.forward_block(runner.model, mx.array(inputs))
+            logits = forwards.forward_block(runner.model, mx.array(inputs))
             logits = logits.reshape(B * W, logits.shape[-1])
             starts, widths = [i * W for i in range(B)], W
         # Sample every verified position as decoding would there: a row's last pending token (the

@@ -1,0 +1,235 @@
+"""The KV cache manager of the "attention" layout (every layer full attention: ``model_caches``).
+
+Every row's KV is in pages of its decode lane's pool (``decode_batch``, ``kv_pages``); the prefix cache is
+a radix tree (``radix_cache``) whose entries are those pages, held by reference. A prompt's row is opened in
+the lane it will decode in, borrowing the pages of its hit; its prefill writes the rest once
+(``paged_prefill``); it joins the batch as it is, and the tree takes its pages (in-flight dedup: the next
+step's prompts find them). The batch may hold one prefix every row continuing it reads once (cascade
+attention: ``prefix_sharing``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from parallm_engine.kv.decode_batch import DecodeBatch
+from parallm_engine.kv.kv_cache_manager import KVCacheManager
+from parallm_engine.kv.kv_pages import PagedLaneKV
+from parallm_engine.kv.memory_budget import buffer_cache_bytes
+from parallm_engine.kv.paged_prefill import PrefillRow
+from parallm_engine.kv.prefix_sharing import continues_shared, share_for_prefill, shared_prefix_flags
+from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache, shared_context_len
+
+# A match whose last node adds only a few tokens (a fan-out's " Question 1" reaching into the sibling
+# " Question 12") stops at the node before: those tokens are prefilled again, and the prefix is the same
+# for every prompt of the fan-out, so a prefill group can read it once as the batch's shared prefix
+# (prefix_sharing.share_for_prefill). At most 7 tokens are recomputed.
+SHORT_TAIL_TOKENS = 8
+
+
+def _without_short_tail(match: PrefixMatch) -> PrefixMatch:
+    nodes = match.nodes()
+    if len(nodes) > 1 and len(nodes[-1].tokens) < SHORT_TAIL_TOKENS:
+        return PrefixMatch(nodes[-2], match.length - len(nodes[-1].tokens))
+    return match
+
+
+class PagedKVManager(KVCacheManager):
+    takes_ragged_steps = True
+    rolls_back = True
+
+    def __init__(self, model, model_info, config, family, layout: str):
+        self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
+        super().__init__(model, model_info, config, family, layout, None, self.radix)
+        self.batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format, self.meter,
+                                 keep_working_sets=config.decode_working_set)
+        self.batch.working_set_limit = self._working_set_limit(config)
+        if self.radix is not None:  # the tree's paged entries live in the lanes' pools
+            self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
+            self.radix.cached_pages = self.batch.cached_pages
+        self._unindexed: list = []  # rows that joined for this step's fused forward (index_fused)
+
+    def use_attention_hook(self, hooked: bool) -> None:
+        """Decode rows continuing one cached prefix hold it once (cascade attention): that needs the radix
+        tree (where the prefix's one copy comes from), the hook, and attention over the cached keys
+        themselves (the family adapter); so does a ragged step reading the pool (MLA gets its keys gathered)."""
+        reads_pool = self.family.reads_pool(hooked)
+        self.share_prefix = bool(self.radix is not None and reads_pool)
+        self.batch.attention_reads_pool = reads_pool
+
+    @property
+    def has_tree(self) -> bool:
+        return self.radix is not None
+
+    @property
+    def prefill_lanes(self) -> int:
+        return len(self.batch.lanes)
+
+    # -- 1. a prompt's prefix -------------------------------------------------------------------
+    def match(self, seq) -> None:
+        """Pin the longest prefix of ``seq``'s context the tree holds (``seq.match``); its tokens are computed
+        (the row borrows their pages)."""
+        if self.radix is not None and not seq.embedding:  # embedding rows neither read nor fill it (embedding.py)
+            seq.match = _without_short_tail(self.radix.match(seq.prefill_ids, ns=seq.adapter_key))
+            self.radix.pin(seq.match.node)
+            seq.cached_tokens = seq.match.length
+        seq.computed = seq.cached_tokens
+
+    def peek(self, seq) -> int:
+        if self.radix is None or seq.embedding:
+            return 0
+        return self.radix.match(seq.prefill_ids, record=False, ns=seq.adapter_key).length
+
+    def release(self, seq) -> None:
+        row = seq.cache
+        super().release(seq)
+        if isinstance(row, PrefillRow) and row.kv is row.lane.kv:  # (not a pool the lanes dropped: clear)
+            row.kv.close_row(row.row)
+            if row.shared:
+                self.batch.shared_readers -= 1
+                self.batch.release_unused_shared()
+
+    def unpin(self, seq) -> None:
+        if seq.match is not None and self.radix is not None:
+            self.radix.unpin(seq.match.node)
+        seq.match = None
+
+    # -- 2. a prompt's row ----------------------------------------------------------------------
+    def open_rows(self, seqs: list) -> None:
+        """Each sequence without one gets its row (``seq.cache``: a ``PrefillRow``) in the lane it will decode
+        in, before its first forward. It reads the batch's shared prefix when it continues it (a prefill
+        group continuing one cached prefix makes it the batch's shared prefix first), borrows the pages the
+        prefix cache holds for the rest of its hit in that lane's pool, and stores only cached tokens the
+        pool lacks (a hit held elsewhere) in pages of its own."""
+        fresh = [s for s in seqs if s.cache is None]
+        if self.share_prefix and len(fresh) > 1:
+            share_for_prefill(self.batch, self.radix, fresh)
+        lend = self._lend if self.radix is not None else None
+        for seq in fresh:
+            shared = self.batch.shared
+            S = shared.length if shared is not None and continues_shared(seq, shared, seq.cached_tokens) else 0
+            lane = self.batch.place(seq, S, lend)
+            lent = lend(seq, lane.kv, S)[: max(0, seq.cached_tokens - S)] if lend is not None \
+                else np.zeros(0, dtype=np.int32)
+            copied = None
+            if S + len(lent) < seq.cached_tokens:
+                a, b = S + len(lent), seq.cached_tokens
+                copied = [(k[..., a:b, :], v[..., a:b, :]) for k, v in self.radix.gather(seq.match)]
+            with lane.context():
+                row = lane.kv.open_row(lent, copied)
+            seq.cache = PrefillRow(lane, row, S)
+            if S:
+                self.batch.shared_readers += 1
+
+    def _lend(self, seq, lane_kv: PagedLaneKV, start: int):
+        """Rows read the prefix they hit from the tree's pages in their lane (RadixCache.lendable_slots)."""
+        return self.radix.lendable_slots(seq.match, lane_kv, start)
+
+    def end_reads(self) -> None:
+        if self.radix is not None:
+            self.radix.end_reads()
+
+    # -- 3. committing prompts ------------------------------------------------------------------
+    def commit_prompts(self, seqs: list, fused: bool = False) -> None:
+        """Contexts prefilled (all but their last token; ``seq.cache`` their row): the sequences join the batch
+        now (one write per layer for all of them), each reading the prefix the tree holds in its lane's pool
+        from there (borrowed pages) and writing the rest into its own pages, which the tree then holds by
+        reference: a prompt's KV is held once, and the next step's prompts find it in the tree. ``fused``:
+        the step's decode forward has yet to write their new tokens (``kv.fused_step``): the rows join as
+        they were prefilled (no shared prefix is chosen from them, whose one copy would be read now), and
+        the tree takes them once that forward is built (:meth:`index_fused`)."""
+        if fused:
+            self._join(seqs, as_prefilled=True)
+            self._unindexed += seqs
+        else:
+            self._tree_tokens(seqs)  # read by the join (which rows continue a shared prefix)
+            self._join(seqs)
+            self._insert(seqs)
+
+    def index_fused(self, built: bool) -> None:
+        """A forward that failed wrote nothing: the tree must not hold those pages (the rows' own resumption
+        re-prefills). Later steps' graphs read the pages after the built forward's writes."""
+        seqs, self._unindexed = self._unindexed, []
+        if built:
+            rows = {id(s) for s in self.batch.running}
+            seqs = [s for s in seqs if id(s) in rows]  # a row retired since it joined is gone
+            self._tree_tokens(seqs)
+            self._insert(seqs)
+
+    def _tree_tokens(self, seqs: list) -> None:
+        """Each sequence's leading tokens whose KV is bitwise the tree's copy, were it inserted now."""
+        if self.radix is None:
+            return
+        # The tree keeps the copy that got there first: a sequence's KV is bitwise the tree's for what it
+        # read from the tree and what it inserts, unless someone else inserted tokens it also computed
+        # (then only the part it read): the tree now, or a sequence before it here (each inserts its whole
+        # context).
+        for i, seq in enumerate(seqs):
+            ids = seq.prefill_ids
+            held = self.radix.match(ids, record=False, ns=seq.adapter_key).length if ids else 0
+            held = max([held] + [shared_context_len(seq, s) for s in seqs[:i]])
+            seq.tree_tokens = len(ids) if held <= seq.cached_tokens else seq.cached_tokens
+
+    def _insert(self, seqs: list) -> None:
+        """Joined rows' contexts into the radix tree (their pages by reference)."""
+        if self.radix is None:
+            return
+        for seq in seqs:
+            if seq.prefill_ids:
+                self.radix.insert(seq.prefill_ids, self.batch.row_segments(seq), ns=seq.adapter_key)
+
+    def _join(self, seqs: list, as_prefilled: bool = False) -> None:
+        if as_prefilled:  # each row keeps reading the shared prefix it was prefilled over, or holds its own
+            flags = [bool(s.cache.shared) for s in seqs] if self.batch.shared is not None else None
+        else:
+            flags = shared_prefix_flags(self.batch, self.radix, seqs) if self.share_prefix else None
+        self.batch.join(seqs, flags)
+
+    # -- 4. a running row -----------------------------------------------------------------------
+    def commit_row(self, seq) -> None:
+        """Keep a running sequence's KV for every token but the last (which may not have run) in the tree."""
+        if self.radix is not None:
+            ids = seq.prefill_ids[: seq.computed]  # the tokens its KV holds
+            if ids:
+                self.radix.insert(ids, self.batch.row_segments(seq), ns=seq.adapter_key)
+
+    # -- 5. freeing -----------------------------------------------------------------------------
+    def evict_freed(self) -> None:
+        if self.radix is not None:
+            self.radix.evict_to_budget()
+
+    def clear(self) -> None:
+        """What the prefix cache held in the old pools goes with them (a failed step may have left them
+        half-written)."""
+        old = self.batch.clear()
+        self._unindexed = []
+        if self.radix is not None and old:
+            self.radix.drop_lanes(old)
+
+    # -- the step's pages -----------------------------------------------------------------------
+    def trim(self) -> None:
+        self.batch.trim()
+
+    def reserve_decode(self) -> None:
+        """Page pools grow only into budget nobody holds; the kept working sets stay within theirs (lowered
+        with the KV budget after an allocation failure, ``memory_recovery``)."""
+        self.batch.set_spare(self.spare_bytes(), self.kv_bytes_per_token)
+        self.batch.working_set_limit = self._working_set_limit(self.config)
+
+    @staticmethod
+    def _working_set_limit(config) -> int:
+        """Bytes the decode batch's kept working sets may take: ``memory_budget.working_set_bytes``, never
+        more than the KV budget in effect, never less than the buffer cache's share."""
+        floor = buffer_cache_bytes(config.kv_budget_bytes)
+        return max(floor, min(config.working_set_bytes or floor, config.kv_budget_bytes))
+
+    # -- what is held ---------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """The lanes' page pools (the rows' pages and the tree's pages in them), a shared prefix unless it is
+        the tree's own, and the tree's own arrays."""
+        if self.radix is not None:
+            return self.batch.held_nbytes() + self.radix.array_bytes
+        return self.batch.held_nbytes()
+
+    def memory_stats(self) -> dict:
+        return {**super().memory_stats(), **self.batch.page_stats()}

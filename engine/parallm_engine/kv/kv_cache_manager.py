@@ -11,7 +11,8 @@ the base). A sequence's KV goes through the verbs in this order:
 
 1. ``match``: look its context up in the prefix cache and pin the hit until its prefill is done (its tokens
    count as computed); ``peek`` looks without pinning.
-2. ``open_rows`` (paged) / ``prompt_cache`` (snapshots): the row or caches its prefill writes into.
+2. ``open_rows``: the row (paged) or the caches (snapshots) its prefill writes into, its KV handle
+   (``seq.cache``), which only kv sets.
 3. ``commit_split`` / ``commit_prompts`` / ``join_late`` / ``index_fused``: prefilled prompts go into the
    prefix cache and join the running batch.
 4. ``commit_row``: a running row's context into the prefix cache (retiring, preemption).

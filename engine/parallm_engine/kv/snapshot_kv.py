@@ -42,11 +42,12 @@ class SnapshotKVManager(KVCacheManager):
             self.snapshots.unpin(seq.match)
         seq.match = None
 
-    def prompt_cache(self, seq) -> list:
-        """A sequence's caches before its first forward (the snapshot hit, or empty ones)."""
-        if seq.match is not None:
-            return self.snapshots.restore(seq.match)
-        return make_cache(self.model)
+    def open_rows(self, seqs: list) -> None:
+        """Each sequence without them gets its own caches (``seq.cache``) before its first forward: the
+        snapshot it hit, restored, or empty ones."""
+        for seq in seqs:
+            if seq.cache is None:
+                seq.cache = self.snapshots.restore(seq.match) if seq.match is not None else make_cache(self.model)
 
     def cache_state(self, caches: list) -> list:
         """The arrays a prefill forward must evaluate to fill ``caches``."""

@@ -170,13 +170,10 @@ class ModelRunner(DecodeRunner):
         seqs = work.seqs
         if work.fused:
             self._prepare_fused(work)
-        elif self.kv.prefills_alone:
-            if work.kind == "cached":  # the whole context is cached: no forward
-                seqs[0].cache = self.kv.prompt_cache(seqs[0])
-            else:
-                self._prefill_chunk(seqs[0], work.new[0])
-        elif work.kind == "cached":
+        elif work.kind == "cached":  # the whole context is cached: no forward
             self.kv.open_rows(list(seqs))
+        elif self.kv.prefills_alone:
+            self._prefill_chunk(seqs[0], work.new[0])
         else:
             self._prefill_paged(list(seqs), list(work.new))
 
@@ -238,8 +235,7 @@ class ModelRunner(DecodeRunner):
 
     def _prefill_chunk(self, seq, n: int) -> None:
         """Mixed layout: ``n`` more context tokens of one sequence through its own caches."""
-        if seq.cache is None:
-            seq.cache = self.kv.prompt_cache(seq)
+        self.kv.open_rows([seq])
         end = seq.computed + n
         tokens = mx.array(seq.prefill_ids[seq.computed : end])[None]
         forward.prefill(self.model, tokens, seq.cache, [(seq, seq.computed, n)])

@@ -12,6 +12,10 @@ import pytest
 # The suite compares float32 results exactly or to 1e-5; MLX's CUDA backend otherwise rounds float32 matmul
 # inputs to TF32 (seen on an H100: batched != alone in the model zoo, 2e-4 in attention). No effect elsewhere.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# The prefix cache's disk tier is on by default: the suite's engines (and the servers it starts) keep it off,
+# so a test's prefill counts never depend on what an earlier test left on disk. tests/test_kv_disk.py turns
+# it on, in a directory of its own.
+os.environ["PARALLM_KV_DISK"] = "0"
 
 import parallm_engine  # noqa: E402,F401  (preloads BLAS before mlx)
 from parallm_engine.kv.kv_pages import PagedLaneKV  # noqa: E402

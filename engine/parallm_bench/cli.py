@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from parallm_bench.bench import ALL_WORKLOADS, DEFAULT_WORKLOADS, FULL, QUICK, SHAPE_WORKLOADS, format_table, run_bench
 from parallm_engine.errors import ParaLLMError
@@ -38,6 +39,9 @@ def main(args) -> int:
     unknown = [w for w in workloads if w not in ALL_WORKLOADS]
     if unknown:
         raise ParaLLMError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(ALL_WORKLOADS)}")
+    # The peers keep nothing between runs: neither do the benchmark's engines (every one it starts, in this
+    # process or a server's), unless --kv-disk asks for the disk tier.
+    os.environ["PARALLM_KV_DISK"] = str(getattr(args, "kv_disk", None) or 0)
     cfg = {}
     if getattr(args, "max_batch_size", None):
         cfg["max_batch_size"] = args.max_batch_size

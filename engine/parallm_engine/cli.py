@@ -22,9 +22,21 @@ def _engine_config(args) -> dict:
         cfg["kv_memory"] = args.kv_memory
     if getattr(args, "kv_bits", None) is not None:
         cfg["kv_bits"] = args.kv_bits
+    if getattr(args, "kv_disk", None) is not None:
+        cfg["kv_disk"] = args.kv_disk
     if getattr(args, "adapter", None):
         cfg["adapters"] = dict(args.adapter)
     return cfg
+
+
+def _size(text: str) -> int:
+    """``--kv-disk``: bytes with an optional unit (8GiB, 512MiB); 0 for off."""
+    from parallm_engine import settings
+
+    try:
+        return settings.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size such as 8GiB, or 0, got {text!r}") from None
 
 
 def _adapter(text: str) -> tuple[str, str]:
@@ -257,6 +269,29 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    from parallm_engine.kv.disk_store import DiskStore
+    from parallm_engine.kv.disk_tier import default_root
+
+    root = default_root()
+    store = DiskStore(root, cap_bytes=0) if root.exists() else None
+    if args.clear:
+        freed = store.clear(args.model) if store is not None else 0
+        print(f"deleted {freed / 2**20:.1f} MiB of KV blocks from {root}")
+        return 0
+    models = store.models() if store is not None else []
+    if args.json:
+        print(json.dumps({"root": str(root), "models": models}, indent=2))
+        return 0
+    print(f"prefix cache on disk: {root}")
+    if not models:
+        print("  (empty)")
+    for m in models:
+        print(f"  {m['fingerprint'][:12]}  {m['blocks']:6d} blocks  {m['bytes'] / 2**20:9.1f} MiB  "
+              f"{m.get('model', '?')} ({m.get('backend', '?')})")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from parallm_bench.bench import main as bench_main
 
@@ -290,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
                         help="store the KV cache at 8 or 4 bits (about 3.6x / 6.4x less KV memory than "
                              "float32; default: unquantized; PARALLM_KV_BITS)")
+        sp.add_argument("--kv-disk", type=_size, default=None, metavar="SIZE",
+                        help="the prefix cache's disk tier: its size cap (e.g. 8GiB), 0 turns it off (default: "
+                             "on, 16 GiB or a tenth of the free disk; PARALLM_KV_DISK; `parallm cache` lists it)")
 
     sp = sub.add_parser("info", help="backend, dtype and BLAS in use; the default model")
     sp.add_argument("--model", default=None)
@@ -365,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("models", help="the models on this machine (HF cache, LM Studio, Ollama) and which run")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_models)
+
+    sp = sub.add_parser("cache", help="what the prefix cache's disk tier holds, per model; --clear empties it")
+    sp.add_argument("--clear", action="store_true", help="delete the stored blocks (of --model only, if given)")
+    sp.add_argument("--model", default=None, help="a fingerprint (or its first characters) from the listing")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_cache)
 
     sp = sub.add_parser("bench", help="benchmark against mlx-lm (and transformers) in one run")
     add_model(sp)

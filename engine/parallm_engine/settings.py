@@ -39,6 +39,7 @@ VARIABLES = {
     "PARALLM_GPU_SHARED_PREFIX": "kernel (default) or cascade: where a shared prefix is read on CUDA",
     "PARALLM_WEIGHTS_DTYPE": "CPU weight storage: float32, bfloat16 or bfloat16-matmul",
     "PARALLM_KV_BITS": "KV stored at 8 or 4 bits (default unquantized)",
+    "PARALLM_KV_DISK": "the prefix cache's disk tier: its size cap (e.g. 8GiB), 0 turns it off (default on)",
     "PARALLM_STEP_TRACE": "a file to append one JSON line per engine step to",
     "PARALLM_CACHE_DIR": "ParaLLM's cache directory (default ~/.cache/parallm)",
     "PARALLM_API_KEYS": "the server's API keys, comma-separated",
@@ -151,6 +152,36 @@ def gpu_shared_prefix() -> str:
 
 def weights_dtype() -> str | None:
     return text("PARALLM_WEIGHTS_DTYPE")
+
+
+_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes: ``4096``, ``512MiB``, ``8GiB``, ``2.5GB`` (raises ValueError otherwise)."""
+    t = str(text).strip().lower().replace(" ", "")
+    for unit, scale in _UNITS.items():
+        if t.endswith(unit) and t[: -len(unit)]:
+            return int(float(t[: -len(unit)]) * scale)
+    value = float(t)
+    if value < 0 or value != int(value):
+        raise ValueError(f"not a size in bytes: {text!r}")
+    return int(value)
+
+
+def kv_disk() -> int | None:
+    """``PARALLM_KV_DISK`` as bytes (0: off), None when unset or not a size (logged)."""
+    raw = text("PARALLM_KV_DISK")
+    if raw is None:
+        return None
+    if raw.strip().lower() in OFF:
+        return 0
+    try:
+        return parse_size(raw)
+    except ValueError:
+        logger.warning("ignoring PARALLM_KV_DISK=%r: not a size (e.g. 8GiB) or 0", raw)
+        return None
 
 
 def kv_bits() -> str | None:

@@ -72,6 +72,37 @@ def _lanes_for(backend, model) -> int:
     return 1 if _weight_bytes(model) > LANE_WEIGHT_LIMIT else backend.decode_lanes
 
 
+def _disk_tier(kv_disk, enable_prefix_cache: bool, info, backend, weights_dtype, dtype, batch_invariant):
+    """The disk tier's settings for this engine (None: off), keyed by everything that changes its KV's bits."""
+    import mlx.core as mx
+
+    from parallm_engine.kv import disk_tier
+
+    root = disk_tier.default_root()
+    cap = disk_tier.resolve_cap(kv_disk, root)
+    if not cap or not enable_prefix_cache:
+        return None
+    try:
+        files = disk_tier.model_files_fingerprint(info.path)
+    except OSError:
+        logger.warning("the prefix cache's disk tier is off: could not read %s", info.path, exc_info=True)
+        return None
+    key = disk_tier.kv_fingerprint(files["files"], backend=backend.name, device=backend.device,
+                                   weights=weights_dtype, dtype=dtype, batch_invariant=batch_invariant,
+                                   mlx=mx.__version__, engine=_engine_version())
+    return disk_tier.DiskTierConfig(root, cap, key, about={"model": info.name, "path": str(info.path),
+                                                          "backend": backend.name})
+
+
+def _engine_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("parallm-engine")
+    except PackageNotFoundError:
+        return "dev"
+
+
 def _weight_bytes(model) -> int:
     from mlx.utils import tree_flatten
 
@@ -103,6 +134,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         fuse_prefill: bool | None = None,
         compile_decode: bool | None = None,
         decode_working_set: bool | None = None,
+        kv_disk: int | str | None = None,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
@@ -128,7 +160,12 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         default): ``fuse_prefill`` (default on) computes a long prompt's chunk in the decode step's forward
         (``kv/fused_step.py``); ``compile_decode`` (default off, experimental) runs a plain decode step as one
         compiled graph (``runner/compiled_decode.py``); ``decode_working_set`` (default on) keeps each lane's
-        decode working set between plain steps (``kv/decode_working_set.py``). None changes the tokens."""
+        decode working set between plain steps (``kv/decode_working_set.py``). None changes the tokens.
+        ``kv_disk``: the prefix cache's disk tier (``kv/disk_tier.py``): prefixes the cache lets go of, and all
+        it holds at shutdown, are kept under the ParaLLM cache directory and read back by later prompts, in
+        this process or the next. Its size cap in bytes or as "8GiB"; 0 turns it off; None:
+        ``PARALLM_KV_DISK``, else 16 GiB or a tenth of the disk's free space. ``parallm cache`` lists and
+        clears it."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 
@@ -180,6 +217,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
             kv_bits=kv_bits,
             **{name: value for name, value in switches.items() if value is not None},
         )
+        self.config.kv_disk = _disk_tier(kv_disk, enable_prefix_cache, self.model_info, self.backend,
+                                         self.weights_dtype, dtype, self.config.batch_invariant)
         self._stats = EngineStats()
         if getattr(self.model, "vision", None) is not None:  # image features share the prefix cache's budget
             self.model.vision.budget_bytes = max(1 << 20, self.config.radix_budget_bytes // 4)

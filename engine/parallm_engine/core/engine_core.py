@@ -217,6 +217,10 @@ class EngineCore:
                     sched.fail_all(exc)
             self.stats.busy_time += time.monotonic() - t0
             self._publish_stats()
+        try:  # what the prefix cache holds outlives the process (kv/disk_tier.py)
+            sched.kv.persist()
+        except Exception:  # noqa: BLE001
+            logger.warning("could not persist the prefix cache", exc_info=True)
         sched.fail_all(EngineDeadError("engine was shut down"))
         # MLX keeps per-thread streams whose destructors abort the process at exit unless the owning
         # thread destroys them itself (mlx issue #3126 / PR #4110: call clear_streams per thread).

@@ -66,6 +66,7 @@ class SchedulerConfig:
     compile_decode: bool = field(default_factory=settings.compile_decode)
     # Lanes keep their decode working sets between plain steps (kv/decode_working_set.py).
     decode_working_set: bool = field(default_factory=settings.decode_working_set)
+    kv_disk: object = None  # the prefix cache's disk tier (kv/disk_tier.DiskTierConfig), or None: off
 
 
 class Scheduler(PrefillPlanner):
@@ -119,6 +120,8 @@ class Scheduler(PrefillPlanner):
             [Sequence(request, i, self.tokenizer, self.eos_ids) for i in range(request.params.n)]
         request.sequences = seqs
         self.out.register(request)
+        for s in seqs:  # a lower tier's blocks of its prefix are read while it waits (kv/disk_tier.py)
+            self.kv.prefetch(s, self._prefill_rate)
         self._enqueue(seqs)
         self.stats.on_submit(request)
 

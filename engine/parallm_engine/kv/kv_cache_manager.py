@@ -79,6 +79,12 @@ class KVCacheManager(KVBudget):
         """The model runner installed the engine's attention hook (``hooked``) or not."""
 
     # -- 1. a prompt's prefix -------------------------------------------------------------------
+    def prefetch(self, seq, prefill_rate: float | None) -> None:
+        """A request arrived: start reading what a lower tier holds of its prefix (the disk tier)."""
+
+    def persist(self, timeout: float = 30.0) -> None:
+        """Shutdown: what the prefix cache holds to its lower tier (the disk tier), writes finished."""
+
     def peek(self, seq) -> int:
         """Context tokens the prefix cache holds for ``seq`` now, where a later step would find them
         (nothing is pinned or counted)."""

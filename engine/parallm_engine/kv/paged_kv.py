@@ -10,15 +10,22 @@ attention: ``prefix_sharing``).
 
 from __future__ import annotations
 
+import logging
+import time
+import weakref
+
 import numpy as np
 
 from parallm_engine.kv.decode_batch import DecodeBatch
+from parallm_engine.kv.disk_tier import BLOCK_TOKENS, DiskTier, kv_fingerprint
 from parallm_engine.kv.kv_cache_manager import KVCacheManager
 from parallm_engine.kv.kv_pages import PagedLaneKV
 from parallm_engine.kv.memory_budget import buffer_cache_bytes
 from parallm_engine.kv.paged_prefill import PrefillRow
 from parallm_engine.kv.prefix_sharing import continues_shared, share_for_prefill, shared_prefix_flags
-from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache, shared_context_len
+from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache, segment_layers, shared_context_len
+
+logger = logging.getLogger("parallm_engine")
 
 # A match whose last node adds only a few tokens (a fan-out's " Question 1" reaching into the sibling
 # " Question 12") stops at the node before: those tokens are prefilled again, and the prefix is the same
@@ -48,6 +55,19 @@ class PagedKVManager(KVCacheManager):
             self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
             self.radix.cached_pages = self.batch.cached_pages
         self._unindexed: list = []  # rows that joined for this step's fused forward (index_fused)
+        # The radix tree's disk tier (kv/disk_tier.py): float KV only.
+        self.disk: DiskTier | None = None
+        self._disk_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> read started
+        self.prefill_rate: float | None = None  # the scheduler's measured prefill rate (prefetch gives it)
+        disk = getattr(config, "kv_disk", None)
+        if disk is not None and disk.cap_bytes > 0 and self.radix is not None and self.kv_format is None:
+            try:
+                self.disk = DiskTier(disk, kv_fingerprint(disk.model_files, n_layers=self.n_layers,
+                                                          kv_bytes_per_token=self.kv_bytes_per_token))
+            except OSError:
+                logger.warning("the prefix cache's disk tier is off: could not use %s", disk.root, exc_info=True)
+            else:
+                self.radix.on_evict = self._save_evicted
 
     def use_attention_hook(self, hooked: bool) -> None:
         """Decode rows continuing one cached prefix hold it once (cascade attention): that needs the radix
@@ -65,11 +85,77 @@ class PagedKVManager(KVCacheManager):
     def prefill_lanes(self) -> int:
         return len(self.batch.lanes)
 
+    # -- the disk tier --------------------------------------------------------------------------
+    def prefetch(self, seq, prefill_rate: float | None) -> None:
+        """A request arrived: start reading the blocks the disk holds past what the tree holds (if reading
+        is estimated faster than computing them); :meth:`match` takes them."""
+        self.prefill_rate = prefill_rate
+        read = self._read_blocks(seq, prefill_rate)
+        if read is not None:
+            self._disk_reads[seq] = read
+
+    def _read_blocks(self, seq, prefill_rate: float | None):
+        if self.disk is None or seq.embedding or len(seq.prefill_ids) < BLOCK_TOKENS:
+            return None
+        ids = seq.prefill_ids
+        held = self.radix.match(ids, record=False, ns=seq.adapter_key).length
+        return self.disk.prefetch(seq.adapter_key, ids, held, self.kv_bytes_per_token, prefill_rate)
+
+    def _restore(self, seq) -> None:
+        """The blocks read for ``seq`` into the tree (a node of their own arrays), past what it holds now.
+        Blocks written since it arrived (the tree evicted them meanwhile) are read now."""
+        read = self._disk_reads.pop(seq, None)
+        if read is None:
+            read = self._read_blocks(seq, self.prefill_rate)
+        if read is None:
+            return
+        try:
+            restore = read.result()  # read in the background since the request arrived
+        except Exception:  # noqa: BLE001  (a disk error costs a recompute, never the request)
+            logger.warning("could not read KV blocks from disk", exc_info=True)
+            return
+        if restore is None:
+            return
+        ids, ns = seq.prefill_ids, seq.adapter_key
+        held = self.radix.match(ids, record=False, ns=ns).length
+        end = min(restore.start + restore.n, len(ids))
+        if not restore.start <= held < end:
+            return
+        self.radix.insert(ids[:end], lambda a, b: self.disk.device_layers(restore, a, b), ns=ns)
+        self.disk.hit_tokens += end - held
+
+    def _save_evicted(self, ns, nodes: list) -> None:
+        """A leaf leaves the tree for room: the blocks it completes go to disk (write-behind)."""
+        try:
+            self.disk.save(ns, nodes, lambda nd: segment_layers(nd.kv), only_last=True)
+        except Exception:  # noqa: BLE001  (the disk tier never fails a step)
+            logger.warning("could not save an evicted prefix to disk", exc_info=True)
+
+    def persist(self, timeout: float = 8.0) -> None:
+        """The blocks the tree holds to disk, most recently used first, within ``timeout`` seconds in all
+        (shutdown: the engine thread must end before the interpreter does)."""
+        if self.disk is None:
+            return
+        deadline = time.monotonic() + timeout / 2
+        try:
+            for leaf in sorted(self.radix.leaves(), key=lambda n: -n.last_used):
+                if time.monotonic() > deadline:
+                    break
+                ns, nodes = self.radix.path(leaf)
+                self.disk.save(ns, nodes, lambda nd: segment_layers(nd.kv), only_last=False)
+        except Exception:  # noqa: BLE001
+            logger.warning("could not save the prefix cache to disk", exc_info=True)
+        self.disk.close(max(0.0, deadline + timeout / 2 - time.monotonic()))
+        self.disk = None
+        self.radix.on_evict = None
+
     # -- 1. a prompt's prefix -------------------------------------------------------------------
     def match(self, seq) -> None:
         """Pin the longest prefix of ``seq``'s context the tree holds (``seq.match``); its tokens are computed
-        (the row borrows their pages)."""
+        (the row borrows their pages). Blocks read from disk for it join the tree first."""
         if self.radix is not None and not seq.embedding:  # embedding rows neither read nor fill it (embedding.py)
+            if self.disk is not None:
+                self._restore(seq)
             seq.match = _without_short_tail(self.radix.match(seq.prefill_ids, ns=seq.adapter_key))
             self.radix.pin(seq.match.node)
             seq.cached_tokens = seq.match.length
@@ -232,4 +318,5 @@ class PagedKVManager(KVCacheManager):
         return self.batch.held_nbytes()
 
     def memory_stats(self) -> dict:
-        return {**super().memory_stats(), **self.batch.page_stats()}
+        disk = self.disk.stats() if self.disk is not None else {}
+        return {**super().memory_stats(), **self.batch.page_stats(), **disk}

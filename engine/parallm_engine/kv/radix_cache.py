@@ -45,7 +45,8 @@ def _segment_arrays(seg) -> list[mx.array]:
     return [a for k, v in seg for x in (k, v) for a in kvq.arrays(x)]
 
 
-def _layers(seg) -> Segment:
+def segment_layers(seg) -> Segment:
+    """A node's KV per layer (keys, values), (1, H, n, D): its own arrays, or lazy gathers from its pages."""
     return seg.layers() if isinstance(seg, PagedSegment) else seg
 
 
@@ -111,6 +112,9 @@ class RadixCache:
         self.lookups = 0
         self.lookup_tokens = 0
         self.hit_tokens = 0
+        # Called with (namespace, path from the root's child to the leaf) before a leaf is evicted for room
+        # (the disk tier keeps what it completes); not for clear() or dropped pools.
+        self.on_evict: Callable[[object, list[RadixNode]], None] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -164,7 +168,7 @@ class RadixCache:
             return list(nodes[0].kv)
         key = tuple((id(nd.kv), len(nd.tokens)) for nd in nodes)
         if key not in self._reads:
-            segs = [_layers(nd.kv) for nd in nodes]
+            segs = [segment_layers(nd.kv) for nd in nodes]
             kv = list(segs[0]) if len(segs) == 1 else [
                 (
                     kvq.concatenate([seg[l][0] for seg in segs], axis=2),
@@ -296,6 +300,8 @@ class RadixCache:
             leaves.sort(key=lambda x: x[:2])
             for _, _, leaf in leaves:
                 before = self.total_bytes
+                if self.on_evict is not None:
+                    self.on_evict(*self.path(leaf))
                 self._remove_leaf(leaf)
                 freed += before - self.total_bytes
                 if freed >= nbytes:
@@ -366,6 +372,18 @@ class RadixCache:
         return before - self.total_bytes
 
     # -- introspection --------------------------------------------------------------------------
+    def path(self, node: RadixNode) -> tuple:
+        """``node``'s namespace and the nodes from its root's child down to it."""
+        nodes = []
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        ns = next(k for k, root in self.roots.items() if root is node)
+        return ns, nodes[::-1]
+
+    def leaves(self) -> list[RadixNode]:
+        return [n for n in self._iter_nodes() if not n.children]
+
     def _iter_nodes(self):
         stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:

@@ -1,7 +1,7 @@
 """The prefix cache's disk tier (``kv/disk_tier.py``, ``kv/disk_store.py``): prefixes outlive the process.
 
-- A prompt's prefix computed in one process is read back in the next: reported as cached tokens, the same
-  tokens as the cold run, on both engine paths.
+- A prompt's prefix computed in one process is read back in the next (whole blocks, then the tail after the
+  last one): reported as cached tokens, the same tokens as the cold run, on both engine paths.
 - Prefixes the tree evicts for room are written behind and read back in the same process.
 - Damaged files (corrupt, truncated, another block's file under this key) are detected, deleted and
   recomputed around; another model with the same config and the same tokens never matches.
@@ -59,14 +59,17 @@ def _run(model_dir, prompts, **kw):
     what its tree holds goes to disk)."""
     eng = Engine(str(model_dir), decode_lanes=1, kv_disk=kw.pop("kv_disk", "1GiB"), **kw)
     try:
-        first = eng.generate(prompts[:1], max_tokens=12, temperature=0, ignore_eos=True)
-        rest = eng.generate(prompts[1:], max_tokens=12, temperature=0, ignore_eos=True) if len(prompts) > 1 else []
+        first = eng.generate(prompts[:1], max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+        rest = eng.generate(prompts[1:], max_tokens=12, temperature=0, ignore_eos=True, logprobs=True) \
+            if len(prompts) > 1 else []
         results = first + rest
         stats = {k: v for k, v in eng.stats()["memory"].items() if k.startswith("kv_disk")}
         fingerprint = eng._scheduler.kv.disk.model if eng._scheduler.kv.disk is not None else None
     finally:
         eng.shutdown(timeout=30)
-    return [r.token_ids for r in results], [r.usage.cached_tokens for r in results], stats, fingerprint
+    # tokens with their logprobs: a wrong KV read back would show in them even where the argmax holds
+    return [(r.token_ids, [t.logprob for t in r.logprobs]) for r in results], [r.usage.cached_tokens for r in results], \
+        stats, fingerprint
 
 
 def _block_files(cache_dir: Path, fingerprint: str, tokens: list[int]) -> list[Path]:
@@ -79,9 +82,10 @@ SCRIPT = textwrap.dedent("""
     from parallm_engine import Engine
     model, backend, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     eng = Engine(model, backend=backend, decode_lanes=1, kv_disk="1GiB")
-    out = eng.generate(prompts, max_tokens=12, temperature=0, ignore_eos=True)
+    out = eng.generate(prompts, max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
     stats = eng.stats()["memory"]
     print(json.dumps({"tokens": [r.token_ids for r in out], "cached": [r.usage.cached_tokens for r in out],
+                      "logprobs": [[t.logprob for t in r.logprobs] for r in out],
                       "disk_hits": stats["kv_disk_hit_tokens"]}))
 """)
 
@@ -102,10 +106,12 @@ def test_a_prefix_computed_in_one_process_is_read_back_in_the_next(model_dir, ca
 
     cold, warm = run(), run()
     assert warm["tokens"] == cold["tokens"]
+    assert warm["logprobs"] == cold["logprobs"]  # the KV read back is bitwise the KV computed
     assert cold["disk_hits"] == 0
-    assert warm["disk_hits"] == 3 * BLOCK_TOKENS
-    assert all(c >= 3 * BLOCK_TOKENS for c in warm["cached"]), warm["cached"]
-    assert warm["cached"][0] > cold["cached"][0]
+    # every context token but the last (which the first decode step runs) is read back: the shared blocks,
+    # then the tail each call's own earlier run left (its question)
+    assert warm["cached"] == [len(p) - 1 for p in prompts], warm["cached"]
+    assert warm["disk_hits"] >= len(prompts[0]) - 1
 
 
 def _vocab(model_dir) -> int:
@@ -120,19 +126,20 @@ def test_evicted_prefixes_are_written_behind_and_read_back(model_dir, cache_dir)
     others = [prompt_ids(PREFIX, vocab, seed=2 + i) for i in range(3)]
     eng = Engine(str(model_dir), decode_lanes=1, kv_disk="1GiB", prefix_cache_bytes=PREFIX * 600)
     try:
-        first = eng.generate([a], max_tokens=10, temperature=0, ignore_eos=True)[0]
+        first = eng.generate([a], max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)[0]
         eng.generate(others, max_tokens=4, temperature=0, ignore_eos=True)
         settled_stats(eng)  # the others retired: the tree is back within its budget, a's prefix evicted
         disk = eng._scheduler.kv.disk
         assert disk.flush(30) and disk.blocks_written >= 3
         assert eng._scheduler.radix.match(a, record=False).length < BLOCK_TOKENS  # not in RAM any more
-        again = eng.generate([a], max_tokens=10, temperature=0, ignore_eos=True)[0]
+        again = eng.generate([a], max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)[0]
         stats = settled_stats(eng)["memory"]
     finally:
         eng.shutdown(timeout=30)
     assert again.token_ids == first.token_ids
-    assert stats["kv_disk_hit_tokens"] == 3 * BLOCK_TOKENS
-    assert again.usage.cached_tokens >= 3 * BLOCK_TOKENS
+    assert [t.logprob for t in again.logprobs] == [t.logprob for t in first.logprobs]
+    assert stats["kv_disk_hit_tokens"] == len(a) - 1  # the blocks and the tail: all but the last token
+    assert again.usage.cached_tokens == len(a) - 1
 
 
 def test_damaged_and_foreign_files_are_never_loaded(model_dir, cache_dir):
@@ -179,7 +186,7 @@ def test_another_model_with_the_same_config_and_tokens_never_matches(model_dir, 
     cold_b, _, stats_b, fp_b = _run(other, prompts)
     assert fp_a != fp_b and stats_b["kv_disk_hit_tokens"] == 0
     warm_b, _, stats_b2, _ = _run(other, prompts)
-    assert warm_b == cold_b and stats_b2["kv_disk_hit_tokens"] == 3 * BLOCK_TOKENS
+    assert warm_b == cold_b and stats_b2["kv_disk_hit_tokens"] == len(prompts[0]) - 1
 
 
 def test_reading_is_skipped_when_computing_is_measured_faster(model_dir, cache_dir):
@@ -197,7 +204,7 @@ def test_reading_is_skipped_when_computing_is_measured_faster(model_dir, cache_d
         stats = eng.stats()["memory"]
     finally:
         eng.shutdown(timeout=30)
-    assert out.token_ids == cold[0]
+    assert out.token_ids == cold[0][0]
     assert stats["kv_disk_hit_tokens"] == 0 and stats["kv_disk_restores_skipped_slower"] >= 1
 
 

@@ -34,6 +34,9 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
               + prefill) vs the later requests' TTFT, and the encoder-run counter (``bench_vision``).
 - embed:      64 texts on a random Qwen3-Embedding-shaped model: texts/s at 1 / 16 / 64 concurrent vs one at a
               time with mlx-lm, and beside 8 decoding chat streams (``bench_embed``).
+- restart:    the prefix cache's disk tier across processes: a script with a 3,000-token system prompt and 8
+              parallel calls run twice (TTFT, cached tokens, same outputs), and restore vs recompute of
+              100 / 1,000 / 8,000-token prefixes with the rule's pick (``restart``).
 
 ``--shape qwen3-4b|llama3-8b|gemma3-4b`` runs the workloads on a random-weight model of that architecture
 (layers cut to a budget; ``bench_shapes``); ``--plot DIR`` writes matplotlib PNGs (``bench_plot``).
@@ -99,7 +102,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 #: another copy of a multi-GB model.
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
-                 "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "lora")
+                 "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "lora", "restart")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -513,6 +516,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
         result["workloads"]["embed"] = be.run_embed(be.QUICK_EMBED if quick else be.FULL_EMBED, tick,
                                                     backend=engine.backend.name)
 
+    if "restart" in workloads:  # the disk tier across processes (fresh processes of the same model)
+        from parallm_bench import restart as brs
+
+        result["workloads"]["restart"] = brs.run_restart(engine, brs.QUICK_RESTART if quick else brs.FULL_RESTART,
+                                                         tick)
     if "lora" in workloads:  # 4 random adapters on the loaded model, mixed in one batch vs base-only
         from parallm_bench import lora as bench_lora
 
@@ -579,7 +587,8 @@ def _cpu_model() -> str:
 
 _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "longctx": "longctx",
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
-               "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora"}
+               "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
+               "restart": "restart"}
 
 
 def format_table(result: dict) -> str:

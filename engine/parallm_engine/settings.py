@@ -40,6 +40,7 @@ VARIABLES = {
     "PARALLM_WEIGHTS_DTYPE": "CPU weight storage: float32, bfloat16 or bfloat16-matmul",
     "PARALLM_KV_BITS": "KV stored at 8 or 4 bits (default unquantized)",
     "PARALLM_KV_DISK": "the prefix cache's disk tier: its size cap (e.g. 8GiB), 0 turns it off (default on)",
+    "PARALLM_KV_DISK_DIR": "where the disk tier keeps its blocks (default: kv/ in ParaLLM's cache directory)",
     "PARALLM_STEP_TRACE": "a file to append one JSON line per engine step to",
     "PARALLM_CACHE_DIR": "ParaLLM's cache directory (default ~/.cache/parallm)",
     "PARALLM_API_KEYS": "the server's API keys, comma-separated",
@@ -182,6 +183,10 @@ def kv_disk() -> int | None:
     except ValueError:
         logger.warning("ignoring PARALLM_KV_DISK=%r: not a size (e.g. 8GiB) or 0", raw)
         return None
+
+
+def kv_disk_dir() -> str | None:
+    return text("PARALLM_KV_DISK_DIR")
 
 
 def kv_bits() -> str | None:

@@ -66,7 +66,9 @@ class DiskStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.rejected = 0  # files that failed the check (deleted)
 
-    def _path(self, model: str, key: str) -> Path:
+    def _path(self, model: str, key: str, after: str | None = None) -> Path:
+        if after is not None:  # a tail: fewer tokens than a block, after the block keyed ``after``
+            return self.root / model / "tails" / after / f"{key}{SUFFIX}"
         return self.root / model / key[:2] / f"{key}{SUFFIX}"
 
     def describe_model(self, model: str, about: dict) -> None:
@@ -76,13 +78,15 @@ class DiskStore:
             self._write_atomic(path, json.dumps(about, sort_keys=True).encode())
 
     # -- write ----------------------------------------------------------------------------------
-    def has(self, model: str, key: str) -> bool:
-        return self._path(model, key).exists()
+    def has(self, model: str, key: str, after: str | None = None) -> bool:
+        return self._path(model, key, after).exists()
 
-    def write(self, model: str, key: str, tokens: list[int], arrays: list[np.ndarray], kind: str = "") -> int:
-        """Store a block (atomically; an existing file of the same key is left as it is). Returns the bytes
+    def write(self, model: str, key: str, tokens: list[int], arrays: list[np.ndarray], kind: str = "",
+              after: str | None = None) -> int:
+        """Store a block (atomically; an existing file of the same key is left as it is), or a tail: the
+        tokens after the block keyed ``after`` (fewer than a block; found by :meth:`tails`). Returns the bytes
         written (0 when it was already there)."""
-        path = self._path(model, key)
+        path = self._path(model, key, after)
         if path.exists():
             return 0
         layout, offset = [], 0
@@ -111,10 +115,32 @@ class DiskStore:
             raise
 
     # -- read -----------------------------------------------------------------------------------
-    def read(self, model: str, key: str, tokens: list[int]) -> Block | None:
-        """The block stored under ``key`` if it is whole, unaltered and holds exactly ``tokens``; else None
-        (a damaged or foreign file is deleted)."""
-        path = self._path(model, key)
+    def tails(self, model: str, after: str) -> list[tuple[str, list[int]]]:
+        """The tails stored after the block keyed ``after``: (key, tokens) from each file's header (an
+        unreadable one is left to :meth:`read` to reject)."""
+        d = self.root / model / "tails" / after
+        out = []
+        try:
+            names = [n for n in os.listdir(d) if n.endswith(SUFFIX)]
+        except OSError:
+            return out
+        for name in names:
+            try:
+                with open(d / name, "rb") as f:
+                    head = f.read(len(MAGIC) + 8)
+                    if not head.startswith(MAGIC):
+                        continue
+                    n_meta = int.from_bytes(head[len(MAGIC) :], "little")
+                    meta = json.loads(f.read(min(n_meta, 1 << 22)))
+                out.append((name[: -len(SUFFIX)], [int(t) for t in meta["tokens"]]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def read(self, model: str, key: str, tokens: list[int], after: str | None = None) -> Block | None:
+        """The block (or tail) stored under ``key`` if it is whole, unaltered and holds exactly ``tokens``;
+        else None (a damaged or foreign file is deleted)."""
+        path = self._path(model, key, after)
         try:
             data = path.read_bytes()
         except FileNotFoundError:

@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from parallm_engine.kv.disk_store import DiskStore
 logger = logging.getLogger("parallm_engine")
 
 BLOCK_TOKENS = 128
+MIN_TAIL_TOKENS = 16  # a path's tokens after its last whole block are kept as a tail from this many on
 FORMAT_VERSION = "1"
 WRITE_QUEUE_BYTES = 512 << 20  # blocks waiting for the writer thread, at most
 SAMPLE_BYTES = 1 << 20  # of each weight file's head and tail, in the model's fingerprint
@@ -74,9 +76,21 @@ def kv_fingerprint(model_files: str, **settings) -> str:
     return h.hexdigest()
 
 
+def chain_seed(fingerprint: str, ns) -> bytes:
+    """Where the chain of block keys starts, for one engine's KV under adapter namespace ``ns``."""
+    return hashlib.blake2b(f"{fingerprint}|{ns}".encode(), digest_size=20).digest()
+
+
+def tail_key(after: str, tokens: list[int]) -> str:
+    """A tail's key: the block it follows (hex key, or the chain's seed) and its tokens."""
+    h = hashlib.blake2b(bytes.fromhex(after), digest_size=20)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
 def block_keys(fingerprint: str, ns, tokens: list[int]) -> list[str]:
     """The chained key of each complete block of ``tokens`` under adapter namespace ``ns``."""
-    prev = hashlib.blake2b(f"{fingerprint}|{ns}".encode(), digest_size=20).digest()
+    prev = chain_seed(fingerprint, ns)
     keys = []
     for i in range(len(tokens) // BLOCK_TOKENS):
         h = hashlib.blake2b(prev, digest_size=20)
@@ -91,9 +105,10 @@ DEFAULT_FREE_SHARE = 0.1  # at most this share of the disk's free space, by defa
 
 
 def default_root() -> Path:
+    from parallm_engine import settings
     from parallm_engine.models.gguf import default_cache_dir
 
-    return default_cache_dir() / "kv"
+    return Path(settings.kv_disk_dir() or default_cache_dir() / "kv")
 
 
 def resolve_cap(kv_disk, root: Path) -> int:
@@ -136,6 +151,15 @@ class DiskTierConfig:
 
 
 @dataclass
+class PendingRead:
+    """A read started for a prompt: the tokens [start, start + n) it is expected to give."""
+
+    future: Future
+    start: int
+    n: int
+
+
+@dataclass
 class Restore:
     """Blocks read for a prompt: its tokens [start, start + n) per layer as host arrays."""
 
@@ -159,6 +183,7 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="parallm-kv-disk-writer", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="parallm-kv-disk-reader")
+        self._reads: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # reads in use, shared
         self.read_rate: float | None = None  # bytes per second, measured
         # stats
         self.blocks_written = self.bytes_written = self.writes_dropped = 0
@@ -170,23 +195,26 @@ class DiskTier:
     # -- out --------------------------------------------------------------------------------------
     def save(self, ns, nodes: list, kv_of, only_last: bool) -> None:
         """Write the blocks of the path ``nodes`` (root's child first) that are not on disk: those whose last
-        token is in the last node (``only_last``: a leaf being evicted), or every complete one.
+        token is in the last node (``only_last``: a leaf being evicted), or every complete one; and the path's
+        tail (its tokens after the last whole block, from ``MIN_TAIL_TOKENS`` on).
         ``kv_of(node)``: the node's KV, per layer (keys, values) of (1, H, n, D)."""
         tokens = [t for nd in nodes for t in nd.tokens]
         keys = block_keys(self.model, ns, tokens)
-        first = 0
-        if only_last:
-            first = (len(tokens) - len(nodes[-1].tokens)) // BLOCK_TOKENS
-        todo = [i for i in range(first, len(keys))
-                if keys[i] not in self._queued_keys and not self.store.has(self.model, keys[i])]
-        if not todo:
+        first = (len(tokens) - len(nodes[-1].tokens)) // BLOCK_TOKENS if only_last else 0
+        # (index, key, after, [a, b)): whole blocks, then the tail (after: the block it follows)
+        jobs = [(i, keys[i], None, i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS) for i in range(first, len(keys))]
+        a = len(keys) * BLOCK_TOKENS
+        if len(tokens) - a >= MIN_TAIL_TOKENS:
+            after = keys[-1] if keys else chain_seed(self.model, ns).hex()
+            jobs.append((len(keys), tail_key(after, tokens[a:]), after, a, len(tokens)))
+        jobs = [j for j in jobs if j[1] not in self._queued_keys and not self.store.has(self.model, j[1], j[2])]
+        if not jobs:
             return
         bounds, pos = [], 0
         for nd in nodes:
             bounds.append((pos, pos + len(nd.tokens), nd))
             pos += len(nd.tokens)
-        for i in todo:
-            a, b = i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS
+        for _, key, after, a, b in jobs:
             parts = [(kv_of(nd), max(a, s) - s, min(b, e) - s) for s, e, nd in bounds if s < b and e > a]
             layers = []
             for l in range(len(parts[0][0])):
@@ -204,8 +232,8 @@ class DiskTier:
                     self.writes_dropped += 1
                     continue
                 self._queued_bytes += nbytes
-                self._queued_keys.add(keys[i])
-            self._queue.put((keys[i], tokens[a:b], arrays, nbytes, kind))
+                self._queued_keys.add(key)
+            self._queue.put((key, tokens[a:b], arrays, nbytes, kind, after))
 
     def _write_loop(self) -> None:
         while True:
@@ -213,10 +241,10 @@ class DiskTier:
             if item is None:
                 self._queue.task_done()
                 return
-            key, tokens, arrays, nbytes, kind = item
+            key, tokens, arrays, nbytes, kind, after = item
             t0 = time.perf_counter()
             try:
-                written = self.store.write(self.model, key, tokens, arrays, kind)
+                written = self.store.write(self.model, key, tokens, arrays, kind, after=after)
                 if written:
                     self.blocks_written += 1
                     self.bytes_written += written
@@ -245,40 +273,67 @@ class DiskTier:
 
     # -- in ---------------------------------------------------------------------------------------
     def worth_reading(self, n_tokens: int, nbytes: int, prefill_rate: float | None) -> bool:
-        """Reading ``nbytes`` is estimated faster than prefilling ``n_tokens`` at the measured rates (reading
-        is tried while either rate is unmeasured: the first read measures it)."""
-        if self.read_rate is None or not prefill_rate:
-            return True
-        return nbytes / self.read_rate < n_tokens / prefill_rate
+        """Reading ``nbytes`` is estimated faster than prefilling ``n_tokens`` at the measured rates."""
+        return reading_is_faster(n_tokens, nbytes, self.read_rate, prefill_rate)
 
     def prefetch(self, ns, tokens: list[int], start: int, bytes_per_token: int,
-                 prefill_rate: float | None) -> Future | None:
-        """Start reading the blocks that continue ``tokens`` past ``start`` (what the tree holds) in the
-        background; None when the disk holds none or computing them is estimated faster."""
+                 prefill_rate: float | None) -> list[PendingRead]:
+        """Start reading what the disk holds of ``tokens`` past ``start`` (what the tree holds) in the
+        background: the run of whole blocks (one read, shared by every prompt that asks for the same run),
+        then the longest stored tail that ``tokens`` continue. Empty when the disk holds nothing useful or
+        computing it is estimated faster."""
         keys = block_keys(self.model, ns, tokens)
         first = start // BLOCK_TOKENS
-        if first >= len(keys) or not self.store.has(self.model, keys[first]):
-            return None
-        n = sum(1 for _ in _prefix_run(self.store, self.model, keys[first:])) * BLOCK_TOKENS
+        run = sum(1 for _ in _prefix_run(self.store, self.model, keys[first:]))
+        pos = (first + run) * BLOCK_TOKENS
+        after = keys[first + run - 1] if first + run else chain_seed(self.model, ns).hex()
+        tail = None
+        if first + run == len(keys):  # (a missing block ends the run: a tail after it would not continue it)
+            best = 0
+            for key, stored in self.store.tails(self.model, after):
+                m = _common(stored, tokens, pos)
+                if m > best:
+                    best, tail = m, (key, stored, m)
+            if tail is not None and (best < MIN_TAIL_TOKENS or pos + best <= start):
+                tail = None
+        n = run * BLOCK_TOKENS + (tail[2] if tail else 0)
+        if first * BLOCK_TOKENS + n <= start:
+            return []
         if not self.worth_reading(first * BLOCK_TOKENS + n - start, n * bytes_per_token, prefill_rate):
             self.skipped_slower += 1
-            return None
-        return self._reader.submit(self._read, keys, tokens, first)
+            return []
+        reads = []
+        if run:
+            ident = (first, tuple(keys[first : first + run]))
+            with self._lock:
+                read = self._reads.get(ident)
+                if read is None:
+                    future = self._reader.submit(self._read, [(k, None, tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
+                                                              for i, k in enumerate(keys[first : first + run], first)],
+                                                 first * BLOCK_TOKENS, run * BLOCK_TOKENS)
+                    read = self._reads[ident] = PendingRead(future, first * BLOCK_TOKENS, run * BLOCK_TOKENS)
+            reads.append(read)
+        if tail is not None:
+            key, stored, m = tail
+            future = self._reader.submit(self._read, [(key, after, stored)], pos, m)
+            reads.append(PendingRead(future, pos, m))
+        return reads
 
-    def _read(self, keys: list[str], tokens: list[int], first: int) -> Restore | None:
+    def _read(self, parts: list[tuple], start: int, n: int) -> Restore | None:
+        """Files ``parts`` ((key, after, tokens) each) in order, as one restore of tokens [start, start + n):
+        the leading files that are whole and of one KV dtype (the rest is computed instead)."""
         t0 = time.perf_counter()
         blocks = []
-        for i in range(first, len(keys)):
-            block = self.store.read(self.model, keys[i], tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
-            if block is None:
+        for key, after, stored in parts:
+            block = self.store.read(self.model, key, stored, after=after)
+            if block is None or (blocks and block.kind != blocks[0].kind):
+                n = sum(len(b.tokens) for b in blocks)
                 break
             blocks.append(block)
-        blocks = blocks[: next((i for i, b in enumerate(blocks) if b.kind != blocks[0].kind), len(blocks))]
         if not blocks or blocks[0].kind not in _BITS:
             return None
-        n_arrays = len(blocks[0].arrays)
         layers = []
-        for j in range(0, n_arrays, 2):
+        for j in range(0, len(blocks[0].arrays), 2):
             k = np.concatenate([b.arrays[j] for b in blocks], axis=2)
             v = np.concatenate([b.arrays[j + 1] for b in blocks], axis=2)
             layers.append((k, v))
@@ -289,7 +344,7 @@ class DiskTier:
         self.blocks_read += len(blocks)
         self.bytes_read += nbytes
         self.read_s += seconds
-        return Restore(first * BLOCK_TOKENS, len(blocks) * BLOCK_TOKENS, layers, nbytes, seconds, blocks[0].kind)
+        return Restore(start, n, layers, nbytes, seconds, blocks[0].kind)
 
     def device_layers(self, restore: Restore, start: int, end: int) -> list:
         """Tokens [start, end) of a restore as device arrays of the KV's dtype, per layer (keys, values)."""
@@ -316,6 +371,24 @@ class DiskTier:
             "kv_disk_rejected_files": self.store.rejected,
             "kv_disk_cap_bytes": self.store.cap_bytes,
         }
+
+
+def reading_is_faster(n_tokens: int, nbytes: int, read_rate: float | None, prefill_rate: float | None) -> bool:
+    """The disk tier's rule: read ``nbytes`` back rather than prefill ``n_tokens`` when reading takes less time
+    at the measured rates (bytes / tokens a second). Reading is tried while either is unmeasured: the first
+    read measures it."""
+    if not read_rate or not prefill_rate:
+        return True
+    return nbytes / read_rate < n_tokens / prefill_rate
+
+
+def _common(stored: list[int], tokens: list[int], pos: int) -> int:
+    """Leading tokens of ``stored`` that ``tokens`` has from ``pos`` on."""
+    n = min(len(stored), len(tokens) - pos)
+    i = 0
+    while i < n and stored[i] == tokens[pos + i]:
+        i += 1
+    return i
 
 
 def _prefix_run(store: DiskStore, model: str, keys: list[str]):

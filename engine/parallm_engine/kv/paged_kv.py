@@ -17,9 +17,9 @@ import weakref
 import numpy as np
 
 from parallm_engine.kv.decode_batch import DecodeBatch
-from parallm_engine.kv.disk_tier import BLOCK_TOKENS, DiskTier, kv_fingerprint
+from parallm_engine.kv.disk_tier import MIN_TAIL_TOKENS, DiskTier, kv_fingerprint
 from parallm_engine.kv.kv_cache_manager import KVCacheManager
-from parallm_engine.kv.kv_pages import PagedLaneKV
+from parallm_engine.kv.kv_pages import PagedLaneKV, PagedSegment
 from parallm_engine.kv.memory_budget import buffer_cache_bytes
 from parallm_engine.kv.paged_prefill import PrefillRow
 from parallm_engine.kv.prefix_sharing import continues_shared, share_for_prefill, shared_prefix_flags
@@ -87,42 +87,58 @@ class PagedKVManager(KVCacheManager):
 
     # -- the disk tier --------------------------------------------------------------------------
     def prefetch(self, seq, prefill_rate: float | None) -> None:
-        """A request arrived: start reading the blocks the disk holds past what the tree holds (if reading
-        is estimated faster than computing them); :meth:`match` takes them."""
+        """A request arrived: start reading what the disk holds past what the tree holds (if reading is
+        estimated faster than computing it); :meth:`match` takes it."""
         self.prefill_rate = prefill_rate
-        read = self._read_blocks(seq, prefill_rate)
-        if read is not None:
-            self._disk_reads[seq] = read
+        reads = self._disk_read(seq, prefill_rate)
+        if reads:
+            self._disk_reads[seq] = reads
 
-    def _read_blocks(self, seq, prefill_rate: float | None):
-        if self.disk is None or seq.embedding or len(seq.prefill_ids) < BLOCK_TOKENS:
-            return None
+    def _disk_read(self, seq, prefill_rate: float | None) -> list:
+        if self.disk is None or seq.embedding or len(seq.prefill_ids) < MIN_TAIL_TOKENS:
+            return []
         ids = seq.prefill_ids
         held = self.radix.match(ids, record=False, ns=seq.adapter_key).length
         return self.disk.prefetch(seq.adapter_key, ids, held, self.kv_bytes_per_token, prefill_rate)
 
     def _restore(self, seq) -> None:
-        """The blocks read for ``seq`` into the tree (a node of their own arrays), past what it holds now.
-        Blocks written since it arrived (the tree evicted them meanwhile) are read now."""
-        read = self._disk_reads.pop(seq, None)
-        if read is None:
-            read = self._read_blocks(seq, self.prefill_rate)
-        if read is None:
-            return
-        try:
-            restore = read.result()  # read in the background since the request arrived
-        except Exception:  # noqa: BLE001  (a disk error costs a recompute, never the request)
-            logger.warning("could not read KV blocks from disk", exc_info=True)
-            return
-        if restore is None:
-            return
+        """What was read for ``seq`` into the tree, past what it holds now (parts another prompt's restore
+        put there already are skipped unwaited). Blocks written since it arrived (the tree evicted them
+        meanwhile) are read now."""
+        reads = self._disk_reads.pop(seq, None)
+        if reads is None:
+            reads = self._disk_read(seq, self.prefill_rate)
         ids, ns = seq.prefill_ids, seq.adapter_key
-        held = self.radix.match(ids, record=False, ns=ns).length
-        end = min(restore.start + restore.n, len(ids))
-        if not restore.start <= held < end:
-            return
-        self.radix.insert(ids[:end], lambda a, b: self.disk.device_layers(restore, a, b), ns=ns)
-        self.disk.hit_tokens += end - held
+        for read in reads:
+            held = self.radix.match(ids, record=False, ns=ns).length
+            end = min(read.start + read.n, len(ids))
+            if held >= end:
+                continue
+            if held < read.start:
+                return  # the part before it is missing (evicted meanwhile): computed instead
+            try:
+                restore = read.future.result()  # read in the background since the request arrived
+            except Exception:  # noqa: BLE001  (a disk error costs a recompute, never the request)
+                logger.warning("could not read KV blocks from disk", exc_info=True)
+                return
+            if restore is None:
+                return
+            end = min(restore.start + restore.n, len(ids))  # (what was read whole: a damaged file ends it)
+            if held >= end:
+                return
+            # Written once into pages of the lane the prompt will decode in, held by the tree alone: the
+            # prompt and every later one borrow them as they borrow any cached prefix.
+            layers = self.disk.device_layers(restore, held, end)
+            if layers[0][0].shape[2] != end - held:  # never a node whose KV is not its tokens'
+                return
+            lane = self.batch.place(seq, 0)
+            with lane.context():
+                row = lane.kv.open_row(np.zeros(0, dtype=np.int32), layers)
+                lane.kv.flush_writes()
+                segment = PagedSegment(lane.kv, row.slots(0))
+                lane.kv.close_row(row)
+            self.radix.insert(ids[:end], lambda a, b: segment, ns=ns)
+            self.disk.hit_tokens += end - held
 
     def _save_evicted(self, ns, nodes: list) -> None:
         """A leaf leaves the tree for room: the blocks it completes go to disk (write-behind)."""

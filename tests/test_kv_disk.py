@@ -133,12 +133,18 @@ def test_evicted_prefixes_are_written_behind_and_read_back(model_dir, cache_dir)
         assert disk.flush(30) and disk.blocks_written >= 3
         assert eng._scheduler.radix.match(a, record=False).length < BLOCK_TOKENS  # not in RAM any more
         again = eng.generate([a], max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)[0]
-        stats = settled_stats(eng)["memory"]
+        everything = settled_stats(eng)
+        stats = everything["memory"]
     finally:
         eng.shutdown(timeout=30)
     assert again.token_ids == first.token_ids
     assert [t.logprob for t in again.logprobs] == [t.logprob for t in first.logprobs]
     assert stats["kv_disk_hit_tokens"] == len(a) - 1  # the blocks and the tail: all but the last token
+    from parallm_engine.serve.metrics import render_engine_stats
+
+    page = "\n".join(render_engine_stats(everything, "m"))
+    assert f'parallm_kv_disk_hit_tokens_total{{model="m"}} {len(a) - 1}' in page
+    assert "parallm_kv_disk_written_bytes_total" in page
     assert again.usage.cached_tokens == len(a) - 1
 
 

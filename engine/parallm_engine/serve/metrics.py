@@ -189,6 +189,20 @@ _MEMORY_METRICS = (
     ("mlx_peak_bytes", "mlx_peak_memory_bytes", "Most memory MLX has had handed out at once."),
 )
 
+# The prefix cache's disk tier (kv/disk_tier.py), when it is on: counters since the engine started.
+_KV_DISK_METRICS = (
+    ("kv_disk_hit_tokens", "kv_disk_hit_tokens_total", "counter", "Prompt tokens read back from disk instead of computed."),
+    ("kv_disk_bytes_read", "kv_disk_read_bytes_total", "counter", "KV bytes read from disk."),
+    ("kv_disk_read_s", "kv_disk_read_seconds_total", "counter", "Seconds spent reading KV from disk (in the background)."),
+    ("kv_disk_bytes_written", "kv_disk_written_bytes_total", "counter", "KV bytes written to disk."),
+    ("kv_disk_write_s", "kv_disk_write_seconds_total", "counter", "Seconds spent writing KV to disk (in the background)."),
+    ("kv_disk_writes_dropped", "kv_disk_writes_dropped_total", "counter", "Blocks not written: the disk fell behind."),
+    ("kv_disk_restores_skipped_slower", "kv_disk_restores_skipped_total", "counter",
+     "Reads not done: computing the tokens was measured faster."),
+    ("kv_disk_rejected_files", "kv_disk_rejected_files_total", "counter", "Damaged or foreign block files deleted."),
+    ("kv_disk_cap_bytes", "kv_disk_cap_bytes", "gauge", "The disk tier's size cap."),
+)
+
 _PREFIX_CACHE_METRICS = (
     ("bytes", "prefix_cache_bytes", "gauge", "Bytes of KV held by the radix prefix tree."),
     ("max_bytes", "prefix_cache_max_bytes", "gauge", "Byte budget of the radix prefix tree."),
@@ -215,6 +229,8 @@ def render_engine_stats(stats: dict, model: str) -> list[str]:
     memory = stats.get("memory") or {}
     for key, suffix, help in _MEMORY_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", "gauge", help, memory.get(key), labels)
+    for key, suffix, kind, help in _KV_DISK_METRICS:
+        out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, memory.get(key), labels)
     cache = stats.get("prefix_cache") or {}
     for key, suffix, kind, help in _PREFIX_CACHE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, cache.get(key), labels)

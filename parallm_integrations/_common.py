@@ -128,6 +128,12 @@ class ParaLLMParams(BaseModel):
     """Scheduling priority (vLLM's convention): smaller runs first and is preempted last when memory runs
     short; None = 0. A per-call ``priority=`` overrides it (e.g. an agent's planner ahead of its workers)."""
 
+    session: str | None = None
+    """The conversation these calls are turns of: after each call its context stays cached (pinned) for the
+    engine's ``session_ttl`` (default 30 s), so the next turn finds it however busy the engine is. None: the
+    LangGraph ``thread_id`` of the run the call is part of, if any. A per-call ``session=`` overrides it; with
+    ``base_url`` it is sent as OpenAI's ``user`` field. ``Engine.release_session`` lets go early."""
+
     adapter: str | None = None
     """LoRA adapter the requests run under: a name the engine knows (``engine_kwargs={"adapters": {name:
     path}}``, or a server's ``--adapter NAME=PATH``), or an adapter directory (mlx-lm's or PEFT's format;

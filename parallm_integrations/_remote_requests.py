@@ -35,6 +35,8 @@ def _split(body: dict[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
 def _chat_kwargs(messages: list[dict], model: str, tools, tool_choice, response_format, parallel_tool_calls,
                  sampling: dict[str, Any]) -> dict[str, Any]:
     body = dict(sampling)
+    if "session" in body:  # the server reads a session from OpenAI's user field
+        body["user"] = body.pop("session")
     if body.get("top_logprobs") and not body.get("logprobs"):
         body["logprobs"] = True
     if isinstance(body.get("stop"), str):
@@ -66,6 +68,8 @@ def _prompt_chunks(prompts: list[str], n: int) -> list[list[str]]:
 
 def _completion_kwargs(prompt, model: str, response_format, sampling: dict[str, Any]) -> dict[str, Any]:
     body = dict(sampling)
+    if "session" in body:
+        body["user"] = body.pop("session")
     want = body.pop("logprobs", None)
     top = body.pop("top_logprobs", None)
     if want or top:

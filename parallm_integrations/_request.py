@@ -96,6 +96,16 @@ class ToolRules:
 _UNSET = object()
 
 
+def _graph_thread():
+    """The LangGraph thread this call runs in (``config["configurable"]["thread_id"]`` of the run the call is
+    part of), or None: it names the call's session, so an agent's conversation stays cached between turns."""
+    try:
+        from langchain_core.runnables.config import ensure_config
+    except ImportError:  # LlamaIndex without LangChain
+        return None
+    return (ensure_config().get("configurable") or {}).get("thread_id")
+
+
 def build_request(
     owner: Any,
     call_kwargs: Mapping[str, Any],
@@ -116,6 +126,8 @@ def build_request(
     * ``stop``: the ``stop`` argument when given, else a ``stop`` kwarg (None: no stop strings), else
       ``owner.stop``.
     * ``owner.priority`` / ``owner.adapter`` when set; a per-call ``priority`` must be an integer.
+    * ``session``: a per-call ``session``, else ``owner.session``, else the LangGraph thread the call runs
+      in (``thread_id``): the conversation whose context the engine keeps between turns.
     * ``tools`` through ``tool_rules`` (OpenAI dicts shown to the model, closed schemas for decoding;
       ``tool_choice="none"`` shows none); without ``tool_rules`` they are left as given for the caller to
       refuse. ``response_format`` through ``response_format`` when given.
@@ -138,6 +150,9 @@ def build_request(
         sampling["priority"] = owner.priority
     if owner.adapter is not None:
         sampling["adapter"] = owner.adapter
+    session = kw.pop("session", None) or getattr(owner, "session", None) or _graph_thread()
+    if session is not None:
+        sampling["session"] = str(session)
     check_priority(kw.get("priority"))
     stop_kwarg = kw.pop("stop", _UNSET)
     if stop is None:

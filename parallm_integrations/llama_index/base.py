@@ -192,6 +192,12 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         description="Scheduling priority (vLLM's convention): smaller runs first and is preempted last when "
         "memory runs short; None = 0. A per-call priority= overrides it.",
     )
+    session: str | None = Field(
+        default=None,
+        description="The conversation these calls are turns of: after each call its context stays cached "
+        "(pinned) for the engine's session_ttl (default 30 s), so the next turn finds it. A per-call session= "
+        "overrides it; with base_url it is sent as OpenAI's user field.",
+    )
     adapter: str | None = Field(
         default=None,
         description="LoRA adapter the requests run under: a name the engine knows (engine_kwargs={'adapters': "

@@ -135,6 +135,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         compile_decode: bool | None = None,
         decode_working_set: bool | None = None,
         kv_disk: int | str | None = None,
+        session_ttl: float | None = None,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
@@ -165,7 +166,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         it holds at shutdown, are kept under the ParaLLM cache directory and read back by later prompts, in
         this process or the next. Its size cap in bytes or as "8GiB"; 0 turns it off; None:
         ``PARALLM_KV_DISK``, else 16 GiB or a tenth of the disk's free space. ``parallm cache`` lists and
-        clears it."""
+        clears it. ``session_ttl``: seconds a request's context stays pinned in the prefix cache after its
+        turn when it names a ``session`` (default 30; 0 turns sessions off; ``kv/session_pins.py``)."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 
@@ -180,6 +182,10 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         for name, value in switches.items():
             if value is not None and not isinstance(value, bool):
                 raise InvalidRequestError(f"{name} must be True, False or None, got {value!r}", param=name)
+        if session_ttl is not None and (isinstance(session_ttl, bool) or not isinstance(session_ttl, (int, float))
+                                        or not 0 <= session_ttl < float("inf")):
+            raise InvalidRequestError(f"session_ttl must be a number of seconds >= 0, got {session_ttl!r}",
+                                      param="session_ttl")
         speculative = parse_speculative(speculative)
         kv_bits = resolve_kv_bits(kv_bits)
         try:
@@ -216,6 +222,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
             speculative=speculative,
             kv_bits=kv_bits,
             **{name: value for name, value in switches.items() if value is not None},
+            **({"session_ttl_s": float(session_ttl)} if session_ttl is not None else {}),
         )
         self.config.kv_disk = _disk_tier(kv_disk, enable_prefix_cache, self.model_info, self.backend,
                                          self.weights_dtype, dtype, self.config.batch_invariant)
@@ -284,6 +291,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         priority: int = 0,
         group=None,
         adapter: str | os.PathLike | None = None,
+        session: str | None = None,
         **sampling: Any,
     ) -> RequestHandle:
         """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
@@ -311,11 +319,18 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         :meth:`load_adapter`, an adapter directory, or a cached HF repo id); None: the base model. It
         shares the batch with every other request (``lora.py``); an unknown one raises
         :class:`AdapterNotFoundError`, one that does not fit the model :class:`AdapterLoadError`.
+
+        ``session``: the conversation this request is a turn of (an agent, a LangGraph thread): when it
+        finishes, its context stays pinned in the prefix cache for ``session_ttl`` seconds, so the next turn
+        finds it however busy the engine is (``kv/session_pins.py``); :meth:`release_session` lets it go.
         """
         if self.core.dead is not None:
             raise EngineDeadError(f"engine is not running: {self.core.dead}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
+        if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 256):
+            raise InvalidRequestError("session must be a non-empty string of at most 256 characters",
+                                      param="session")
         given = sampling.pop("params", None)
         # A request that sets no max_tokens is stopped if it starts cycling (repetition_guard.py).
         guard_cycles = given is None and sampling.get("max_tokens") is None
@@ -350,6 +365,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         req = Request(ids, params, Channel(loop), grammar=grammar, request_id=request_id,
                       tools=list(tools) if tools else None, priority=priority, group=group)
         req.adapter = lora_adapter
+        req.session = session
         req.cycle_guard = guard_cycles
         if isinstance(prompt, VisionPrompt):
             req.vision = prompt
@@ -434,11 +450,17 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
             return 0
 
         def clear() -> int:
+            self._scheduler.kv.release_session(None)  # what sessions kept goes too
             freed = cache.clear_unpinned()
             self._scheduler.kv.trim()
             return freed
 
         return self.run_on_engine_thread(clear)
+
+    def release_session(self, session: str | None = None) -> int:
+        """``session`` (None: every session) lets go of the context it kept pinned; returns how many did.
+        What it let go stays cached as any prefix does, evicted least recently used."""
+        return self.run_on_engine_thread(lambda: self._scheduler.kv.release_session(session))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.core.shutdown(timeout)

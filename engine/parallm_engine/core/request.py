@@ -217,6 +217,7 @@ class Request:
         self.priority = priority
         # Admission is fair across groups (one HTTP request, one caller's batch): see Scheduler._next_fair.
         self.group = group if group is not None else self.id
+        self.session: str | None = None  # its context stays pinned between turns (kv/session_pins.py)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

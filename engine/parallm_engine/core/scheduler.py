@@ -30,6 +30,7 @@ from parallm_engine.core import memory_recovery
 from parallm_engine.errors import RequestCancelledError
 from parallm_engine.runner.family_adapters import adapter_for
 from parallm_engine.kv.kv_layouts import make_kv_cache_manager
+from parallm_engine.kv.session_pins import DEFAULT_SHARE, DEFAULT_TTL_S
 from parallm_engine.kv.memory_budget import mlx_memory
 from parallm_engine.runner.model_runner import ModelRunner
 from parallm_engine.core.output_processor import OutputProcessor
@@ -67,6 +68,8 @@ class SchedulerConfig:
     # Lanes keep their decode working sets between plain steps (kv/decode_working_set.py).
     decode_working_set: bool = field(default_factory=settings.decode_working_set)
     kv_disk: object = None  # the prefix cache's disk tier (kv/disk_tier.DiskTierConfig), or None: off
+    session_ttl_s: float = DEFAULT_TTL_S  # a session's context stays pinned this long after its turn (0: off)
+    session_share: float = DEFAULT_SHARE  # of the KV budget, the most sessions may pin
 
 
 class Scheduler(PrefillPlanner):
@@ -212,6 +215,7 @@ class Scheduler(PrefillPlanner):
         started = time.perf_counter()
         preempted: list[Sequence] = []
         admitted: list[Sequence] = []
+        self.kv.expire_sessions()
         self._make_room(preempted)
         self.kv.trim()  # pages the prefix cache gave back
         self._admit(admitted)

@@ -85,6 +85,16 @@ class KVCacheManager(KVBudget):
     def persist(self, timeout: float = 30.0) -> None:
         """Shutdown: what the prefix cache holds to its lower tier (the disk tier), writes finished."""
 
+    def keep_session(self, session: str, seq) -> None:
+        """A turn of ``session`` ended (``seq`` retired, its context committed): keep it for the next turn."""
+
+    def expire_sessions(self) -> None:
+        """Sessions whose time is up let go of what they kept."""
+
+    def release_session(self, session: str | None) -> int:
+        """``session`` (None: every session) lets go of what it kept; returns how many let go."""
+        return 0
+
     def peek(self, seq) -> int:
         """Context tokens the prefix cache holds for ``seq`` now, where a later step would find them
         (nothing is pinned or counted)."""

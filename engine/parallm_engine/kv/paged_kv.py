@@ -24,6 +24,7 @@ from parallm_engine.kv.memory_budget import buffer_cache_bytes
 from parallm_engine.kv.paged_prefill import PrefillRow
 from parallm_engine.kv.prefix_sharing import continues_shared, share_for_prefill, shared_prefix_flags
 from parallm_engine.kv.radix_cache import PrefixMatch, RadixCache, segment_layers, shared_context_len
+from parallm_engine.kv.session_pins import SessionPins
 
 logger = logging.getLogger("parallm_engine")
 
@@ -55,6 +56,8 @@ class PagedKVManager(KVCacheManager):
             self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
             self.radix.cached_pages = self.batch.cached_pages
         self._unindexed: list = []  # rows that joined for this step's fused forward (index_fused)
+        self.sessions = SessionPins(self.radix, config.session_ttl_s, self._session_bytes()) \
+            if self.radix is not None else None
         # The radix tree's disk tier (kv/disk_tier.py): float KV only.
         self.disk: DiskTier | None = None
         self._disk_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> read started
@@ -84,6 +87,23 @@ class PagedKVManager(KVCacheManager):
     @property
     def prefill_lanes(self) -> int:
         return len(self.batch.lanes)
+
+    # -- sessions (kv/session_pins.py) ----------------------------------------------------------
+    def _session_bytes(self) -> int:
+        return int(self.config.session_share * self.config.kv_budget_bytes)
+
+    def keep_session(self, session: str, seq) -> None:
+        if self.sessions is not None and not seq.embedding:
+            self.sessions.keep(session, seq.prefill_ids[: seq.computed], seq.adapter_key, self.kv_bytes_per_token)
+
+    def expire_sessions(self) -> None:
+        if self.sessions is not None and self.sessions.pins:
+            self.sessions.max_bytes = self._session_bytes()  # (the budget may have been lowered: memory_recovery)
+            self.sessions.expire()
+            self.sessions.bound()
+
+    def release_session(self, session: str | None) -> int:
+        return self.sessions.release(session) if self.sessions is not None else 0
 
     # -- the disk tier --------------------------------------------------------------------------
     def prefetch(self, seq, prefill_rate: float | None) -> None:
@@ -335,4 +355,5 @@ class PagedKVManager(KVCacheManager):
 
     def memory_stats(self) -> dict:
         disk = self.disk.stats() if self.disk is not None else {}
-        return {**super().memory_stats(), **self.batch.page_stats(), **disk}
+        sessions = self.sessions.stats() if self.sessions is not None else {}
+        return {**super().memory_stats(), **self.batch.page_stats(), **disk, **sessions}

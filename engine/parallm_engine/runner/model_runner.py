@@ -136,6 +136,8 @@ class ModelRunner(DecodeRunner):
         """Finished rows leave the batch at once, their KV kept in the prefix cache for the next turn."""
         for s in seqs:
             self.kv.commit_row(s)
+            if s.request.session is not None:  # its next turn finds this context (kv/session_pins.py)
+                self.kv.keep_session(s.request.session, s)
         self.drop_rows({id(s) for s in seqs})
         self.finished += seqs
 

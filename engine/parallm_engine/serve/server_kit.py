@@ -215,9 +215,12 @@ class ServerKit:
 
     def submit_kwargs(self, req) -> dict[str, Any]:
         """``Engine.submit``'s keyword arguments for a chat or completion request: its sampling, the LoRA
-        adapter its ``model`` names, its ``response_format``."""
+        adapter its ``model`` names, its ``response_format``, its session (``user``: OpenAI's field, the
+        Responses API's, and Anthropic's ``metadata.user_id`` translated onto it; kv/session_pins.py)."""
         kwargs = req.sampling_kwargs()
         kwargs["adapter"] = self.state.adapter_for(req.model)
+        if getattr(req, "user", None):
+            kwargs["session"] = req.user[:256]
         response_format = req.response_format.to_engine() if req.response_format else None
         if response_format is not None:  # "text" is no constraint
             kwargs["response_format"] = response_format
@@ -260,6 +263,9 @@ class ServerKit:
         """Submit a prepared chat under this request's queue share; the caller ends the lease (or hands
         it to the stream)."""
         prompt = await self.chat_prompt(p) if prompt is None else prompt
+        session = request.headers.get("x-session-id")
+        if session:  # the header names the session for any API (and wins over the body's user)
+            p.kwargs["session"] = session[:256]
         timing = Timing(self.state.metrics)
         lease = self.reserve(request, p.kwargs.get("n", 1), endpoint, "n")
         try:

@@ -1,0 +1,95 @@
+"""Sessions: an agent's conversation keeps its KV in RAM between turns.
+
+An agent's turn ends, it calls a tool, and a few seconds later its next turn sends the same conversation
+plus the tool's result. Meanwhile the other agents' prompts fill the prefix cache, and plain LRU may evict
+the conversation just before it is needed again. A request that names its session (``Engine.submit(...,
+session=)``; LangChain's ``thread_id``; the server's ``user``, ``x-session-id`` or Anthropic
+``metadata.user_id``) pins its context in the radix tree when it finishes, for ``ttl_s`` seconds: pinned
+entries are never evicted, so the next turn finds them. The next turn's own finish moves the pin to its
+longer context; :meth:`release` (``Engine.release_session``) or the TTL frees it, after which the entry is an
+ordinary one (evicted least recently used). Pins are bounded: they hold at most ``max_bytes`` (a share of the
+KV budget), the ones expiring soonest let go first, so sessions never take the room admission needs.
+
+A session names a pin only: sessions of different callers never see each other's data (the prefix cache is
+shared by content anyway); a name reused by two conversations keeps the later one warm.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+#: Seconds a finished turn's context stays pinned: a tool call's time.
+DEFAULT_TTL_S = 30.0
+#: The share of the KV budget sessions may pin.
+DEFAULT_SHARE = 0.25
+
+
+@dataclass
+class _Pin:
+    node: object  # the radix node at the end of the context (pinned with its path)
+    expires: float
+    nbytes: int
+
+
+class SessionPins:
+    def __init__(self, radix, ttl_s: float, max_bytes: int):
+        self.radix = radix
+        self.ttl_s = float(ttl_s)
+        self.max_bytes = int(max_bytes)
+        self.pins: dict[str, _Pin] = {}
+        self.kept = self.expired = self.released = self.displaced = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pins.values())
+
+    def keep(self, session: str, tokens: list[int], ns, bytes_per_token: int) -> None:
+        """A turn of ``session`` ended with ``tokens`` in the tree: pin them (replacing its last pin)."""
+        if self.ttl_s <= 0 or self.max_bytes <= 0:
+            return
+        match = self.radix.match(tokens, record=False, ns=ns)
+        old = self.pins.pop(session, None)
+        if match.length:
+            self.radix.pin(match.node)
+            self.pins[session] = _Pin(match.node, time.monotonic() + self.ttl_s, match.length * bytes_per_token)
+            self.kept += 1
+        if old is not None:
+            self.radix.unpin(old.node)
+        self.bound()
+
+    def bound(self) -> None:
+        """Within ``max_bytes``: the pins expiring soonest let go first."""
+        total = self.nbytes
+        for session, pin in sorted(self.pins.items(), key=lambda kv: kv[1].expires):
+            if total <= self.max_bytes:
+                break
+            self._drop(session)
+            total -= pin.nbytes
+            self.displaced += 1
+
+    def expire(self, now: float | None = None) -> int:
+        """Let go of the pins whose time is up; returns how many."""
+        now = time.monotonic() if now is None else now
+        done = [s for s, p in self.pins.items() if p.expires <= now]
+        for s in done:
+            self._drop(s)
+        self.expired += len(done)
+        return len(done)
+
+    def release(self, session: str | None = None) -> int:
+        """Let go of ``session``'s pin now (None: every session's); returns how many."""
+        names = list(self.pins) if session is None else [session] if session in self.pins else []
+        for s in names:
+            self._drop(s)
+        self.released += len(names)
+        return len(names)
+
+    def _drop(self, session: str) -> None:
+        pin = self.pins.pop(session)
+        self.radix.unpin(pin.node)
+
+    def stats(self) -> dict:
+        return {"sessions_pinned": len(self.pins), "sessions_pinned_bytes": self.nbytes,
+                "sessions_kept": self.kept, "sessions_expired": self.expired,
+                "sessions_released": self.released, "sessions_displaced": self.displaced}

@@ -1,0 +1,179 @@
+"""Sessions (``kv/session_pins.py``): a request that names its session keeps its context pinned in the prefix
+cache for the engine's ``session_ttl`` after its turn, so the next turn finds it however busy the engine is.
+
+- Under a prefix cache too small for the traffic between two turns, the second turn of a session finds its
+  first turn's context cached (the same logprobs as a cold run); without a session it is evicted.
+- The TTL lets go; ``release_session`` lets go; pins are bounded by their share of the KV budget.
+- The server reads the session from OpenAI's ``user``, the ``x-session-id`` header and Anthropic's
+  ``metadata.user_id``; ``ChatParaLLM`` from ``session=`` or the LangGraph ``thread_id``.
+- Bad values are typed errors.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import parallm_engine  # noqa: F401  (preloads BLAS before mlx)
+from parallm_engine import Engine
+from parallm_engine.errors import InvalidRequestError
+
+from .conftest import settled_stats, write_tiny_llama
+from .model_zoo import prompt_ids
+
+TURN = 200  # tokens of a first turn's context
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("session-llama"), max_position_embeddings=2048)
+
+
+def _engine(model_dir, **kw) -> Engine:
+    # A prefix cache that holds about one turn: the other traffic evicts anything not pinned.
+    return Engine(str(model_dir), decode_lanes=1, prefix_cache_bytes=TURN * 700, kv_disk=0, **kw)
+
+
+def _turns(eng: Engine, session: str | None, vocab: int):
+    """Turn 1, other traffic that fills the prefix cache, then turn 2 (turn 1's context, its answer and a
+    tool result). Returns turn 2's result."""
+    first = prompt_ids(TURN, vocab, seed=1)
+    one = eng.generate([first], max_tokens=12, temperature=0, ignore_eos=True, session=session)[0]
+    eng.generate([prompt_ids(TURN, vocab, seed=10 + i) for i in range(3)], max_tokens=4, temperature=0,
+                 ignore_eos=True)
+    second = first + one.token_ids + prompt_ids(20, vocab, seed=2)
+    return second, eng.generate([second], max_tokens=6, temperature=0, ignore_eos=True, logprobs=True,
+                                session=session)[0]
+
+
+def test_a_session_keeps_its_context_between_turns(model_dir):
+    vocab = 49152
+    eng = _engine(model_dir)
+    try:
+        second, pinned = _turns(eng, "agent-1", vocab)
+        stats = settled_stats(eng)["memory"]
+        assert stats["sessions_pinned"] == 1 and stats["sessions_kept"] == 2
+    finally:
+        eng.shutdown()
+    eng = _engine(model_dir)
+    try:
+        _, unpinned = _turns(eng, None, vocab)
+    finally:
+        eng.shutdown()
+    assert pinned.usage.cached_tokens == TURN + 11  # turn 1's context and its answer, bar the last token
+    assert unpinned.usage.cached_tokens < TURN // 2  # evicted by the traffic between the turns
+    fresh = Engine(str(model_dir), decode_lanes=1, kv_disk=0)
+    try:
+        cold = fresh.generate([second], max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)[0]
+    finally:
+        fresh.shutdown()
+    assert pinned.token_ids == cold.token_ids
+    assert [t.logprob for t in pinned.logprobs] == [t.logprob for t in cold.logprobs]
+
+
+def test_the_ttl_and_release_let_go(model_dir):
+    vocab = 49152
+    eng = _engine(model_dir, session_ttl=0.3)
+    try:
+        eng.generate([prompt_ids(TURN, vocab, seed=3)], max_tokens=4, temperature=0, session="a")
+        eng.generate([prompt_ids(TURN, vocab, seed=4)], max_tokens=4, temperature=0, session="b")
+        assert settled_stats(eng)["memory"]["sessions_pinned"] == 2
+        assert eng.release_session("a") == 1 and eng.release_session("a") == 0
+        time.sleep(0.4)
+        eng.generate([[300, 301]], max_tokens=1, temperature=0)  # a step: expired pins let go
+        stats = settled_stats(eng)["memory"]
+        assert stats["sessions_pinned"] == 0 and stats["sessions_expired"] == 1
+        assert stats["prefix_cache_pinned_bytes"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_pins_are_bounded_by_their_share_of_the_budget(model_dir):
+    vocab = 49152
+    eng = _engine(model_dir)
+    try:
+        kv = eng._scheduler.kv
+        eng.config.session_share = 2.5 * TURN * kv.kv_bytes_per_token / eng.config.kv_budget_bytes  # two turns' pins
+        kv.sessions.max_bytes = kv._session_bytes()
+        for i in range(4):
+            eng.generate([prompt_ids(TURN, vocab, seed=20 + i)], max_tokens=2, temperature=0, session=f"s{i}")
+        stats = settled_stats(eng)["memory"]
+        assert stats["sessions_pinned"] == 2 and stats["sessions_displaced"] == 2
+        assert stats["sessions_pinned_bytes"] <= kv.sessions.max_bytes
+        assert set(kv.sessions.pins) == {"s2", "s3"}  # the latest turns keep theirs
+    finally:
+        eng.shutdown()
+
+
+def test_bad_session_values_are_typed_errors(model_dir):
+    eng = Engine(str(model_dir), kv_disk=0)
+    try:
+        for bad in (123, "", "x" * 257):
+            with pytest.raises(InvalidRequestError) as err:
+                eng.submit([300, 301], max_tokens=1, session=bad)
+            assert err.value.param == "session"
+    finally:
+        eng.shutdown()
+    for bad in (-1, "long", True):
+        with pytest.raises(InvalidRequestError) as err:
+            Engine(str(model_dir), session_ttl=bad)
+        assert err.value.param == "session_ttl"
+
+
+def test_the_server_reads_the_session_from_every_api(model_dir):
+    from parallm_engine.serve.server import ServerThread
+
+    eng = Engine(str(model_dir), kv_disk=0)
+    try:
+        with ServerThread(engine=eng, api_key="k") as srv:
+            headers = {"Authorization": "Bearer k"}
+            chat = {"model": model_dir.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "user": "openai-user"},
+                           headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat,
+                           headers={**headers, "x-session-id": "header-session"}, timeout=60)
+            assert r.status_code == 200, r.text
+            r = httpx.post(f"{srv.url}/v1/messages", json={**chat, "metadata": {"user_id": "anthropic-user"}},
+                           headers={"x-api-key": "k", "anthropic-version": "2023-06-01"}, timeout=60)
+            assert r.status_code == 200, r.text
+            r = httpx.post(f"{srv.url}/v1/responses", json={"model": model_dir.name, "input": "hi", "max_output_tokens": 16,
+                                                            "user": "responses-user"}, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            pins = eng.run_on_engine_thread(lambda: set(eng._scheduler.kv.sessions.pins))
+    finally:
+        eng.shutdown()
+    assert pins == {"openai-user", "header-session", "anthropic-user", "responses-user"}
+
+
+def test_chat_parallm_takes_the_langgraph_thread_and_session(model_dir):
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    from parallm_engine import get_engine
+    from parallm_integrations import ChatParaLLM
+
+    eng = get_engine(str(model_dir), kv_disk=0)  # the engine the class below shares
+    try:
+        llm = ChatParaLLM(model=str(model_dir), engine_kwargs={"kv_disk": 0}, max_tokens=2, temperature=0)
+
+        def node(state: MessagesState):
+            return {"messages": [llm.invoke(state["messages"])]}
+
+        graph = StateGraph(MessagesState)
+        graph.add_node("model", node)
+        graph.add_edge(START, "model")
+        graph.add_edge("model", END)
+        app = graph.compile()
+        app.invoke({"messages": [HumanMessage("hi")]}, {"configurable": {"thread_id": "thread-7"}})
+        ChatParaLLM(model=str(model_dir), engine_kwargs={"kv_disk": 0}, max_tokens=2, temperature=0,
+                    session="named").invoke("hello")
+        llm.invoke("hello", session="per-call")
+        llm.invoke("hello")  # no thread, no session: nothing pinned
+        pins = eng.run_on_engine_thread(lambda: set(eng._scheduler.kv.sessions.pins))
+    finally:
+        eng.shutdown()
+    assert pins == {"thread-7", "named", "per-call"}

@@ -1,9 +1,11 @@
-"""Sessions (``kv/session_pins.py``): a request that names its session keeps its context pinned in the prefix
-cache for the engine's ``session_ttl`` after its turn, so the next turn finds it however busy the engine is.
+"""Sessions (``kv/session_pins.py``, off by default: ``Engine(session_ttl=30)``): a request that names its session
+keeps its context pinned in the prefix cache for the engine's ``session_ttl`` after its turn, so the next turn
+finds it however busy the engine is. With the default (0) nothing is pinned.
 
 - Under a prefix cache too small for the traffic between two turns, the second turn of a session finds its
   first turn's context cached (the same logprobs as a cold run); without a session it is evicted.
-- The TTL lets go; ``release_session`` lets go; pins are bounded by their share of the KV budget.
+- The TTL lets go; ``release_session`` lets go; pins are bounded by their share of the KV budget, and give
+  way when a waiting request needs the room (sessions never starve admission).
 - The server reads the session from OpenAI's ``user``, the ``x-session-id`` header and Anthropic's
   ``metadata.user_id``; ``ChatParaLLM`` from ``session=`` or the LangGraph ``thread_id``.
 - Bad values are typed errors.
@@ -34,7 +36,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _engine(model_dir, **kw) -> Engine:
     # A prefix cache that holds about one turn: the other traffic evicts anything not pinned.
-    return Engine(str(model_dir), decode_lanes=1, prefix_cache_bytes=TURN * 700, kv_disk=0, **kw)
+    return Engine(str(model_dir), decode_lanes=1, prefix_cache_bytes=TURN * 700, kv_disk=0,
+                  **{"session_ttl": 30.0, **kw})
 
 
 def _turns(eng: Engine, session: str | None, vocab: int):
@@ -56,6 +59,10 @@ def test_a_session_keeps_its_context_between_turns(model_dir):
         second, pinned = _turns(eng, "agent-1", vocab)
         stats = settled_stats(eng)["memory"]
         assert stats["sessions_pinned"] == 1 and stats["sessions_kept"] == 2
+        from parallm_engine.serve.metrics import render_engine_stats
+
+        page = "\n".join(render_engine_stats(settled_stats(eng), "m"))
+        assert 'parallm_sessions_pinned{model="m"} 1' in page
     finally:
         eng.shutdown()
     eng = _engine(model_dir)
@@ -126,7 +133,7 @@ def test_bad_session_values_are_typed_errors(model_dir):
 def test_the_server_reads_the_session_from_every_api(model_dir):
     from parallm_engine.serve.server import ServerThread
 
-    eng = Engine(str(model_dir), kv_disk=0)
+    eng = Engine(str(model_dir), kv_disk=0, session_ttl=30.0)
     try:
         with ServerThread(engine=eng, api_key="k") as srv:
             headers = {"Authorization": "Bearer k"}
@@ -156,9 +163,10 @@ def test_chat_parallm_takes_the_langgraph_thread_and_session(model_dir):
     from parallm_engine import get_engine
     from parallm_integrations import ChatParaLLM
 
-    eng = get_engine(str(model_dir), kv_disk=0)  # the engine the class below shares
+    opts = {"kv_disk": 0, "session_ttl": 30.0}
+    eng = get_engine(str(model_dir), **opts)  # the engine the class below shares
     try:
-        llm = ChatParaLLM(model=str(model_dir), engine_kwargs={"kv_disk": 0}, max_tokens=2, temperature=0)
+        llm = ChatParaLLM(model=str(model_dir), engine_kwargs=opts, max_tokens=2, temperature=0)
 
         def node(state: MessagesState):
             return {"messages": [llm.invoke(state["messages"])]}
@@ -169,7 +177,7 @@ def test_chat_parallm_takes_the_langgraph_thread_and_session(model_dir):
         graph.add_edge("model", END)
         app = graph.compile()
         app.invoke({"messages": [HumanMessage("hi")]}, {"configurable": {"thread_id": "thread-7"}})
-        ChatParaLLM(model=str(model_dir), engine_kwargs={"kv_disk": 0}, max_tokens=2, temperature=0,
+        ChatParaLLM(model=str(model_dir), engine_kwargs=opts, max_tokens=2, temperature=0,
                     session="named").invoke("hello")
         llm.invoke("hello", session="per-call")
         llm.invoke("hello")  # no thread, no session: nothing pinned
@@ -177,3 +185,35 @@ def test_chat_parallm_takes_the_langgraph_thread_and_session(model_dir):
     finally:
         eng.shutdown()
     assert pins == {"thread-7", "named", "per-call"}
+
+
+def test_kept_sessions_give_way_to_a_request_that_needs_the_room(model_dir):
+    """A budget the kept sessions fill: a new request runs (a pin lets go for it), it is not left waiting."""
+    vocab = 49152
+    eng = Engine(str(model_dir), decode_lanes=1, kv_disk=0, kv_budget_bytes=64 << 20, session_ttl=30.0)
+    try:
+        kv = eng._scheduler.kv
+        per_token = kv.kv_bytes_per_token
+        eng.config.watermark_tokens = 16
+        # Make the budget small enough that two kept turns leave no room for a third request.
+        eng.config.kv_budget_bytes = int(2.6 * TURN * per_token)
+        eng.config.radix_budget_bytes = eng.config.kv_budget_bytes
+        eng.config.session_share = 1.0
+        for i in range(2):
+            eng.generate([prompt_ids(TURN, vocab, seed=40 + i)], max_tokens=2, temperature=0, session=f"k{i}")
+        assert settled_stats(eng)["memory"]["sessions_pinned"] == 2
+        out = eng.generate([prompt_ids(TURN, vocab, seed=50)], max_tokens=2, temperature=0, ignore_eos=True)[0]
+        stats = settled_stats(eng)["memory"]
+    finally:
+        eng.shutdown()
+    assert len(out.token_ids) == 2
+    assert stats["sessions_displaced"] >= 1 and stats["sessions_pinned"] <= 1
+
+
+def test_sessions_are_off_by_default(model_dir):
+    eng = Engine(str(model_dir), kv_disk=0)
+    try:
+        eng.generate([prompt_ids(TURN, 49152, seed=60)], max_tokens=2, temperature=0, session="s")
+        assert settled_stats(eng)["memory"]["sessions_pinned"] == 0
+    finally:
+        eng.shutdown()

@@ -206,7 +206,9 @@ class _Recorder:
 
 # -- ParaLLM: the engine's Python API --------------------------------------------------------------
 
-def run_parallm_agents(engine, trace: AgentTrace) -> dict:
+def run_parallm_agents(engine, trace: AgentTrace, sessions: bool = False, delay=None) -> dict:
+    """``sessions``: each agent's turns name its session (kv/session_pins.py); ``delay(agent, turn)``: seconds
+    its tool takes before the next turn (default: the sizes' ``tool_delay_s``)."""
     sz = trace.sizes
     engine.clear_prefix_cache()
     mx.reset_peak_memory()
@@ -218,7 +220,8 @@ def run_parallm_agents(engine, trace: AgentTrace) -> dict:
         prompt = trace.system + trace.questions[a]
         for k in range(len(trace.tools[a]) + 1):
             ready = time.perf_counter()
-            handle = engine.submit(prompt, loop=loop, max_tokens=sz.reply_tokens, temperature=0.0, ignore_eos=True)
+            handle = engine.submit(prompt, loop=loop, max_tokens=sz.reply_tokens, temperature=0.0, ignore_eos=True,
+                                   session=f"agent-{a}" if sessions else None)
             times, ids, cached = [], [], 0
             async for d in handle:
                 if d.token_ids:
@@ -229,8 +232,9 @@ def run_parallm_agents(engine, trace: AgentTrace) -> dict:
             rec.turn(a, k, len(prompt), ready, times, ids, cached)
             if k < len(trace.tools[a]):
                 prompt = prompt + ids + trace.tools[a][k]
-                if sz.tool_delay_s:
-                    await asyncio.sleep(sz.tool_delay_s)
+                wait = delay(a, k) if delay is not None else sz.tool_delay_s
+                if wait:
+                    await asyncio.sleep(wait)
         rec.done[a] = time.perf_counter()
 
     async def main():

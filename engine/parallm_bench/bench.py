@@ -37,6 +37,8 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
 - restart:    the prefix cache's disk tier across processes: a script with a 3,000-token system prompt and 8
               parallel calls run twice (TTFT, cached tokens, same outputs), and restore vs recompute of
               100 / 1,000 / 8,000-token prefixes with the rule's pick (``restart``).
+- sessions:   the agents trace with 2-10 s tool calls under a KV budget a third of its working set, with and
+              without sessions (and with the default budget): re-prefilled tokens, TTFT (``sessions``).
 
 ``--shape qwen3-4b|llama3-8b|gemma3-4b`` runs the workloads on a random-weight model of that architecture
 (layers cut to a budget; ``bench_shapes``); ``--plot DIR`` writes matplotlib PNGs (``bench_plot``).
@@ -102,7 +104,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 #: another copy of a multi-GB model.
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
-                 "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "lora", "restart")
+                 "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "lora", "restart", "sessions")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -521,6 +523,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
         result["workloads"]["restart"] = brs.run_restart(engine, brs.QUICK_RESTART if quick else brs.FULL_RESTART,
                                                          tick)
+    if "sessions" in workloads:  # fresh engines of the same model under a KV budget a third of the trace's
+        from parallm_bench import sessions as bss
+
+        result["workloads"]["sessions"] = bss.run_sessions(engine, bss.QUICK_SESSIONS if quick else bss.FULL_SESSIONS,
+                                                           tick)
     if "lora" in workloads:  # 4 random adapters on the loaded model, mixed in one batch vs base-only
         from parallm_bench import lora as bench_lora
 
@@ -588,7 +595,7 @@ def _cpu_model() -> str:
 _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "longctx": "longctx",
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
                "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
-               "restart": "restart"}
+               "restart": "restart", "sessions": "sessions"}
 
 
 def format_table(result: dict) -> str:

@@ -167,7 +167,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         this process or the next. Its size cap in bytes or as "8GiB"; 0 turns it off; None:
         ``PARALLM_KV_DISK``, else 16 GiB or a tenth of the disk's free space. ``parallm cache`` lists and
         clears it. ``session_ttl``: seconds a request's context stays pinned in the prefix cache after its
-        turn when it names a ``session`` (default 30; 0 turns sessions off; ``kv/session_pins.py``)."""
+        turn when it names a ``session`` (``kv/session_pins.py``; e.g. 30: a tool call's time). Default 0: off
+        (experimental: docs/memory.md, "Sessions", says what it measured)."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 

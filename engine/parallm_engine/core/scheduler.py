@@ -30,7 +30,7 @@ from parallm_engine.core import memory_recovery
 from parallm_engine.errors import RequestCancelledError
 from parallm_engine.runner.family_adapters import adapter_for
 from parallm_engine.kv.kv_layouts import make_kv_cache_manager
-from parallm_engine.kv.session_pins import DEFAULT_SHARE, DEFAULT_TTL_S
+from parallm_engine.kv.session_pins import DEFAULT_SHARE
 from parallm_engine.kv.memory_budget import mlx_memory
 from parallm_engine.runner.model_runner import ModelRunner
 from parallm_engine.core.output_processor import OutputProcessor
@@ -68,7 +68,9 @@ class SchedulerConfig:
     # Lanes keep their decode working sets between plain steps (kv/decode_working_set.py).
     decode_working_set: bool = field(default_factory=settings.decode_working_set)
     kv_disk: object = None  # the prefix cache's disk tier (kv/disk_tier.DiskTierConfig), or None: off
-    session_ttl_s: float = DEFAULT_TTL_S  # a session's context stays pinned this long after its turn (0: off)
+    # A session's context stays pinned this long after its turn; 0 (the default): sessions off, until they
+    # pay on the agents trace (docs/memory.md, "Sessions").
+    session_ttl_s: float = 0.0
     session_share: float = DEFAULT_SHARE  # of the KV budget, the most sessions may pin
 
 
@@ -177,10 +179,13 @@ class Scheduler(PrefillPlanner):
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_room(self, preempted: list) -> None:
-        """The prefix cache gives way to the running rows first (``memory_budget.KVBudget``); then the least urgent
+        """The prefix cache gives way to the running rows first (``memory_budget.KVBudget``), what sessions keep
+        pinned next (``kv/session_pins.py``); then the least urgent
         running sequences are preempted while the rows, grown by the watermark, would still exceed the
         budget (never the last one: a single sequence always runs)."""
         self.kv.fit_cache()
+        while self.kv.rows_over_budget() and self.kv.yield_session(None):  # sessions give way before rows
+            self.kv.fit_cache()
         if len(self.running) <= 1 or not self.kv.rows_over_budget():
             return
         self.runner.flush()  # tokens of the step in flight belong to the rows about to leave
@@ -288,6 +293,9 @@ class Scheduler(PrefillPlanner):
             need = self.kv.context_bytes(seq)
             # Always admit when idle, so one oversized request still runs rather than waiting forever.
             if active and need > room:
+                if self.kv.yield_session(seq.request.session):  # a kept session gives way to admission
+                    room = self.kv.admission_room() - sum(self.kv.context_bytes(s) for s in self.prefilling)
+                    continue
                 break
             self.waiting.remove(seq)
             self.prefilling.append(seq)

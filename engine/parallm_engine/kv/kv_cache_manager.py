@@ -91,6 +91,10 @@ class KVCacheManager(KVBudget):
     def expire_sessions(self) -> None:
         """Sessions whose time is up let go of what they kept."""
 
+    def yield_session(self, keep: str | None) -> bool:
+        """Memory is short: the kept session expiring soonest (other than ``keep``) lets go; False if none."""
+        return False
+
     def release_session(self, session: str | None) -> int:
         """``session`` (None: every session) lets go of what it kept; returns how many let go."""
         return 0

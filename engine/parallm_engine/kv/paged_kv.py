@@ -56,7 +56,7 @@ class PagedKVManager(KVCacheManager):
             self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
             self.radix.cached_pages = self.batch.cached_pages
         self._unindexed: list = []  # rows that joined for this step's fused forward (index_fused)
-        self.sessions = SessionPins(self.radix, config.session_ttl_s, self._session_bytes()) \
+        self.sessions = SessionPins(self.radix, config.session_ttl_s, self._session_bytes(), self.kv_bytes_per_token) \
             if self.radix is not None else None
         # The radix tree's disk tier (kv/disk_tier.py): float KV only.
         self.disk: DiskTier | None = None
@@ -94,7 +94,7 @@ class PagedKVManager(KVCacheManager):
 
     def keep_session(self, session: str, seq) -> None:
         if self.sessions is not None and not seq.embedding:
-            self.sessions.keep(session, seq.prefill_ids[: seq.computed], seq.adapter_key, self.kv_bytes_per_token)
+            self.sessions.keep(session, seq.prefill_ids[: seq.computed], seq.adapter_key)
 
     def expire_sessions(self) -> None:
         if self.sessions is not None and self.sessions.pins:
@@ -104,6 +104,12 @@ class PagedKVManager(KVCacheManager):
 
     def release_session(self, session: str | None) -> int:
         return self.sessions.release(session) if self.sessions is not None else 0
+
+    def yield_session(self, keep: str | None) -> bool:
+        if self.sessions is None or not self.sessions.give_way(keep):
+            return False
+        self.radix.evict_to_budget()
+        return True
 
     # -- the disk tier --------------------------------------------------------------------------
     def prefetch(self, seq, prefill_rate: float | None) -> None:

@@ -8,7 +8,8 @@ session=)``; LangChain's ``thread_id``; the server's ``user``, ``x-session-id`` 
 entries are never evicted, so the next turn finds them. The next turn's own finish moves the pin to its
 longer context; :meth:`release` (``Engine.release_session``) or the TTL frees it, after which the entry is an
 ordinary one (evicted least recently used). Pins are bounded: they hold at most ``max_bytes`` (a share of the
-KV budget), the ones expiring soonest let go first, so sessions never take the room admission needs.
+KV budget), and they give way (the ones expiring soonest first) whenever the running rows or a request
+waiting for admission need the room: sessions never starve admission.
 
 A session names a pin only: sessions of different callers never see each other's data (the prefix cache is
 shared by content anyway); a name reused by two conversations keeps the later one warm.
@@ -19,22 +20,24 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-#: Seconds a finished turn's context stays pinned: a tool call's time.
+#: Seconds a finished turn's context stays pinned where sessions are turned on (``Engine(session_ttl=)``): a
+#: tool call's time. The engine's default is 0 (off).
 DEFAULT_TTL_S = 30.0
-#: The share of the KV budget sessions may pin.
-DEFAULT_SHARE = 0.25
+#: The share of the KV budget sessions may pin (the running rows keep the rest: preemption and admission
+#: count pinned bytes as taken).
+DEFAULT_SHARE = 0.75
 
 
 @dataclass
 class _Pin:
     node: object  # the radix node at the end of the context (pinned with its path)
     expires: float
-    nbytes: int
 
 
 class SessionPins:
-    def __init__(self, radix, ttl_s: float, max_bytes: int):
+    def __init__(self, radix, ttl_s: float, max_bytes: int, bytes_per_token: int = 0):
         self.radix = radix
+        self.bytes_per_token = bytes_per_token
         self.ttl_s = float(ttl_s)
         self.max_bytes = int(max_bytes)
         self.pins: dict[str, _Pin] = {}
@@ -42,9 +45,18 @@ class SessionPins:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pins.values())
+        """KV the pins hold, each node once: sessions share their system prompt and tool schemas."""
+        seen: set[int] = set()
+        tokens = 0
+        for pin in self.pins.values():
+            node = pin.node
+            while node is not None and node.parent is not None and id(node) not in seen:
+                seen.add(id(node))
+                tokens += len(node.tokens)
+                node = node.parent
+        return tokens * self.bytes_per_token
 
-    def keep(self, session: str, tokens: list[int], ns, bytes_per_token: int) -> None:
+    def keep(self, session: str, tokens: list[int], ns) -> None:
         """A turn of ``session`` ended with ``tokens`` in the tree: pin them (replacing its last pin)."""
         if self.ttl_s <= 0 or self.max_bytes <= 0:
             return
@@ -52,7 +64,7 @@ class SessionPins:
         old = self.pins.pop(session, None)
         if match.length:
             self.radix.pin(match.node)
-            self.pins[session] = _Pin(match.node, time.monotonic() + self.ttl_s, match.length * bytes_per_token)
+            self.pins[session] = _Pin(match.node, time.monotonic() + self.ttl_s)
             self.kept += 1
         if old is not None:
             self.radix.unpin(old.node)
@@ -60,13 +72,21 @@ class SessionPins:
 
     def bound(self) -> None:
         """Within ``max_bytes``: the pins expiring soonest let go first."""
-        total = self.nbytes
-        for session, pin in sorted(self.pins.items(), key=lambda kv: kv[1].expires):
-            if total <= self.max_bytes:
+        for session, _ in sorted(self.pins.items(), key=lambda kv: kv[1].expires):
+            if self.nbytes <= self.max_bytes:
                 break
             self._drop(session)
-            total -= pin.nbytes
             self.displaced += 1
+
+    def give_way(self, keep: str | None = None) -> bool:
+        """Memory is short (rows to run, a request to admit): the pin expiring soonest, other than ``keep``'s,
+        lets go. False when there is none."""
+        others = [(p.expires, s) for s, p in self.pins.items() if s != keep]
+        if not others:
+            return False
+        self._drop(min(others)[1])
+        self.displaced += 1
+        return True
 
     def expire(self, now: float | None = None) -> int:
         """Let go of the pins whose time is up; returns how many."""

@@ -189,7 +189,7 @@ _MEMORY_METRICS = (
     ("mlx_peak_bytes", "mlx_peak_memory_bytes", "Most memory MLX has had handed out at once."),
 )
 
-# The prefix cache's disk tier (kv/disk_tier.py), when it is on: counters since the engine started.
+# The prefix cache's disk tier (kv/disk_tier.py) and sessions (kv/session_pins.py), when on.
 _KV_DISK_METRICS = (
     ("kv_disk_hit_tokens", "kv_disk_hit_tokens_total", "counter", "Prompt tokens read back from disk instead of computed."),
     ("kv_disk_bytes_read", "kv_disk_read_bytes_total", "counter", "KV bytes read from disk."),
@@ -201,6 +201,10 @@ _KV_DISK_METRICS = (
      "Reads not done: computing the tokens was measured faster."),
     ("kv_disk_rejected_files", "kv_disk_rejected_files_total", "counter", "Damaged or foreign block files deleted."),
     ("kv_disk_cap_bytes", "kv_disk_cap_bytes", "gauge", "The disk tier's size cap."),
+    ("sessions_pinned", "sessions_pinned", "gauge", "Sessions whose context is kept pinned between turns."),
+    ("sessions_pinned_bytes", "sessions_pinned_bytes", "gauge", "KV bytes the kept sessions pin (shared nodes once)."),
+    ("sessions_displaced", "sessions_displaced_total", "counter",
+     "Kept sessions let go early: memory was needed by running or waiting requests."),
 )
 
 _PREFIX_CACHE_METRICS = (

@@ -186,6 +186,7 @@ class DiskTier:
         self._reads: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # reads in use, shared
         self.read_rate: float | None = None  # bytes per second, measured
         # stats
+        self.blocks_queued = 0  # blocks handed to the writer: a lookup that found nothing is stale once it grows
         self.blocks_written = self.bytes_written = self.writes_dropped = 0
         self.blocks_read = self.bytes_read = 0
         self.hit_tokens = 0
@@ -233,6 +234,7 @@ class DiskTier:
                     continue
                 self._queued_bytes += nbytes
                 self._queued_keys.add(key)
+                self.blocks_queued += 1
             self._queue.put((key, tokens[a:b], arrays, nbytes, kind, after))
 
     def _write_loop(self) -> None:
@@ -304,20 +306,23 @@ class DiskTier:
             return []
         reads = []
         if run:
-            ident = (first, tuple(keys[first : first + run]))
-            with self._lock:
-                read = self._reads.get(ident)
-                if read is None:
-                    future = self._reader.submit(self._read, [(k, None, tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
-                                                              for i, k in enumerate(keys[first : first + run], first)],
-                                                 first * BLOCK_TOKENS, run * BLOCK_TOKENS)
-                    read = self._reads[ident] = PendingRead(future, first * BLOCK_TOKENS, run * BLOCK_TOKENS)
-            reads.append(read)
+            reads.append(self._shared_read([(k, None, tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
+                                            for i, k in enumerate(keys[first : first + run], first)],
+                                           first * BLOCK_TOKENS, run * BLOCK_TOKENS))
         if tail is not None:
             key, stored, m = tail
-            future = self._reader.submit(self._read, [(key, after, stored)], pos, m)
-            reads.append(PendingRead(future, pos, m))
+            reads.append(self._shared_read([(key, after, stored)], pos, m))
         return reads
+
+    def _shared_read(self, parts: list[tuple], start: int, n: int) -> PendingRead:
+        """The read of ``parts`` (see :meth:`_read`), started once for every prompt that asks for it while it
+        is in use (the choices of one request, prompts sharing a system prompt)."""
+        ident = (start, n, tuple(key for key, _, _ in parts))
+        with self._lock:
+            read = self._reads.get(ident)
+            if read is None:
+                read = self._reads[ident] = PendingRead(self._reader.submit(self._read, parts, start, n), start, n)
+        return read
 
     def _read(self, parts: list[tuple], start: int, n: int) -> Restore | None:
         """Files ``parts`` ((key, after, tokens) each) in order, as one restore of tokens [start, start + n):

@@ -60,7 +60,8 @@ class PagedKVManager(KVCacheManager):
             if self.radix is not None else None
         # The radix tree's disk tier (kv/disk_tier.py): float KV only.
         self.disk: DiskTier | None = None
-        self._disk_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> read started
+        # sequence -> (the writer's blocks_queued when it was looked up, the reads started for it)
+        self._disk_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.prefill_rate: float | None = None  # the scheduler's measured prefill rate (prefetch gives it)
         disk = getattr(config, "kv_disk", None)
         if disk is not None and disk.cap_bytes > 0 and self.radix is not None and self.kv_format is None:
@@ -116,23 +117,23 @@ class PagedKVManager(KVCacheManager):
         """A request arrived: start reading what the disk holds past what the tree holds (if reading is
         estimated faster than computing it); :meth:`match` takes it."""
         self.prefill_rate = prefill_rate
-        reads = self._disk_read(seq, prefill_rate)
-        if reads:
-            self._disk_reads[seq] = reads
+        if self._disk_eligible(seq):
+            self._disk_reads[seq] = (self.disk.blocks_queued, self._disk_read(seq, prefill_rate))
+
+    def _disk_eligible(self, seq) -> bool:
+        return self.disk is not None and not seq.embedding and len(seq.prefill_ids) >= MIN_TAIL_TOKENS
 
     def _disk_read(self, seq, prefill_rate: float | None) -> list:
-        if self.disk is None or seq.embedding or len(seq.prefill_ids) < MIN_TAIL_TOKENS:
-            return []
         ids = seq.prefill_ids
         held = self.radix.match(ids, record=False, ns=seq.adapter_key).length
         return self.disk.prefetch(seq.adapter_key, ids, held, self.kv_bytes_per_token, prefill_rate)
 
     def _restore(self, seq) -> None:
         """What was read for ``seq`` into the tree, past what it holds now (parts another prompt's restore
-        put there already are skipped unwaited). Blocks written since it arrived (the tree evicted them
-        meanwhile) are read now."""
-        reads = self._disk_reads.pop(seq, None)
-        if reads is None:
+        put there already are skipped unwaited). Where nothing was found when it arrived and this process has
+        written blocks since (the tree evicted them meanwhile), the disk is asked again now."""
+        looked, reads = self._disk_reads.pop(seq, (None, []))
+        if not reads and self._disk_eligible(seq) and looked != self.disk.blocks_queued:
             reads = self._disk_read(seq, self.prefill_rate)
         ids, ns = seq.prefill_ids, seq.adapter_key
         for read in reads:

@@ -174,23 +174,21 @@ _ENGINE_METRICS = (
     ("itl_p95_s", "engine_itl_p95_seconds", "gauge", "95th percentile inter-token latency (engine, recent window)."),
 )
 
+# What Engine.stats()["memory"] carries; the disk tier's (kv/disk_tier.py) and sessions' (kv/session_pins.py)
+# keys only where they are on.
 _MEMORY_METRICS = (
-    ("kv_budget_bytes", "kv_budget_bytes",
+    ("kv_budget_bytes", "kv_budget_bytes", "gauge",
      "The KV memory budget, shared by running sequences and the prefix cache (which gives way first)."),
-    ("prefix_cache_limit_bytes", "prefix_cache_limit_bytes",
+    ("prefix_cache_limit_bytes", "prefix_cache_limit_bytes", "gauge",
      "What the running sequences leave the prefix cache now (its cap within the budget, at most)."),
-    ("prefix_cache_pinned_bytes", "prefix_cache_pinned_bytes",
+    ("prefix_cache_pinned_bytes", "prefix_cache_pinned_bytes", "gauge",
      "Prefix-cache bytes in use by prefilling or running sequences (not evictable now)."),
-    ("kv_pages_used", "kv_pages_used", "KV pages (kv_page_tokens tokens each) held by running rows or the prefix cache."),
-    ("kv_pages_cached", "kv_pages_cached", "KV pages only the prefix cache holds (no running row reads them)."),
-    ("kv_pages_free", "kv_pages_free", "KV pages the decode lanes' pools hold allocated but unused."),
-    ("mlx_active_bytes", "mlx_active_memory_bytes", "Memory MLX's allocator has handed out."),
-    ("mlx_cache_bytes", "mlx_cache_memory_bytes", "Freed memory MLX keeps for reuse (bounded by the engine)."),
-    ("mlx_peak_bytes", "mlx_peak_memory_bytes", "Most memory MLX has had handed out at once."),
-)
-
-# The prefix cache's disk tier (kv/disk_tier.py) and sessions (kv/session_pins.py), when on.
-_KV_DISK_METRICS = (
+    ("kv_pages_used", "kv_pages_used", "gauge", "KV pages (kv_page_tokens tokens each) held by running rows or the prefix cache."),
+    ("kv_pages_cached", "kv_pages_cached", "gauge", "KV pages only the prefix cache holds (no running row reads them)."),
+    ("kv_pages_free", "kv_pages_free", "gauge", "KV pages the decode lanes' pools hold allocated but unused."),
+    ("mlx_active_bytes", "mlx_active_memory_bytes", "gauge", "Memory MLX's allocator has handed out."),
+    ("mlx_cache_bytes", "mlx_cache_memory_bytes", "gauge", "Freed memory MLX keeps for reuse (bounded by the engine)."),
+    ("mlx_peak_bytes", "mlx_peak_memory_bytes", "gauge", "Most memory MLX has had handed out at once."),
     ("kv_disk_hit_tokens", "kv_disk_hit_tokens_total", "counter", "Prompt tokens read back from disk instead of computed."),
     ("kv_disk_bytes_read", "kv_disk_read_bytes_total", "counter", "KV bytes read from disk."),
     ("kv_disk_read_s", "kv_disk_read_seconds_total", "counter", "Seconds spent reading KV from disk (in the background)."),
@@ -231,9 +229,7 @@ def render_engine_stats(stats: dict, model: str) -> list[str]:
     for key, suffix, kind, help in _ENGINE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, stats.get(key), labels)
     memory = stats.get("memory") or {}
-    for key, suffix, help in _MEMORY_METRICS:
-        out += _gauge_lines(f"{PREFIX}_{suffix}", "gauge", help, memory.get(key), labels)
-    for key, suffix, kind, help in _KV_DISK_METRICS:
+    for key, suffix, kind, help in _MEMORY_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, memory.get(key), labels)
     cache = stats.get("prefix_cache") or {}
     for key, suffix, kind, help in _PREFIX_CACHE_METRICS:

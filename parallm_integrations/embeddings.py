@@ -5,12 +5,14 @@
     from parallm_integrations import ParaLLMEmbeddings
 
     emb = ParaLLMEmbeddings(model="Qwen/Qwen3-Embedding-0.6B")   # loads nothing yet
-    vectors = emb.embed_documents(["first passage", "second passage"])   # all in flight at once
+    vectors = emb.embed_documents(["first passage", "second passage"])   # any number, batched
     q = emb.embed_query("what is in the first passage?")   # with the model's query prompt
 
 A decoder embedding model runs on the same engine (and batch) as every ``ChatParaLLM`` naming that model;
 an encoder model (bge, e5, all-MiniLM) on an mlx-embeddings engine. ``base_url=`` sends the texts to an
 OpenAI-compatible server's ``/v1/embeddings`` instead (``parallm serve``, vLLM, Ollama, LM Studio).
+``embed_documents`` takes any number of texts (a corpus of thousands: a share of the engine's queue in
+flight at a time, or requests of a few hundred inputs to a server), with a progress bar on long runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from ._embedding_client import EmbeddingClient
 class ParaLLMEmbeddings(BaseModel, Embeddings):
     """Embeddings from a local model on the shared in-process engine (or a server with ``base_url``)."""
 
-    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+    # forbid: a misspelt or unknown argument is an error, not silently the default model / setting
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=(), extra="forbid")
 
     model: str | None = Field(default=None, alias="model_name")
     """An embedding model: a model directory, a repo id in the local Hugging Face cache, or a .gguf file,
@@ -66,6 +69,9 @@ class ParaLLMEmbeddings(BaseModel, Embeddings):
     api_key: SecretStr | None = Field(default_factory=secret_from_env("PARALLM_API_KEY", default=None))
     """API key for ``base_url``; read from ``PARALLM_API_KEY`` if not given."""
 
+    show_progress_bar: bool | None = None
+    """A tqdm progress bar for ``embed_documents``: None shows it for calls of 1,000 texts or more."""
+
     _client: EmbeddingClient | None = PrivateAttr(default=None)
 
     @property
@@ -79,13 +85,13 @@ class ParaLLMEmbeddings(BaseModel, Embeddings):
         return self._client
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return self.client.embed(list(texts), "document")
+        return self.client.embed(list(texts), "document", self.show_progress_bar)
 
     def embed_query(self, text: str) -> list[float]:
         return self.client.embed([text], "query")[0]
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
-        return await self.client.aembed(list(texts), "document")
+        return await self.client.aembed(list(texts), "document", self.show_progress_bar)
 
     async def aembed_query(self, text: str) -> list[float]:
         return (await self.client.aembed([text], "query"))[0]

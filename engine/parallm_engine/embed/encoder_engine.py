@@ -127,6 +127,9 @@ class EncoderEngine(EmbeddingAPI, EngineBase):
             self._waiting.append(req)
             self._cond.notify()
 
+    def _queue_room(self) -> int:  # EmbeddingAPI's hint: the texts not yet in a batch count
+        return self.max_queue - len(self._waiting)
+
     def abort(self, request) -> None:
         """Drop a text that has not started (one in the running batch finishes with it; nobody waits for it)."""
         with self._cond:

@@ -1,7 +1,8 @@
 """``POST /v1/embeddings`` (OpenAI's shape) for ``parallm serve``.
 
-``input``: a string, a list of strings, a list of token ids, or a list of token-id lists; every input of a
-request is in flight at once, batched with whatever else the engine runs. ``encoding_format``: ``float``
+``input``: a string, a list of strings, a list of token ids, or a list of token-id lists; a request's inputs
+are queued together (shortest first, at most a quarter of the engine's queue at a time: one request's
+share by default), batched with whatever else the engine runs. ``encoding_format``: ``float``
 (default) or ``base64`` (little-endian float32, as OpenAI's). ``dimensions``: Matryoshka truncation,
 renormalised, for models trained so (400 otherwise). ``usage``: the tokens embedded. ParaLLM's extensions
 (``extra_body`` with the openai client): ``input_type`` (``"query"`` / ``"document"``: the model's prompt),

@@ -6,7 +6,7 @@ first in-process use.
 A call takes any number of texts. In-process, the engine keeps a share of its queue in flight at a time
 and waits where other callers fill it (``EmbeddingAPI.embed_results(wait=True)``); with ``base_url`` the
 texts go in requests of at most :data:`REMOTE_BATCH` inputs, one after another (a server that allows
-fewer per request, ``parallm serve``'s ``too_many_sequences``, gets halves until they fit). A progress bar
+fewer per request, ``parallm serve``'s ``too_many_inputs`` / ``too_many_sequences``, gets halves until they fit). A progress bar
 (tqdm) shows on calls of :data:`PROGRESS_MIN_TEXTS` texts or more, or always / never as the caller says.
 """
 
@@ -168,7 +168,8 @@ class EmbeddingClient:
         one request; else raise ``exc`` as the engine's typed error."""
         from ._remote_errors import _error_fields
 
-        if sent > 1 and getattr(exc, "status_code", None) == 400 and _error_fields(exc)[2] == "too_many_sequences":
+        if sent > 1 and getattr(exc, "status_code", None) == 400 and _error_fields(exc)[2] in (
+                "too_many_inputs", "too_many_sequences"):
             self._remote_batch = max(1, min(self._remote_batch, sent) // 2)
             return
         _raise_remote(exc)

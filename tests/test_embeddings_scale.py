@@ -239,8 +239,9 @@ def test_a_large_batch_leaves_room_for_other_callers(embedder_dir, small_engine)
 
 
 # -- base_url -------------------------------------------------------------------------------------
-def test_base_url_splits_a_large_call_into_requests_the_server_takes(shared_engine, texts):
+def test_base_url_splits_a_large_call_into_requests_the_server_takes(shared_engine, texts, monkeypatch):
     import httpx
+    from parallm_engine.serve import server_embeddings
     from parallm_engine.serve.server import ServerThread
 
     from parallm_integrations import ParaLLMEmbeddings
@@ -248,22 +249,28 @@ def test_base_url_splits_a_large_call_into_requests_the_server_takes(shared_engi
 
     part = texts[:1100]
     want = small_batches(shared_engine, part)
+    headers = {"Authorization": f"Bearer {KEY}"}
     with ServerThread(engine=shared_engine, api_key=KEY) as srv, \
             ServerThread(engine=shared_engine, api_key=KEY, max_request_share=0.05) as narrow:
-        # the server takes a quarter of its queue per request: one request of all the texts is refused
-        r = httpx.post(srv.base_url + "/embeddings", json={"input": part}, timeout=120,
-                       headers={"Authorization": f"Bearer {KEY}"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
+        # one request of 1,100 texts: taken, a quarter of the queue in flight at a time, in input order
+        r = httpx.post(srv.base_url + "/embeddings", json={"input": part}, timeout=300, headers=headers)
+        assert r.status_code == 200, r.text
+        got = [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        r = httpx.post(srv.base_url + "/embeddings", json={"input": ["x"] * 2049}, timeout=60, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_inputs"  # OpenAI's limit
         lc = ParaLLMEmbeddings(base_url=srv.base_url, api_key=KEY, max_retries=0, show_progress_bar=False)
         np.testing.assert_allclose(lc.embed_documents(part), want, rtol=0, atol=1e-6)
         np.testing.assert_allclose(asyncio.run(lc.aembed_documents(part)), want, rtol=0, atol=1e-6)
-        # a server that takes fewer per request (51 here): the client halves its requests until they fit
-        small = ParaLLMEmbeddings(base_url=narrow.base_url, api_key=KEY, max_retries=0, show_progress_bar=False)
-        np.testing.assert_allclose(small.embed_documents(part[:300]), want[:300], rtol=0, atol=1e-6)
-        assert small.client._remote_batch <= 51
+        # a server with a small request share (51 in flight) still takes requests of 256: they wait their turn
         li = ParaLLMEmbedding(base_url=narrow.base_url, api_key=KEY, max_retries=0)
         np.testing.assert_allclose(asyncio.run(li.aget_text_embedding_batch(part[:300])), want[:300],
                                    rtol=0, atol=1e-6)
+        # a server that takes fewer inputs per request (40 here): the client halves its requests until they fit
+        monkeypatch.setattr(server_embeddings, "MAX_INPUTS", 40)
+        small = ParaLLMEmbeddings(base_url=narrow.base_url, api_key=KEY, max_retries=0, show_progress_bar=False)
+        np.testing.assert_allclose(small.embed_documents(part[:300]), want[:300], rtol=0, atol=1e-6)
+        assert small.client._remote_batch <= 40
 
 
 def test_encoder_model_takes_a_batch_over_its_queue_bound(tmp_path):

@@ -1,5 +1,6 @@
 """The soak's request mix (bench_soak.py): seeded client workers that drive a ParaLLM server over loopback
-with what agent frameworks send, plus the faults they cause. Every request records its HTTP status, whether
+with what agent frameworks send on every route (chat completions, Anthropic Messages, Responses, embeddings,
+a LoRA adapter served as its own model), plus the faults they cause. Every request records its HTTP status, whether
 that status was expected for its kind, and (streams) time to first token and inter-token gaps."""
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schem
 
 #: Kinds of traffic and their weights in the mix.
 MIX = {"agent": 4, "fanout": 2, "chat_stream": 3, "tools": 2, "json": 1, "n2": 1, "seeded": 1, "speculative": 1,
-       "disconnect": 1, "cancel": 1, "bad": 1, "long": 1}
+       "disconnect": 1, "cancel": 1, "bad": 1, "long": 1, "messages": 2, "responses": 2, "embeddings": 1, "lora": 1}
+#: The name a soak server serves its LoRA adapter under (soak.py writes a random one for the model).
+ADAPTER = "soak-adapter"
 #: Probes re-sent every interval: their text must never change (greedy, and seeded sampling).
 PROBES = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0, "max_tokens": 24},
@@ -35,6 +38,11 @@ PROBES = [
      "temperature": 0, "max_tokens": 24},
     {"messages": [{"role": "user", "content": "Write a short line about the sea."}], "temperature": 0.9,
      "seed": 1234, "max_tokens": 24},
+]
+#: Probes under the LoRA adapter (sent when the server has it).
+ADAPTER_PROBES = [
+    {"model": ADAPTER, "messages": [{"role": "user", "content": "Name a fruit that is yellow."}], "temperature": 0,
+     "max_tokens": 24},
 ]
 
 
@@ -56,8 +64,9 @@ class Outcome:
 class Traffic:
     """Client workers; ``outcomes`` fills as requests end (the driver reads and empties it per interval)."""
 
-    def __init__(self, client, seed: int, workers: int, max_queue: int, model: str):
+    def __init__(self, client, seed: int, workers: int, max_queue: int, model: str, adapter: bool = False):
         self.client = client  # httpx.AsyncClient on the server's base URL
+        self.adapter = adapter  # the server serves ADAPTER (the "lora" kind runs only then)
         self.rng = random.Random(seed)
         self.workers = workers
         self.max_queue = max_queue
@@ -75,7 +84,7 @@ class Traffic:
 
     async def _worker(self, i: int) -> None:
         rng = random.Random(self.rng.random())
-        kinds, weights = zip(*MIX.items())
+        kinds, weights = zip(*((k, w) for k, w in MIX.items() if self.adapter or k != "lora"))
         while not self.stopping:
             kind = rng.choices(kinds, weights)[0]
             try:
@@ -98,10 +107,11 @@ class Traffic:
         self.outcomes.append(Outcome(kind, r.status_code, expected(r.status_code, ok)))
         return r.status_code
 
-    async def _stream(self, kind: str, body: dict, stop_after: int | None = None) -> None:
+    async def _stream(self, kind: str, body: dict, stop_after: int | None = None,
+                      path: str = "/v1/chat/completions") -> None:
         t0 = time.perf_counter()
         first, last, gaps, chunks = None, None, [], 0
-        async with self.client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        async with self.client.stream("POST", path, json={**body, "stream": True}) as r:
             if r.status_code != 200:
                 await r.aread()
                 self.outcomes.append(Outcome(kind, r.status_code, expected(r.status_code)))
@@ -184,6 +194,51 @@ class Traffic:
         except asyncio.TimeoutError:
             self.outcomes.append(Outcome("cancel", 499, True))
 
+    async def _messages(self, rng, i: int) -> None:
+        """Anthropic Messages (what langchain-anthropic / the anthropic SDK send): a system prompt, sometimes a
+        tool (forced or not), streamed or not."""
+        body = self.body(system=SYSTEM, messages=[{"role": "user", "content": rng.choice(QUESTIONS)}],
+                         max_tokens=rng.randint(8, 32), temperature=0)
+        if rng.random() < 0.5:
+            tool = WEATHER_TOOL["function"]
+            body["tools"] = [{"name": tool["name"], "description": tool["description"],
+                              "input_schema": tool["parameters"]}]
+            body["tool_choice"] = rng.choice([{"type": "auto"}, {"type": "tool", "name": tool["name"]}])
+        if rng.random() < 0.5:
+            await self._stream("messages", body, path="/v1/messages")
+        else:
+            await self._post("messages", body, path="/v1/messages")
+
+    async def _responses(self, rng, i: int) -> None:
+        """OpenAI Responses (the Agents SDK's default model): instructions, sometimes a function tool, streamed
+        or not; max_output_tokens small enough that some answers are cut (status incomplete: still a 200)."""
+        body = self.body(instructions=SYSTEM, input=rng.choice(QUESTIONS), max_output_tokens=rng.randint(8, 32),
+                         temperature=0)
+        if rng.random() < 0.5:
+            tool = WEATHER_TOOL["function"]
+            body["tools"] = [{"type": "function", "name": tool["name"], "description": tool["description"],
+                              "parameters": tool["parameters"]}]
+            body["tool_choice"] = rng.choice(["auto", "required"])
+        if rng.random() < 0.5:
+            await self._stream("responses", body, path="/v1/responses")
+        else:
+            await self._post("responses", body, path="/v1/responses")
+
+    async def _embeddings(self, rng, i: int) -> None:
+        """A batch of texts to /v1/embeddings on the served model (mean pooling: any decoder embeds)."""
+        texts = [rng.choice(QUESTIONS) + f" ({k})" for k in range(rng.randint(1, 16))]
+        await self._post("embeddings", self.body(input=texts, pooling="mean"), path="/v1/embeddings")
+
+    async def _lora(self, rng, i: int) -> None:
+        """A chat under the LoRA adapter (served as its own model), streamed or not, beside base rows."""
+        body = {"model": ADAPTER, "messages": [{"role": "system", "content": SYSTEM},
+                                               {"role": "user", "content": rng.choice(QUESTIONS)}],
+                "max_tokens": rng.randint(8, 24), "temperature": 0}
+        if rng.random() < 0.5:
+            await self._stream("lora", body)
+        else:
+            await self._post("lora", body)
+
     async def _bad(self, rng, i: int) -> None:
         bad = rng.choice([
             self.body(messages=[{"role": "user", "content": "hi"}], temperature=-1),
@@ -198,10 +253,12 @@ class Traffic:
 
 
 
-async def probe(client, model: str) -> list[str]:
-    """The probes' texts (greedy and seeded requests whose answers must never change)."""
+async def probe(client, model: str, adapter: bool = False) -> list[str]:
+    """The probes' texts (greedy and seeded requests, the base model's and with ``adapter`` the LoRA
+    adapter's, whose answers must never change)."""
     async def one(p: dict) -> str:
         r = await client.post("/v1/chat/completions", json={"model": model, **p})
         return r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else f"HTTP {r.status_code}"
 
-    return list(await asyncio.gather(*(one(p) for p in PROBES)))  # together: a batch must not change them
+    probes = PROBES + (ADAPTER_PROBES if adapter else [])
+    return list(await asyncio.gather(*(one(p) for p in probes)))  # together: a batch must not change them

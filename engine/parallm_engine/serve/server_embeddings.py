@@ -1,8 +1,9 @@
 """``POST /v1/embeddings`` (OpenAI's shape) for ``parallm serve``.
 
-``input``: a string, a list of strings, a list of token ids, or a list of token-id lists; a request's inputs
-are queued together (shortest first, at most a quarter of the engine's queue at a time: one request's
-share by default), batched with whatever else the engine runs. ``encoding_format``: ``float``
+``input``: a string, a list of strings, a list of token ids, or a list of token-id lists, at most
+``MAX_INPUTS`` (OpenAI's limit); a request's inputs are queued together, shortest first, at most one request's
+share of the engine queue in flight at a time (a quarter by default: a longer list waits for its own rows, it
+is not refused), batched with whatever else the engine runs. ``encoding_format``: ``float``
 (default) or ``base64`` (little-endian float32, as OpenAI's). ``dimensions``: Matryoshka truncation,
 renormalised, for models trained so (400 otherwise). ``usage``: the tokens embedded. ParaLLM's extensions
 (``extra_body`` with the openai client): ``input_type`` (``"query"`` / ``"document"``: the model's prompt),
@@ -30,6 +31,10 @@ from parallm_engine.serve.server_kit import wait_for_disconnect
 from parallm_engine.core.validation import safe_text
 
 
+#: Inputs one request may carry (OpenAI's own limit; clients such as LangChain's OpenAIEmbeddings chunk to it).
+MAX_INPUTS = 2048
+
+
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +55,9 @@ class EmbeddingRequest(BaseModel):
             return [data]
         if not data:
             raise APIError(400, "input must not be empty", param="input")
+        if len(data) > MAX_INPUTS:
+            raise APIError(400, f"input has {len(data)} items; at most {MAX_INPUTS} per request: split it",
+                           param="input", code="too_many_inputs")
         return list(data)
 
     def options(self) -> dict:
@@ -92,8 +100,10 @@ def add_embedding_routes(app: FastAPI, state, dependencies: list, embedding_mode
         name = model_name(req.model)
         eng = await asyncio.to_thread(embedding_engine) if embedding_model is not None else embedding_engine()
         inputs = req.inputs()
-        lease = state.shares.acquire(getattr(request.state, "parallm_key", None), len(inputs), param="input")
-        work = asyncio.ensure_future(eng.aembed_results(inputs, **req.options()))
+        # In flight at a time: the request's share (aembed_results keeps the rest waiting, shortest first)
+        window = min(len(inputs), state.shares.request_limit())
+        lease = state.shares.acquire(getattr(request.state, "parallm_key", None), window, param="input")
+        work = asyncio.ensure_future(eng.aembed_results(inputs, window=window, **req.options()))
         watcher = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)

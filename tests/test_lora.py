@@ -368,36 +368,3 @@ def test_bench_lora_workload(base_dir):
     finally:
         eng.shutdown()
 
-
-@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
-def test_embedding_and_adapter_rows_in_one_prefill_forward(base_dir, adapter_dirs, references, backend):
-    """An embedding row (base model, no adapter) and prompts under adapters prefilled in ONE forward: each
-    adapter row is computed with its own adapter (its tokens and logprobs equal mlx-lm's with that adapter
-    loaded) and the embedding with none (it equals the same text embedded alone)."""
-    from parallm_engine import Engine
-
-    prompts = references["prompts"]
-    names = list(adapter_dirs)
-    greedy = dict(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=True)
-    for attempt in range(6):  # all four must arrive within one decode step: a fresh engine per try
-        eng = Engine(str(base_dir), adapters={k: str(v) for k, v in adapter_dirs.items()}, backend=backend,
-                     max_batch_size=16, prefill_chunk=512, decode_lanes=1, fuse_prefill=False)
-        try:
-            alone = eng.embed(prompts[2], pooling="mean")[0]
-            blocker = eng.submit(prompts[3], max_tokens=256, temperature=0, ignore_eos=True)
-            next(iter(blocker))  # the engine is in its decode loop: what arrives next is admitted together
-            forwards = eng.stats()["prefill_forwards"]
-            emb = eng.submit_embedding(prompts[2], pooling="mean")
-            handles = [eng.submit(prompts[i], adapter=name, **greedy) for i, name in enumerate(names)]
-            results = [eng._collect(h) for h in handles]
-            vector = emb.result().embedding
-            blocker.abort()
-            together = eng.stats()["prefill_forwards"] - forwards == 1
-        finally:
-            eng.shutdown()
-        if together:
-            break
-    else:
-        pytest.fail("the embedding and the adapter prompts never shared a prefill forward")
-    _check(results, names, range(len(names)), references)
-    assert max(abs(a - b) for a, b in zip(vector, alone)) < 1e-5

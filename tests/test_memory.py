@@ -287,6 +287,39 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
         eng.shutdown()
 
 
+def test_an_embedding_burst_beside_decoding_rows_is_paced_and_chat_goes_first(tiny_model_dir):
+    """Embedding texts (bulk work: a corpus being indexed) beside decoding rows get at most what the rest of
+    the step takes at the measured rate, not a whole chunk a step (a burst of them took the streams' step
+    from milliseconds to the step-time target); a chat prompt that arrives behind them is prefilled first."""
+    from parallm_engine import Engine
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=512)
+    try:
+        sched = eng._scheduler
+        vocab = eng.model_info.vocab_size
+        running = eng.submit(prompt_ids(8, vocab, seed=6), max_tokens=2000, temperature=0, ignore_eos=True)
+        assert _wait(lambda: eng.stats()["running"] == 1)
+
+        def slow():  # held: no step re-measures it; 10 tokens of rate x 0.05 s: the 64-token minimum
+            sched._observe_prefill = lambda rate: None
+            sched._prefill_rate, sched._other_step_s = 200.0, 0.05
+
+        eng.run_on_engine_thread(slow)
+        forwards = eng.stats()["prefill_forwards"]
+        texts = [prompt_ids(16, vocab, seed=100 + i) for i in range(48)]  # 768 tokens: 12+ paced steps
+        handles = [eng.submit_embedding(t, pooling="mean") for t in texts]
+        chat = eng.submit(prompt_ids(12, vocab, seed=7), max_tokens=2, temperature=0)
+        vectors = [h.result() for h in handles]
+        assert eng._collect(chat).token_ids and len(vectors) == 48
+        # a whole chunk a step would be 2 forwards; paced at 64 tokens (a group holds at least one text)
+        assert eng.stats()["prefill_forwards"] - forwards >= 48 * 16 // (64 + 16)
+        first_token = chat.request.first_token_time
+        assert first_token < max(h.request.finish_time for h in handles)  # not behind the whole burst
+        running.abort()
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("backend", [None, "cpu-mlx"])
 def test_a_burst_on_an_idle_engine_is_prefilled_in_one_step(tiny_model_dir, backend, tmp_path, monkeypatch):
     """Short prompts that arrive together at an idle engine are all prefilled in the first step (several

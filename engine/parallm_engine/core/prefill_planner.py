@@ -75,8 +75,11 @@ class PrefillPlanner:
         budget = self.prefill_token_budget()
         whole = min(self.config.prefill_chunk, self.config.prefill_budget)
         owed = self._shorts_first(whole)  # the long prompt short ones went ahead of: it still advances
-        burst = len(self.prefilling) > len(self.running)
-        if burst or (self.prefilling and self._finishes_in(self.prefilling[0], whole)):
+        # Embedding texts are bulk work with no stream behind them: a burst of them (a corpus being indexed)
+        # takes the paced budget next to decoding rows, never a whole chunk each step (that starves them).
+        prompts = [s for s in self.prefilling if not s.embedding]
+        burst = len(prompts) > len(self.running)
+        if burst or (prompts and self._finishes_in(prompts[0], whole)):
             # Nothing decoding, a burst (more prompts waiting for their first token than streams
             # waiting for their next), or a short prompt (one chunk is its whole prefill): a whole chunk
             # this step. A short job goes first: the running streams pay its prefill now or over the
@@ -95,6 +98,12 @@ class PrefillPlanner:
             # (paced, each later wave would pay the decode steps of the waves before it).
             budget, deadline = max(budget, idle_burst), None
         step = _PlannedStep(decoding=bool(self.running))
+        embed_capped = not self.running  # embedding texts beside decoding rows: capped once reached
+        if self.running and prompts and len(prompts) < len(self.prefilling):
+            # Prompts with a stream behind them go before embedding texts (bulk work) queued ahead of them.
+            texts = [s for s in self.prefilling if s.embedding]
+            self.prefilling.clear()
+            self.prefilling.extend(prompts + texts)
         while self.prefilling:
             if owed is not None and owed not in self.prefilling:
                 owed = None  # a short prompts' group took its last tokens
@@ -108,6 +117,12 @@ class PrefillPlanner:
             elif budget <= 0:
                 break
             head = self.prefilling[0]
+            if head.embedding and not embed_capped:
+                # What is left is embedding texts (they come last): while rows decode they get at most what
+                # the rest of the step takes, so a corpus being embedded at most doubles the streams' step.
+                budget, embed_capped = min(budget, self._embedding_budget()), True
+                if budget <= 0:
+                    break
             if not head.started:
                 if self._uncached_overlap(head, step.computing, self.kv.peek(head)):
                     break  # it would recompute what this step computes: next step, from the tree
@@ -137,8 +152,8 @@ class PrefillPlanner:
             for seq in list(self.prefilling)[1:]:
                 if len(group) >= self.config.max_batch_size:
                     break
-                if step.opened(seq):
-                    continue
+                if step.opened(seq) or (seq.embedding and not embed_capped and not head.embedding):
+                    continue  # (embedding texts beside decoding rows: their own, capped budget below)
                 cached = seq.computed if seq.started else self.kv.peek(seq)
                 left = len(seq.prefill_ids) - cached
                 if left == 0 or used + left > min(chunk, budget) or not self._joins(seq, group, cached, step):
@@ -152,6 +167,14 @@ class PrefillPlanner:
             step.add(replace(work, fused=self._fuses(work, budget, step)))
             budget -= used
         return tuple(step.items), deadline
+
+    def _embedding_budget(self) -> int:
+        """Prefill tokens of embedding texts a step may spend beside decoding rows: as long as the rest of
+        the step takes, at the measured rate (at least ``min_prefill_tokens``; a group holds at least one
+        text)."""
+        if self._prefill_rate is None:
+            return self.config.min_prefill_tokens
+        return max(self.config.min_prefill_tokens, int(self._other_step_s * self._prefill_rate))
 
     def _idle_burst_tokens(self, whole: int) -> int:
         """Where no row decodes and nothing is in flight: the uncached tokens of the prefilling prompts

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -300,22 +301,25 @@ def test_an_embedding_burst_beside_decoding_rows_is_paced_and_chat_goes_first(ti
         running = eng.submit(prompt_ids(8, vocab, seed=6), max_tokens=2000, temperature=0, ignore_eos=True)
         assert _wait(lambda: eng.stats()["running"] == 1)
 
-        def slow():  # held: no step re-measures it; 10 tokens of rate x 0.05 s: the 64-token minimum
+        def slow():  # held: no step re-measures it; 10 tokens of rate x 0.05 s: the 16-token minimum
             sched._observe_prefill = lambda rate: None
             sched._prefill_rate, sched._other_step_s = 200.0, 0.05
 
         eng.run_on_engine_thread(slow)
         forwards = eng.stats()["prefill_forwards"]
-        texts = [prompt_ids(16, vocab, seed=100 + i) for i in range(48)]  # 768 tokens: 12+ paced steps
+        texts = [prompt_ids(40, vocab, seed=100 + i) for i in range(12)]  # 480 tokens: 30 paced steps
         handles = [eng.submit_embedding(t, pooling="mean") for t in texts]
         chat = eng.submit(prompt_ids(12, vocab, seed=7), max_tokens=2, temperature=0)
-        vectors = [h.result() for h in handles]
-        assert eng._collect(chat).token_ids and len(vectors) == 48
-        # a whole chunk a step would be 2 forwards; paced at 64 tokens (a group holds at least one text)
-        assert eng.stats()["prefill_forwards"] - forwards >= 48 * 16 // (64 + 16)
+        vectors = [h.result().embedding for h in handles]
+        assert eng._collect(chat).token_ids
+        # a whole chunk a step would be one forward; paced, 16 tokens a step, each text over three steps
+        assert eng.stats()["prefill_forwards"] - forwards >= 480 // 16
         first_token = chat.request.first_token_time
         assert first_token < max(h.request.finish_time for h in handles)  # not behind the whole burst
         running.abort()
+        assert _wait(lambda: eng.stats()["running"] == 0)
+        whole = eng.embed(texts, pooling="mean")  # idle: each text in one forward
+        np.testing.assert_allclose(vectors, whole, rtol=0, atol=2e-5)  # chunked pooling: the same vectors
     finally:
         eng.shutdown()
 

@@ -25,6 +25,10 @@ from parallm_engine.core.sequence import Sequence
 from parallm_engine.kv.radix_cache import shared_context_len
 from parallm_engine.runner.step_plan import PrefillWork
 
+#: Embedding tokens a step prefills beside decoding rows however slow the machine (a prompt's floor,
+#: ``min_prefill_tokens``, is larger: a stream waits behind it; nobody streams an embedding).
+EMBEDDING_MIN_TOKENS = 16
+
 
 class PrefillPlanner:
     """Mixed into ``Scheduler``: uses its queues (``waiting``, ``prefilling``, ``running``), ``config``,
@@ -120,9 +124,11 @@ class PrefillPlanner:
             if head.embedding and not embed_capped:
                 # What is left is embedding texts (they come last): while rows decode they get at most what
                 # the rest of the step takes, so a corpus being embedded at most doubles the streams' step.
+                # A text longer than that is prefilled over steps (its pooled state accumulates per chunk).
                 budget, embed_capped = min(budget, self._embedding_budget()), True
                 if budget <= 0:
                     break
+                chunk = min(chunk, budget)
             if not head.started:
                 if self._uncached_overlap(head, step.computing, self.kv.peek(head)):
                     break  # it would recompute what this step computes: next step, from the tree
@@ -170,11 +176,11 @@ class PrefillPlanner:
 
     def _embedding_budget(self) -> int:
         """Prefill tokens of embedding texts a step may spend beside decoding rows: as long as the rest of
-        the step takes, at the measured rate (at least ``min_prefill_tokens``; a group holds at least one
-        text)."""
+        the step takes, at the measured rate, so the streams' step at most doubles (at least
+        ``EMBEDDING_MIN_TOKENS``: texts advance every step, chunk by chunk)."""
         if self._prefill_rate is None:
-            return self.config.min_prefill_tokens
-        return max(self.config.min_prefill_tokens, int(self._other_step_s * self._prefill_rate))
+            return EMBEDDING_MIN_TOKENS
+        return max(EMBEDDING_MIN_TOKENS, int(self._other_step_s * self._prefill_rate))
 
     def _idle_burst_tokens(self, whole: int) -> int:
         """Where no row decodes and nothing is in flight: the uncached tokens of the prefilling prompts

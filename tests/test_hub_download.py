@@ -218,3 +218,87 @@ def test_interrupted_download_is_never_loaded_and_resumes(tmp_path, tiny_repo_di
     assert "error" not in again and isinstance(again["text"], str), again
     assert resumed and weights_blob.stat().st_size == size
     assert not list(cache.rglob("*.incomplete"))
+
+
+ENCODER_BY_ID = """
+from parallm_engine import get_embedding_engine, get_engine
+from parallm_engine.errors import UnsupportedArchitectureError
+by_id = get_embedding_engine({spec!r})
+local = get_embedding_engine({local!r})
+a, b = by_id.embed(["hello world", "a second text"]), local.embed(["hello world", "a second text"])
+try:
+    get_engine({spec!r})
+    chat = "loaded"
+except UnsupportedArchitectureError as exc:
+    chat = str(exc)
+report(kind=type(by_id).__name__, path=str(by_id.model_info.path), diff=max(abs(x - y) for u, v in zip(a, b)
+       for x, y in zip(u, v)), chat=chat)
+"""
+
+
+def test_encoder_embedding_model_by_hub_id_downloads_on_first_use(tmp_path):
+    """A BERT-family embedder named by hub id downloads into the hub cache on first use (as chat models do) and
+    embeds as its local copy does; the chat engine refuses it, saying what runs it."""
+    pytest.importorskip("mlx_embeddings")
+    from tests.embedding_models import build_bert_encoder
+
+    local = build_bert_encoder(tmp_path / "bert-local")
+    spec = "parallm-test/bert-tiny"
+    with LocalHub() as hub:
+        hub.add_repo(spec, _copy(local, tmp_path / "bert-repo"), extra={"pytorch_model.bin": b"\0" * 4096})
+        got, _ = run_child(ENCODER_BY_ID.format(spec=spec, local=str(local)), tmp_path / "hf", hub.url)
+        asked = [path for _, path in hub.requests]
+    assert "error" not in got, got
+    assert got["kind"] == "EncoderEngine" and Path(got["path"]).is_relative_to(tmp_path / "hf" / "hub")
+    assert got["diff"] < 1e-6
+    assert "encoder embedding model" in got["chat"] and "get_embedding_engine" in got["chat"]
+    assert not any(p.endswith("pytorch_model.bin") for p in asked)
+
+
+ADAPTER_BY_ID = """
+from parallm_engine import Engine
+from parallm_engine.errors import AdapterNotFoundError
+ids = list(range(40, 70))
+by_id = Engine({spec!r}, adapters={{"a": {adapter!r}}})
+def run(eng, **kw):  # tokens and their logprobs (a random tiny model may repeat one token either way)
+    r = eng.generate([ids], max_tokens=8, temperature=0, logprobs=True, **kw)[0]
+    return [r.token_ids, [round(lp.logprob, 4) for lp in r.logprobs]]
+got = run(by_id, adapter="a")
+local = Engine({local!r}, adapters={{"a": {local_adapter!r}}})
+want, base = run(local, adapter="a"), run(local)
+try:
+    Engine({spec!r}, adapters={{"b": "nobody/no-such-adapter"}})
+    missing = "loaded"
+except AdapterNotFoundError as exc:
+    missing = str(exc)
+try:  # a request naming an id not in the cache: refused, never downloaded by a request
+    by_id.generate([ids], max_tokens=2, adapter="parallm-test/other-lora")
+    by_request = "loaded"
+except AdapterNotFoundError as exc:
+    by_request = str(exc)
+report(got=got, want=want, base=base, missing=missing, by_request=by_request)
+"""
+
+
+def test_lora_adapter_by_hub_id_downloads_on_first_use(tmp_path, tiny_repo_dir):
+    """An adapter named by hub id when the engine starts downloads on first use (its config and weights only)
+    and gives the tokens its local copy gives; an unknown id is a typed error; a request cannot make the
+    engine download one."""
+    from parallm_bench.lora import write_random_adapter
+
+    adapter = write_random_adapter(tiny_repo_dir, tmp_path / "lora-local", rank=4, seed=3)
+    with LocalHub() as hub:
+        hub.add_repo("parallm-test/tiny", tiny_repo_dir)
+        hub.add_repo("parallm-test/tiny-lora", _copy(adapter, tmp_path / "lora-repo"),
+                     extra={"README.md": b"# card\n"})
+        hub.add_repo("parallm-test/other-lora", _copy(adapter, tmp_path / "other-repo"))
+        got, _ = run_child(ADAPTER_BY_ID.format(spec="parallm-test/tiny", adapter="parallm-test/tiny-lora",
+                                                local=str(tiny_repo_dir), local_adapter=str(adapter)),
+                           tmp_path / "hf", hub.url)
+        asked = [path for _, path in hub.requests]
+    assert "error" not in got, got
+    assert got["got"] == got["want"] != got["base"]  # the adapter changes the answer, the same way
+    assert "nobody/no-such-adapter" in got["missing"]
+    assert "parallm-test/other-lora" in got["by_request"]
+    assert not any(p.endswith("README.md") for p in asked)
+    assert not any("other-lora" in p for p in asked)

@@ -26,6 +26,7 @@ from parallm_engine.embed.embedding import EmbeddingResult
 from parallm_engine.embed.embedding_api import EmbeddingAPI
 from parallm_engine.core.engine_base import EngineBase
 from parallm_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, QueueFullError, RequestCancelledError
+from parallm_engine.models.hub import ENCODER_TYPES
 from parallm_engine.models.loader import ModelInfo, resolve_model
 from parallm_engine.core.request import _Done
 from parallm_engine.core.stats import EngineStats
@@ -33,15 +34,13 @@ from parallm_engine.core.stats import EngineStats
 logger = logging.getLogger("parallm_engine")
 
 #: ``model_type`` values of the encoder families mlx-embeddings 0.1 implements.
-ENCODER_TYPES = ("bert", "xlm-roberta", "xlm_roberta", "modernbert")
-
-
 def encoder_model_type(model) -> str | None:
-    """The encoder family of a model directory (or cached HF id), or None for anything else. Loads nothing."""
+    """The encoder family of a model directory (or HF id: downloaded on first use), or None for anything
+    else. Loads no weights."""
     if model is None:
         return None
     try:
-        path, _ = resolve_model(model)
+        path, _ = resolve_model(model, encoder_ok=True)
     except ModelLoadError:
         return None
     try:
@@ -74,7 +73,7 @@ class EncoderEngine(EmbeddingAPI, EngineBase):
                             ("max_queue", max_queue)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
-        path, name = resolve_model(model)
+        path, name = resolve_model(model, encoder_ok=True)
         self.model, self.tokenizer = _load_mlx_embeddings(path)
         want = dtype or backend_info().dtype
         if want not in ("native", None):  # the CPU backend is fast in float32 only

@@ -39,6 +39,11 @@ TEXT_ALLOW_PATTERNS = [
 #: configs are *.json too; its weights are not always named model*.
 VISION_ALLOW_PATTERNS = ["*.json", "*.jsonl", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
+#: Encoder embedding families (mlx-embeddings runs them, not mlx-lm): fetched only where an encoder is wanted.
+ENCODER_TYPES = ("bert", "xlm-roberta", "xlm_roberta", "modernbert")
+#: A LoRA adapter repo's files (mlx-lm's adapters.safetensors or PEFT's adapter_model.safetensors + config).
+ADAPTER_ALLOW_PATTERNS = ["*.json", "*.safetensors"]
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 
 
@@ -128,6 +133,7 @@ def architecture_of(config: dict) -> str:
 
 def check_architecture(config: dict, where: str) -> str:
     """Which library runs ``config``'s model; :class:`UnsupportedArchitectureError` naming it otherwise."""
+    refuse_encoder(config, where)
     runner = runnable_by(config)
     if runner is None:
         raise UnsupportedArchitectureError(
@@ -138,9 +144,19 @@ def check_architecture(config: dict, where: str) -> str:
     return runner
 
 
-def fetch_model(spec: str, *, local_only: bool = False) -> Path:
+def refuse_encoder(config: dict, where) -> None:
+    """:class:`UnsupportedArchitectureError` for an encoder embedding model asked to generate (it embeds)."""
+    if config.get("model_type") in ENCODER_TYPES:
+        raise UnsupportedArchitectureError(
+            f"{where} is a {architecture_of(config)} encoder embedding model: it embeds, it does not generate "
+            "(ParaLLMEmbeddings / get_embedding_engine / parallm serve --embedding-model run it with "
+            "mlx-embeddings)", architecture=config.get("model_type"))
+
+
+def fetch_model(spec: str, *, local_only: bool = False, encoder_ok: bool = False) -> Path:
     """The local snapshot directory of hub model ``spec`` (``org/name[@revision]``), downloading what is
-    missing (huggingface_hub's progress bars on stderr) unless offline or ``local_only``. Raises the typed
+    missing (huggingface_hub's progress bars on stderr) unless offline or ``local_only``. ``encoder_ok``: an
+    encoder embedding model (``ENCODER_TYPES``, run by mlx-embeddings) is fetched too. Raises the typed
     errors of :mod:`errors` (all :class:`ModelLoadError`)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
@@ -152,7 +168,8 @@ def fetch_model(spec: str, *, local_only: bool = False) -> Path:
     try:
         config_file = hf_hub_download(repo_id, "config.json", revision=revision, **kwargs)
         config = json.loads(Path(config_file).read_text())
-        check_architecture(config, spec)
+        if not (encoder_ok and config.get("model_type") in ENCODER_TYPES):
+            check_architecture(config, spec)
         path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns_for(config),
                                       **kwargs))
     except ModelLoadError:
@@ -164,6 +181,22 @@ def fetch_model(spec: str, *, local_only: bool = False) -> Path:
             f"{spec} has no .safetensors weights (mlx-lm and mlx-vlm read safetensors; look for an MLX or "
             "safetensors version of it, e.g. under mlx-community/)", architecture=config.get("model_type"))
     return path
+
+
+def fetch_adapter(spec: str) -> Path:
+    """The local snapshot of LoRA adapter repo ``spec`` (``org/name[@revision]``): its config and weights,
+    downloaded on first use as models are (``fetch_model``); the same typed errors."""
+    from huggingface_hub import snapshot_download
+
+    parsed = parse_repo_spec(spec)
+    if parsed is None:
+        raise ModelNotFoundError(f"{spec!r} is not a hub repo id (org/name or org/name@revision)")
+    repo_id, revision = parsed
+    kwargs = _hub_kwargs(False)
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=ADAPTER_ALLOW_PATTERNS, **kwargs))
+    except Exception as exc:  # noqa: BLE001  (mapped to a typed error, or re-raised as it is)
+        raise _typed_error(exc, spec, kwargs["local_files_only"]) from exc
 
 
 def cached_model_dir(spec: str) -> Path | None:

@@ -136,8 +136,9 @@ def _is_gguf_file(path: Path) -> bool:
     return path.suffix.lower() == ".gguf" or is_gguf(path)
 
 
-def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
-    """Return (mlx-lm loadable directory, display name). A hub id downloads on first use (``hub.py``)."""
+def resolve_model(model: str | os.PathLike | None, encoder_ok: bool = False) -> tuple[Path, str]:
+    """Return (mlx-lm loadable directory, display name). A hub id downloads on first use (``hub.py``);
+    ``encoder_ok``: an encoder embedding model's repo too (mlx-embeddings loads it)."""
     from parallm_engine.models.gguf import ensure_converted
 
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
@@ -157,7 +158,7 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     from parallm_engine.models.hub import fetch_model, parse_repo_spec
 
     if parse_repo_spec(str(model)) is not None:
-        return fetch_model(str(model)), str(model)
+        return fetch_model(str(model), encoder_ok=encoder_ok), str(model)
     raise ModelLoadError(
         f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not a Hugging Face "
         "model id (org/name or org/name@revision)"
@@ -179,6 +180,12 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
     warn_if_slow_blas(info)
     from parallm_engine.vision.vlm import load_vision_model, vision_family
 
+    from parallm_engine.models.hub import refuse_encoder
+
+    try:
+        refuse_encoder(json.loads((path / "config.json").read_text()), name)
+    except (OSError, ValueError):
+        pass  # no readable config: mlx-lm's loader says what is wrong
     if vision_family(path):  # a vision-language model: mlx-vlm loads it (the `vision` extra)
         net, tokenizer = load_vision_model(path)
     else:

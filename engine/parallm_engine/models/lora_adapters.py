@@ -1,7 +1,8 @@
 """LoRA adapters on disk: reading mlx-lm's and PEFT's formats, checking them against the base model, and
 the registry of named adapters with a bounded number kept loaded (LRU).
 
-Formats (a directory, or a cached HF repo id resolved like a model: ``hub.cached_hub_snapshot``):
+Formats (a directory, or an HF repo id: named at start, downloaded on first use like a model; named by a
+request, from the local hub cache only):
 
 - **mlx-lm** (what ``mlx_lm.lora`` writes): ``adapter_config.json`` (``fine_tune_type`` ``lora`` or
   ``dora``, ``num_layers``, ``lora_parameters`` {``rank``, ``scale``, ``dropout`` (ignored at inference),
@@ -78,9 +79,12 @@ def linear_dims(model) -> dict[str, tuple[int, int]]:
     return out
 
 
-def resolve_adapter_dir(spec: str | os.PathLike) -> Path:
-    """The directory of an adapter given by path or cached HF repo id (never downloads)."""
-    from parallm_engine.models.hub import cached_hub_snapshot
+def resolve_adapter_dir(spec: str | os.PathLike, download: bool = False) -> Path:
+    """The directory of an adapter given by path or HF repo id: from the hub cache, and with ``download``
+    (an adapter named when an engine starts or ``load_adapter``: not a request's field, so a client never
+    makes a server download) fetched there on first use as models are (``hub.fetch_adapter``)."""
+    from parallm_engine.errors import ModelLoadError, ModelNotFoundError
+    from parallm_engine.models.hub import cached_hub_snapshot, fetch_adapter, parse_repo_spec
 
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -88,11 +92,21 @@ def resolve_adapter_dir(spec: str | os.PathLike) -> Path:
     if path.exists():
         raise AdapterLoadError(f"adapter {str(spec)!r} is a file; pass the adapter's directory")
     local = cached_hub_snapshot(str(spec))
-    if local is not None:
+    if local is not None and (local / "adapter_config.json").exists():
+        return local
+    if download and parse_repo_spec(str(spec)) is not None:
+        try:
+            local = fetch_adapter(str(spec))
+        except ModelNotFoundError as exc:
+            raise AdapterNotFoundError(f"unknown adapter {str(spec)!r}: {exc}") from exc
+        except ModelLoadError as exc:  # offline and not cached, a download that stopped: say so, typed
+            raise AdapterLoadError(f"adapter {str(spec)!r}: {exc}") from exc
+        if not (local / "adapter_config.json").exists():
+            raise AdapterLoadError(f"{spec} has no adapter_config.json: not a LoRA adapter repository")
         return local
     raise AdapterNotFoundError(
         f"unknown adapter {str(spec)!r}: not a registered adapter name, not an adapter directory, and not an "
-        "HF repo id in the local Hugging Face cache"
+        "HF repo id in the local Hugging Face cache (name it when the engine starts to download it)"
     )
 
 
@@ -227,10 +241,11 @@ class AdapterRegistry:
         self._lock = threading.Lock()
 
     def register(self, name: str, spec: str | os.PathLike, load: bool = True) -> LoRAAdapter | None:
-        """Name the adapter at ``spec`` (a directory or cached HF repo id); ``load``: read and check it now."""
+        """Name the adapter at ``spec`` (a directory or HF repo id, downloaded on first use); ``load``: read
+        and check it now."""
         if not isinstance(name, str) or not name or "=" in name:
             raise AdapterLoadError(f"adapter name must be a non-empty string without '=', got {name!r}")
-        directory = resolve_adapter_dir(spec)
+        directory = resolve_adapter_dir(spec, download=True)
         adapter = self._load(name, directory) if load else None
         with self._lock:
             self.named[name] = directory

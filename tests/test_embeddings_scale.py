@@ -97,22 +97,22 @@ def test_10000_texts_equal_small_batches_in_order(embedder_dir, shared_engine, t
 
 
 def test_length_sorted_submission_pads_less_and_gives_the_same_vectors(shared_engine, monkeypatch):
-    """A call's texts are queued shortest first, so a prefill forward (its rows left-padded to the longest)
-    holds texts of similar length; the vectors are the ones each text gets in its own small batch."""
+    """A call's texts are queued shortest first, so a forward (its rows padded to the longest) holds texts of
+    similar length; the vectors are the ones each text gets in its own small batch."""
     from parallm_engine.runner import forward
 
     rng = random.Random(1)
     mixed = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([2, 3, 60, 90]))) for _ in range(400)]
     want = small_batches(shared_engine, mixed, size=1)
     seen = {"computed": 0, "tokens": 0}
-    real = forward.prefill
+    real = forward.texts
 
-    def counting(model, tokens, cache, rows):  # the real forward, its padded shape counted
+    def counting(model, tokens, seqs, lengths):  # the real forward (whole texts, no KV), its padded shape counted
         seen["computed"] += tokens.shape[0] * tokens.shape[1]
-        seen["tokens"] += sum(n for _, _, n in rows)
-        return real(model, tokens, cache, rows)
+        seen["tokens"] += sum(lengths)
+        return real(model, tokens, seqs, lengths)
 
-    monkeypatch.setattr(forward, "prefill", counting)
+    monkeypatch.setattr(forward, "texts", counting)
     got = np.asarray(shared_engine.embed(mixed))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     # queued in input order, this mix computes about twice its tokens (padding); sorted, about 1.2x

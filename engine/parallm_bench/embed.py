@@ -133,8 +133,13 @@ def _arrivals(handles) -> list[list[float]]:
     times: list[list[float]] = [[] for _ in handles]
 
     def read(i: int, h) -> None:
-        for d in h:
-            times[i] += [time.perf_counter()] * len(d.token_ids)
+        last = None
+        for d in h:  # a delta of k tokens: k arrivals spread over the gap since the last one
+            now, k = time.perf_counter(), len(d.token_ids)
+            if k:
+                start = now if last is None else last
+                times[i] += [start + (now - start) * (j + 1) / k for j in range(k)]
+                last = now
 
     threads = [threading.Thread(target=read, args=(i, h), daemon=True) for i, h in enumerate(handles)]
     for t in threads:

@@ -6,6 +6,7 @@ vision-language model's image embeddings and M-RoPE positions (its ``prefill_inp
 ``vision/vlm.py``), and embedding rows' pooled states (the sequence's ``take``, ``embed/embedding.py``).
 
 - ``prefill``: prompt rows, left-padded, each covering its own context positions.
+- ``texts``: embedding texts alone, each whole: right-padded, no cache (their KV is never kept).
 - ``decode``: running rows, one or more positions each, or one model row per position (a ragged step).
 - ``fused``: decode rows and prompts' chunks in one forward through the model's hidden-state / head
   split (``logits_head``, ``kv/fused_step.py``); ``prompts``: such chunks alone.
@@ -38,6 +39,16 @@ def prefill(model, tokens: mx.array, cache: list, rows: list[tuple]) -> mx.array
         if seq.embedding:
             seq.take(hidden[r, L - n :], start)
     return hidden
+
+
+def texts(model, tokens: mx.array, seqs: list, lengths: list[int]) -> None:
+    """Embedding texts alone, each whole in this forward: ``tokens`` right-padded (with causal attention no
+    position reads a pad after it), the hidden-state forward with no cache (nothing is kept, so no KV is
+    written), each row pooling its own ``lengths[i]`` positions."""
+    with adapter_rows(model, seqs):
+        hidden = model.model(tokens)
+    for r, (seq, n) in enumerate(zip(seqs, lengths)):
+        seq.take(hidden[r, :n], 0)
 
 
 def pooled(seqs: list) -> list[mx.array]:

@@ -176,8 +176,22 @@ class ModelRunner(DecodeRunner):
             self.kv.open_rows(list(seqs))
         elif self.kv.prefills_alone:
             self._prefill_chunk(seqs[0], work.new[0])
+        elif all(s.embedding and s.computed == 0 and n == len(s.prefill_ids) for s, n in zip(seqs, work.new)):
+            self._embed_texts(list(seqs), list(work.new))
         else:
             self._prefill_paged(list(seqs), list(work.new))
+
+    def _embed_texts(self, seqs: list, new: list[int]) -> None:
+        """Embedding texts each computed whole in one forward: their KV is dropped once they are pooled, so
+        none is written (no rows, no pages, no attention over pages); right-padded, not left."""
+        L = max(new)
+        tokens = mx.array([s.prefill_ids + [0] * (L - n) for s, n in zip(seqs, new)])
+        forward.texts(self.model, tokens, seqs, new)
+        mx.eval(forward.pooled(seqs))
+        for s, n in zip(seqs, new):
+            s.computed += n
+        self.stats.prefill_tokens += sum(new)
+        self.stats.prefill_forwards += 1
 
     def _prepare_fused(self, work: PrefillWork) -> None:
         """The work the decode forward computes (``kv.fused_step``): rows opened and grown by the new

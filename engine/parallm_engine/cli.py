@@ -26,6 +26,13 @@ def _engine_config(args) -> dict:
         cfg["kv_disk"] = args.kv_disk
     if getattr(args, "adapter", None):
         cfg["adapters"] = dict(args.adapter)
+    if getattr(args, "kv_events", None):
+        events = {"endpoint": args.kv_events}
+        if args.kv_events_replay:
+            events["replay_endpoint"] = args.kv_events_replay
+        if args.kv_events_block_size is not None:
+            events["block_size"] = args.kv_events_block_size
+        cfg["kv_events"] = events
     return cfg
 
 
@@ -328,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--kv-disk", type=_size, default=None, metavar="SIZE",
                         help="the prefix cache's disk tier: its size cap (e.g. 8GiB), 0 turns it off (default: "
                              "on, 16 GiB or a tenth of the free disk; PARALLM_KV_DISK; `parallm cache` lists it)")
+        sp.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="publish what the prefix cache holds as vLLM-format KV events on this ZMQ endpoint "
+                             "(e.g. tcp://*:5557) for prefix-aware routers (llm-d, Dynamo); needs pyzmq, msgspec")
+        sp.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                        help="with --kv-events: a ZMQ ROUTER endpoint that replays missed event batches")
+        sp.add_argument("--kv-events-block-size", type=int, default=None, metavar="N",
+                        help="with --kv-events: tokens per block (default 16; the router must use the same)")
 
     sp = sub.add_parser("info", help="backend, dtype and BLAS in use; the default model")
     sp.add_argument("--model", default=None)

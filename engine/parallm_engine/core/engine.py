@@ -136,6 +136,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         decode_working_set: bool | None = None,
         kv_disk: int | str | None = None,
         session_ttl: float | None = None,
+        kv_events: str | dict | None = None,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
@@ -168,7 +169,10 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
         ``PARALLM_KV_DISK``, else 16 GiB or a tenth of the disk's free space. ``parallm cache`` lists and
         clears it. ``session_ttl``: seconds a request's context stays pinned in the prefix cache after its
         turn when it names a ``session`` (``kv/session_pins.py``; e.g. 30: a tool call's time). Default 0: off
-        (experimental: docs/memory.md, "Sessions", says what it measured)."""
+        (experimental: docs/memory.md, "Sessions", says what it measured). ``kv_events``: publish what the
+        prefix cache holds as vLLM-format KV events on a ZMQ endpoint (``"tcp://*:5557"``, or a dict with
+        ``endpoint``, ``replay_endpoint``, ``topic``, ``block_size``: ``kv/kv_events.py``) for prefix-aware
+        routers (llm-d, Dynamo); None: off."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 
@@ -187,6 +191,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
                                         or not 0 <= session_ttl < float("inf")):
             raise InvalidRequestError(f"session_ttl must be a number of seconds >= 0, got {session_ttl!r}",
                                       param="session_ttl")
+        from parallm_engine.kv.kv_events import KVEventsConfig
+
+        kv_events = KVEventsConfig.parse(kv_events)
         speculative = parse_speculative(speculative)
         kv_bits = resolve_kv_bits(kv_bits)
         try:
@@ -224,6 +231,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
             kv_bits=kv_bits,
             **{name: value for name, value in switches.items() if value is not None},
             **({"session_ttl_s": float(session_ttl)} if session_ttl is not None else {}),
+            kv_events=kv_events,
         )
         self.config.kv_disk = _disk_tier(kv_disk, enable_prefix_cache, self.model_info, self.backend,
                                          self.weights_dtype, dtype, self.config.batch_invariant)

@@ -200,6 +200,7 @@ class EngineCore:
         sched = self.scheduler
         while not self._stop:
             self._drain_commands()
+            sched.kv.publish_events()  # a command may have changed the cache (clear_prefix_cache)
             self._publish_stats()
             if not sched.has_work():
                 self._wake.wait(0.5)
@@ -216,11 +217,16 @@ class EngineCore:
                     logger.exception("engine step failed; failing the requests in flight")
                     sched.fail_all(exc)
             self.stats.busy_time += time.monotonic() - t0
+            sched.kv.publish_events()
             self._publish_stats()
         try:  # what the prefix cache holds outlives the process (kv/disk_tier.py)
             sched.kv.persist()
         except Exception:  # noqa: BLE001
             logger.warning("could not persist the prefix cache", exc_info=True)
+        try:
+            sched.kv.close()
+        except Exception:  # noqa: BLE001
+            logger.warning("could not stop the KV event publisher", exc_info=True)
         sched.fail_all(EngineDeadError("engine was shut down"))
         # MLX keeps per-thread streams whose destructors abort the process at exit unless the owning
         # thread destroys them itself (mlx issue #3126 / PR #4110: call clear_streams per thread).

@@ -72,6 +72,7 @@ class SchedulerConfig:
     # pay on the agents trace (docs/memory.md, "Sessions").
     session_ttl_s: float = 0.0
     session_share: float = DEFAULT_SHARE  # of the KV budget, the most sessions may pin
+    kv_events: object = None  # block events for outside routers (kv/kv_events.KVEventsConfig), or None: off
 
 
 class Scheduler(PrefillPlanner):

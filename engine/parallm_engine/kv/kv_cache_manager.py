@@ -85,6 +85,12 @@ class KVCacheManager(KVBudget):
     def persist(self, timeout: float = 30.0) -> None:
         """Shutdown: what the prefix cache holds to its lower tier (the disk tier), writes finished."""
 
+    def publish_events(self) -> None:
+        """After a step: the prefix cache's block events of the step to outside routers (``kv_events``)."""
+
+    def close(self) -> None:
+        """Shutdown: what the manager runs beside the engine (the event publisher) stops."""
+
     def keep_session(self, session: str, seq) -> None:
         """A turn of ``session`` ended (``seq`` retired, its context committed): keep it for the next turn."""
 

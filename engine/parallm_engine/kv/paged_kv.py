@@ -63,6 +63,13 @@ class PagedKVManager(KVCacheManager):
         # sequence -> (the writer's blocks_queued when it was looked up, the reads started for it)
         self._disk_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.prefill_rate: float | None = None  # the scheduler's measured prefill rate (prefetch gives it)
+        self.events = None  # the block events' publisher (kv/kv_events.py)
+        events = getattr(config, "kv_events", None)
+        if events is not None and self.radix is not None:
+            from parallm_engine.kv.kv_events import KVEventLog
+
+            self.radix.events = KVEventLog(events.block_size)
+            self.events = events.publisher()
         disk = getattr(config, "kv_disk", None)
         if disk is not None and disk.cap_bytes > 0 and self.radix is not None and self.kv_format is None:
             try:
@@ -173,6 +180,16 @@ class PagedKVManager(KVCacheManager):
             self.disk.save(ns, nodes, lambda nd: segment_layers(nd.kv), only_last=True)
         except Exception:  # noqa: BLE001  (the disk tier never fails a step)
             logger.warning("could not save an evicted prefix to disk", exc_info=True)
+
+    def publish_events(self) -> None:
+        if self.events is not None:
+            self.events.publish(self.radix.events.take())
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.publish_events()
+            self.events.close()
+            self.events = None
 
     def persist(self, timeout: float = 8.0) -> None:
         """The blocks the tree holds to disk, most recently used first, within ``timeout`` seconds in all

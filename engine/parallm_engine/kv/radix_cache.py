@@ -115,6 +115,8 @@ class RadixCache:
         # Called with (namespace, path from the root's child to the leaf) before a leaf is evicted for room
         # (the disk tier keeps what it completes); not for clear() or dropped pools.
         self.on_evict: Callable[[object, list[RadixNode]], None] | None = None
+        # Block events for routers outside the engine (kv/kv_events.KVEventLog), or None.
+        self.events = None
 
     @property
     def total_bytes(self) -> int:
@@ -242,6 +244,8 @@ class RadixCache:
         node.parent = upper
         upper.children[node.tokens[0]] = node
         parent.children[upper.tokens[0]] = upper
+        if self.events is not None:
+            self.events.split(node, upper, k)
         return upper
 
     # -- insert ---------------------------------------------------------------------------------
@@ -259,6 +263,8 @@ class RadixCache:
             self.array_bytes += leaf.nbytes
             self._nodes += 1
             self._tokens += len(leaf.tokens)
+            if self.events is not None:
+                self.events.stored(ns, tokens, m.length, leaf)
             m = PrefixMatch(leaf, len(tokens), held=m.length)
         self.evict_to_budget()
         return m
@@ -326,6 +332,8 @@ class RadixCache:
         return False
 
     def _remove_leaf(self, leaf: RadixNode) -> None:
+        if self.events is not None:
+            self.events.removed(leaf)
         del leaf.parent.children[leaf.tokens[0]]
         self.array_bytes -= leaf.nbytes
         self._nodes -= 1

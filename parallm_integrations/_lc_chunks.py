@@ -5,6 +5,7 @@ up to what ``invoke`` returns on the same path."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from langchain_core.messages import AIMessageChunk
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
-from ._lc_results import response_metadata
+from ._lc_results import cut_call_args, response_metadata
 from ._messages import logprobs_to_openai, usage_metadata
 
 
@@ -31,6 +32,8 @@ class _ChunkBuilder:
         self.request_id: str | None = None
         self.fingerprint: str | None = None
         self.saw_call = False
+        self.call_args: dict[int, str] = {}  # each reported call's argument text so far
+        self.last_call = -1  # the index of the last call, reported or not: the one max_tokens may cut
 
     @staticmethod
     def _content(text: str, logprobs=None) -> ChatGenerationChunk:
@@ -45,9 +48,11 @@ class _ChunkBuilder:
         last_text = max((i for i, ev in enumerate(pieces) if _is_content(ev)), default=None)
         for i, ev in enumerate(pieces):
             if hasattr(ev, "arguments_delta"):  # ToolCallDelta: a call starts (id, name) or its arguments grow
+                self.last_call = max(self.last_call, ev.index)
                 if self.single_call and ev.index > 0:
                     continue
                 self.saw_call = True
+                self.call_args[ev.index] = self.call_args.get(ev.index, "") + (ev.arguments_delta or "")
                 yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(
                     name=ev.name or None, args=ev.arguments_delta or "", id=ev.id or None,
                     index=ev.index)]))
@@ -76,16 +81,33 @@ class _ChunkBuilder:
     def _model_name(self) -> str:
         return self.model_name
 
+    def _cut_call_chunks(self, finish_reason: str | None) -> list:
+        """The piece that makes a call max_tokens cut off add up to an invalid call, as ``invoke`` reports it
+        (:func:`~._lc_results.cut_call_args`): the last call of a "length" finish whose arguments are not
+        whole (as the engine and the server client decide it: not a JSON object, or none at all)."""
+        raw = self.call_args.get(self.last_call)
+        if finish_reason != "length" or raw is None or _whole_arguments(raw):
+            return []
+        return [tool_call_chunk(name=None, args=cut_call_args(raw)[len(raw):], id=None, index=self.last_call)]
+
     def finish(self, result=None) -> Iterator[ChatGenerationChunk]:
         usage = self.usage if self.usage is not None else getattr(result, "usage", None)
         finish_reason = self._finish_reason(result)
         meta = response_metadata(finish_reason, self._model_name(), self.request_id, usage, self.fingerprint)
         yield ChatGenerationChunk(
             message=AIMessageChunk(
-                content="", usage_metadata=usage_metadata(usage), response_metadata=meta, chunk_position="last"
+                content="", usage_metadata=usage_metadata(usage), response_metadata=meta, chunk_position="last",
+                tool_call_chunks=self._cut_call_chunks(finish_reason),
             ),
             generation_info={"finish_reason": finish_reason},
         )
+
+
+def _whole_arguments(raw: str) -> bool:
+    try:
+        return bool(raw.strip()) and isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
 
 
 def _is_content(ev) -> bool:

@@ -10,11 +10,50 @@ from typing import Any
 PROVIDER = "parallm"
 
 
+def cut_call_args(raw: str) -> str:
+    """The argument text LangChain gets for a call cut off by max_tokens, in ``invoke`` and in a stream alike:
+    the partial text as generated, then what makes it never parse as arguments: a quote closing a string left
+    open, and a bracket that closes nothing (``'{"city": "Par'`` -> ``'{"city": "Par"]'``).
+
+    Why: a stream's chunks become calls when they are added up, through ``parse_partial_json``, which
+    completes any JSON prefix (or empty text) into a dict, so a partial call would add up to a valid-looking
+    ``tool_calls`` entry (``{"name": "get_", "args": {}}``). At a mismatched closing bracket it gives up, and
+    the call lands in ``invalid_tool_calls`` as ``invoke`` reports it. The walk below mirrors its scan."""
+    stack: list[str] = []
+    in_string = escaped = False
+    for char in raw:
+        if in_string:
+            if char == '"' and not escaped:
+                in_string = False
+            elif char == "\\":
+                escaped = not escaped
+            else:
+                escaped = False
+        elif char == '"':
+            in_string, escaped = True, False
+        elif char in "{[":
+            stack.append("}" if char == "{" else "]")
+        elif char in "}]":
+            if not stack or stack[-1] != char:
+                return raw  # already mismatched: it never parses
+            stack.pop()
+    close = ('""' if escaped else '"') if in_string else ""  # an escaped quote, then the closing one
+    return raw + close + ("}" if stack and stack[-1] == "]" else "]")
+
+
+def is_cut_call(error: str | None) -> bool:
+    """Whether a call's ``error`` says max_tokens cut it off (the engine and the server client say it alike)."""
+    from ._remote_responses import TRUNCATED_CALL
+
+    return error == TRUNCATED_CALL
+
+
 def langchain_tool_calls(calls, single_call: bool = False) -> tuple[list[dict], list[dict]]:
     """The tool calls the engine parsed (in-process ``Choice.tool_calls``; through a server, the calls it
     sent, ``RemoteToolCall``) as LangChain ``(tool_calls, invalid_tool_calls)``, the same way on both paths:
     a call with an ``error`` (its arguments are not a JSON object) is an invalid call that keeps the raw
-    argument text. ``single_call`` (``parallel_tool_calls=False``) keeps the first call only."""
+    argument text; a call cut off by max_tokens keeps it as :func:`cut_call_args` makes it, as a stream's
+    chunks add up to. ``single_call`` (``parallel_tool_calls=False``) keeps the first call only."""
     from langchain_core.messages.tool import invalid_tool_call, tool_call
 
     calls = list(calls or [])
@@ -24,8 +63,11 @@ def langchain_tool_calls(calls, single_call: bool = False) -> tuple[list[dict], 
     for c in calls:
         error = getattr(c, "error", None)
         if error:
-            invalid.append(invalid_tool_call(name=c.name, args=getattr(c, "raw_arguments", None), id=c.id,
-                                             error=error))
+            args = getattr(c, "raw_arguments", None)
+            if is_cut_call(error):
+                args = cut_call_args(args or "")
+            # no name (cut off before it) is None, as a stream's chunks carry it
+            invalid.append(invalid_tool_call(name=c.name or None, args=args, id=c.id, error=error))
         else:
             valid.append(tool_call(name=c.name, args=dict(c.arguments), id=c.id))
     return valid, invalid

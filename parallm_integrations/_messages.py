@@ -336,6 +336,7 @@ def usage_metadata(usage: Any) -> dict[str, Any] | None:
         "output_tokens": int(usage.completion_tokens),
         "total_tokens": int(usage.prompt_tokens + usage.completion_tokens),
         "input_token_details": {"cache_read": int(usage.cached_tokens)},
+        "output_token_details": {"reasoning": int(getattr(usage, "reasoning_tokens", 0))},
     }
 
 
@@ -347,6 +348,7 @@ def token_usage_dict(usage: Any) -> dict[str, Any]:
         "completion_tokens": int(usage.completion_tokens),
         "total_tokens": int(usage.prompt_tokens + usage.completion_tokens),
         "prompt_tokens_details": {"cached_tokens": int(usage.cached_tokens)},
+        "completion_tokens_details": {"reasoning_tokens": int(getattr(usage, "reasoning_tokens", 0))},
     }
     if getattr(usage, "spec_proposed_tokens", 0):
         out["speculative"] = usage.speculative_dict()

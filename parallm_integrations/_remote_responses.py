@@ -26,8 +26,10 @@ def _usage(u) -> Usage | None:
     spec = getattr(u, "speculative", None) or {}  # openai's types keep unknown fields as attributes
     if not isinstance(spec, dict):
         spec = getattr(spec, "__dict__", {}) or {}
+    out_details = getattr(u, "completion_tokens_details", None)
+    reasoning = getattr(out_details, "reasoning_tokens", None) if out_details is not None else None
     return Usage(prompt_tokens=int(u.prompt_tokens or 0), completion_tokens=int(u.completion_tokens or 0),
-                 cached_tokens=int(cached or 0), spec_proposed_tokens=int(spec.get("proposed_tokens") or 0),
+                 cached_tokens=int(cached or 0), reasoning_tokens=int(reasoning or 0), spec_proposed_tokens=int(spec.get("proposed_tokens") or 0),
                  spec_accepted_tokens=int(spec.get("accepted_tokens") or 0))
 
 

@@ -16,6 +16,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the server served from its prefix cache (0 when it does not say)
+    reasoning_tokens: int = 0  # completion tokens inside the model's reasoning (completion_tokens_details)
     spec_proposed_tokens: int = 0  # speculative decoding (ParaLLM's ``usage.speculative`` extension)
     spec_accepted_tokens: int = 0
 

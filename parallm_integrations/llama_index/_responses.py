@@ -36,7 +36,7 @@ def usage_kwargs(usage: Any) -> dict[str, int]:
         return {}
     return {"prompt_tokens": int(usage.prompt_tokens), "completion_tokens": int(usage.completion_tokens),
             "total_tokens": int(usage.prompt_tokens + usage.completion_tokens),
-            "cached_tokens": int(usage.cached_tokens)}
+            "cached_tokens": int(usage.cached_tokens), "reasoning_tokens": int(getattr(usage, "reasoning_tokens", 0))}
 
 
 def raw_dict(request_id: str, model: str, finish_reason: str | None, usage: Any,

@@ -503,7 +503,11 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
                 args = {}
             selections.append(ToolSelection(tool_id=call_id or "", tool_name=name, tool_kwargs=args))
         if not selections and error_on_no_tool_call:
-            raise ValueError(f"Expected at least one tool call, but got 0 tool calls. Response: {response.message.content!r}")
+            # A call max_tokens cut off is not a call (LlamaIndex has no invalid calls): say why it is missing.
+            cut = " (the answer was cut off by max_tokens: finish_reason 'length')" \
+                if isinstance(response.raw, dict) and response.raw.get("finish_reason") == "length" else ""
+            raise ValueError(f"Expected at least one tool call, but got 0 tool calls{cut}. "
+                             f"Response: {response.message.content!r}")
         return selections
 
     # -- structured output ------------------------------------------------------------------------

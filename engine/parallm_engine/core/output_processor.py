@@ -72,7 +72,10 @@ class OutputProcessor:
             req.first_token_time = now
             self.stats.on_first_token(req)
         s.sampler.observe(t)
-        if s.constraint is not None:
+        # The reasoning tracker counts it (and may force the close next); a grammar is the answer's, so it
+        # does not see a think span's tokens (reasoning_budget.py).
+        in_span = s.reasoning is not None and t not in s.stop_ids and s.reasoning.advance(t)
+        if s.constraint is not None and not in_span:
             s.constraint.advance(t)
         self.stats.generated_tokens += 1
         self.stats.on_token(req, now)
@@ -115,6 +118,8 @@ class OutputProcessor:
             stopped_on_token = s.finish_reason == "stop" and isinstance(s.stop_reason, int)
             out_ids = s.output_ids[:-1] if stopped_on_token else s.output_ids
             req.usage.completion_tokens += len(s.output_ids)
+            if s.reasoning is not None:
+                req.usage.reasoning_tokens += s.reasoning.tokens
             choice = Choice(s.index, s.detok.text, list(out_ids), s.finish_reason, s.logprobs, s.stop_reason)
             # A grammar-constrained output cut by max_tokens does not match its grammar.
             choice.incomplete = s.constraint is not None and s.finish_reason == "length"

@@ -21,6 +21,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the radix cache
+    reasoning_tokens: int = 0  # generated tokens inside reasoning spans (reasoning_budget.py), of completion_tokens
     spec_proposed_tokens: int = 0  # speculative decoding: drafted tokens verified
     spec_accepted_tokens: int = 0  # ... and accepted (each saved a decode step)
 
@@ -34,6 +35,7 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             **({"speculative": self.speculative_dict()} if self.spec_proposed_tokens else {}),
         }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from parallm_engine.core.detokenizer import IncrementalDetokenizer
 from parallm_engine.kv.radix_cache import PrefixMatch
+from parallm_engine.sampling.reasoning_budget import reasoning_span
 from parallm_engine.sampling.repetition_guard import CycleGuard
 from parallm_engine.core.request import Request
 from parallm_engine.sampling.sampler import SeqSampler
@@ -14,6 +15,7 @@ class Sequence:
     """One generated choice of a request."""
 
     embedding = False  # an embedding row (embedding.EmbeddingSequence) is prefilled, never decoded
+    reasoning = None  # its reasoning span's tracker (reasoning_budget.py): counts, and closes at a budget
 
     def __init__(self, request: Request, index: int, tokenizer, eos_ids: set[int]):
         p = request.params
@@ -32,6 +34,7 @@ class Sequence:
         self.max_new = p.max_tokens
         self.cycle_guard = CycleGuard() if request.cycle_guard else None
         self.constraint = request.grammar() if request.grammar is not None else None
+        self.reasoning = reasoning_span(tokenizer, request.prompt_ids, p.thinking_token_budget)
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.preemptions = 0

@@ -165,6 +165,11 @@ class OutputParser:
         return self.tool_format.name
 
     @property
+    def think_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The token ids of the reasoning markers (start, end), or None."""
+        return self._think_ids
+
+    @property
     def splits_reasoning(self) -> bool:
         """Whether outputs may hold reasoning to take out of the answer (even with no tools)."""
         return self.think is not None or self.tool_format.handles_reasoning

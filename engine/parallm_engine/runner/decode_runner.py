@@ -7,7 +7,7 @@ the step's graph is built on the previous step's tokens while they are still bei
 tokens while this one runs (as mlx-lm's generate loop does). A sequence that stopped has computed one
 wasted step; its row is dropped. With grammar constraints in the batch, the forward is started first,
 the previous step is delivered (advancing the matchers) and the masks are computed while it runs;
-only the sampling waits.
+only the sampling waits. Rows whose reasoning budget may force a token (``reasoning_budget``) run the same way.
 
 The step in flight (``pending``) belongs to this runner: the scheduler flushes it before the batch
 changes shape under it (preemption) and drops rows from it when they leave. A row that finishes in a
@@ -23,6 +23,7 @@ import time
 import mlx.core as mx
 
 from parallm_engine.sampling.constrained import apply_constraints
+from parallm_engine.sampling.reasoning_budget import allow_tokens, force_tokens, forced_rows, row_grammars, row_openers
 from parallm_engine.sampling.sampler import sample_batch
 
 
@@ -57,7 +58,9 @@ class DecodeRunner:
             return
         running = self.batch.running
         pipelined = self.pipeline and not any(s.sampler.params.needs_penalties for s in running)
-        constrained = pipelined and any(s.constraint is not None for s in running)
+        # Grammar masks and reasoning budgets depend on the previous token: it is delivered before sampling.
+        constrained = pipelined and any(s.constraint is not None or (s.reasoning is not None and s.reasoning.live)
+                                        for s in running)
         if self.speculator is not None and pipelined and self.pending is not None:
             # a pipelined step after another: its wall time is the step's cost (spec_policy)
             self.plain_rows = len(running)
@@ -150,7 +153,9 @@ class DecodeRunner:
         samplers = [s.sampler for s in seqs]
         if any(s.constraint is not None for s in seqs):
             # Rows already finished (still in a pipelined step) are left unmasked; their tokens are dropped.
-            logits = apply_constraints(logits, [s.constraint if s.finish_reason is None else None for s in seqs])
+            # So are rows reasoning: the grammar is the answer's (reasoning_budget.row_grammars).
+            logits = allow_tokens(apply_constraints(logits, row_grammars(seqs)), logits, row_openers(seqs))
+        logits = force_tokens(logits, forced_rows(seqs))  # a reasoning budget's closing tokens
         toks, logprobs = sample_batch(logits, samplers)
         if logprobs is None:
             return toks, None, None

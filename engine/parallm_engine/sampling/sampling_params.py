@@ -68,6 +68,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Speculative decoding (spec_config.parse_speculative): None = the engine's default.
     speculative: Any = None
+    # Reasoning tokens allowed (vLLM's name): once the model has generated this many inside its reasoning span
+    # (<think> / harmony analysis), the engine forces the family's end of reasoning (reasoning_budget.py).
+    thinking_token_budget: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
@@ -131,6 +134,8 @@ class SamplingParams:
                     raise InvalidRequestError("logit_bias values must be numbers in [-100, 100]", param="logit_bias")
                 clean[tid] = float(v)
             self.logit_bias = clean or None
+        if self.thinking_token_budget is not None:
+            num("thinking_token_budget", self.thinking_token_budget, lo=0, integer=True)
         if self.top_logprobs and not self.logprobs:
             self.logprobs = True
         self.speculative = parse_speculative(self.speculative)

@@ -5,22 +5,35 @@ shape (:mod:`parallm_engine.serve.anthropic_routes` has the endpoints).
 Translation: ``system`` (a string or text blocks) is the system message; ``text`` blocks are text,
 ``image`` blocks (base64, or a URL, which is never fetched) image parts for a vision model, ``tool_use``
 blocks the assistant's tool calls, ``tool_result`` blocks tool messages; ``thinking`` blocks a client
-sends back are dropped (the chat template renders past turns without them). ``tools`` are function
+sends back are dropped (the chat template renders past turns without them). ``thinking``: ``enabled`` /
+``disabled`` is the template's switch; ``budget_tokens`` (below ``max_tokens``; no 1,024 minimum here) is the
+engine's thinking-token budget: the model's reasoning is closed after that many tokens and the answer
+follows. A ``thinking`` block's ``signature`` is a digest of its text, not an attestation (none is checked
+on the way back in). ``tools`` are function
 tools; ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` are ``auto`` / ``required`` / named / none
 (``any`` and ``tool`` constrain decoding to a valid call, as on chat completions).
 
 Usage follows Anthropic's convention: ``input_tokens`` are the prompt tokens NOT read from the prefix
 cache, ``cache_read_input_tokens`` those that were (their sum is the prompt).
+
+A tool call cut off by ``max_tokens`` (``stop_reason: "max_tokens"``) is still a ``tool_use`` block, and its
+``input`` is what the stream gave: the stream sends the partial argument text as generated
+(``input_json_delta`` pieces), and the non-streamed block's ``input`` is that text parsed as the anthropic SDK's
+stream accumulator parses it (jiter's partial mode, the same parser as ``pydantic_core.from_json(...,
+allow_partial=True)``: an unfinished string, number or literal is left out; ``{}`` before any argument text),
+so ``messages.create`` and ``messages.stream(...).get_final_message()`` give the same message.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from typing import Any, AsyncIterator, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import from_json
 
 from parallm_engine.formats.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
 from parallm_engine.serve.openai_format import APIError, dumps, reported_calls, stream_error
@@ -266,6 +279,12 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
             body["stop"] = req.stop_sequences
         if req.metadata and isinstance(req.metadata.get("user_id"), str):
             body["user"] = req.metadata["user_id"]
+        thinking = req.thinking
+        if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
+            if thinking.budget_tokens >= req.max_tokens:
+                raise APIError(400, "thinking.budget_tokens must be less than max_tokens",
+                               param="thinking.budget_tokens")
+            body["thinking_token_budget"] = thinking.budget_tokens
     return body
 
 
@@ -298,20 +317,41 @@ def _stop(finish: str | None, stop_reason: Any, stops: list[str], called: bool) 
     return "end_turn", None
 
 
+def tool_input(call) -> dict:
+    """A tool_use block's ``input``: the call's arguments; for a call that is not whole (cut off by
+    max_tokens) its partial argument text parsed as the anthropic SDK's stream accumulator parses the
+    streamed ``partial_json`` (see the module docstring), so streamed and non-streamed agree."""
+    if not getattr(call, "error", None):
+        return call.arguments
+    raw = call.raw_arguments or ""
+    if not raw.strip():
+        return {}
+    try:
+        parsed = from_json(raw, allow_partial=True)
+    except ValueError:  # not even a JSON prefix (an unconstrained model's text); the SDK's stream raises here
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
 def message_response(result, model_name: str, single_call: bool, stops: list[str]) -> dict:
     c = result.choices[0]
     calls = reported_calls(c.tool_calls, single_call)
     content: list[dict] = []
     if c.reasoning:
-        content.append({"type": "thinking", "thinking": c.reasoning, "signature": ""})
+        content.append({"type": "thinking", "thinking": c.reasoning, "signature": thinking_signature(c.reasoning)})
     text = c.content if c.content is not None else c.text
     if text or not calls:
         content.append({"type": "text", "text": text or ""})
     for call in calls:
-        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments})
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call)})
     stop_reason, stop_sequence = _stop(c.finish_reason, c.stop_reason, stops, bool(calls))
     return {"id": new_id("msg"), "type": "message", "role": "assistant", "model": model_name, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": anthropic_usage(result.usage)}
+
+
+def thinking_signature(thinking: str) -> str:
+    """A ``thinking`` block's ``signature``: a digest of its text (the anthropic SDK expects one; nothing checks it)."""
+    return hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _event(name: str, data: dict) -> str:
@@ -322,7 +362,8 @@ async def message_stream(run: ChatRun, model_name: str, single_call: bool,
                          stops: list[str]) -> AsyncIterator[str]:
     """Anthropic's event sequence: ``message_start``, ``ping``, per content block ``content_block_start`` /
     ``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``) / ``content_block_stop``,
-    ``message_delta`` (stop reason, usage), ``message_stop``. An error after the start is an ``error`` event."""
+    ``message_delta`` (stop reason, usage), ``message_stop``; a thinking block gets its ``signature_delta`` right
+    before it stops. An error after the start is an ``error`` event."""
     request = run.handles[0].request
     prompt_tokens = len(request.prompt_ids)
     start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
@@ -334,10 +375,17 @@ async def message_stream(run: ChatRun, model_name: str, single_call: bool,
     index = -1
     open_kind: Any = None  # "thinking", "text", or the open tool call's index
     called = False
+    thinking = ""  # the open thinking block's text (its signature is of it)
+
+    def stop_block() -> list[str]:
+        out = []
+        if open_kind == "thinking":
+            out.append(delta({"type": "signature_delta", "signature": thinking_signature(thinking)}))
+        return out + [_event("content_block_stop", {"index": index})]
 
     def open_block(kind: Any, block: dict) -> list[str]:
         nonlocal index, open_kind
-        out = [_event("content_block_stop", {"index": index})] if open_kind is not None else []
+        out = stop_block() if open_kind is not None else []
         index += 1
         open_kind = kind
         return out + [_event("content_block_start", {"index": index, "content_block": block})]
@@ -360,6 +408,8 @@ async def message_stream(run: ChatRun, model_name: str, single_call: bool,
                 if open_kind != "thinking":
                     for ev in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                         yield ev
+                    thinking = ""
+                thinking += piece.reasoning
                 yield delta({"type": "thinking_delta", "thinking": piece.reasoning})
             elif isinstance(piece, ContentDelta):
                 if not piece.text:
@@ -373,7 +423,8 @@ async def message_stream(run: ChatRun, model_name: str, single_call: bool,
         if open_kind is None or (not called and open_kind == "thinking"):  # as the full response: a text block
             for ev in open_block("text", {"type": "text", "text": ""}):
                 yield ev
-        yield _event("content_block_stop", {"index": index})
+        for ev in stop_block():
+            yield ev
         result = request.result
         stop_reason, stop_sequence = _stop(finished.finish_reason if finished else None,
                                            finished.stop_reason if finished else None, stops, called)

@@ -175,6 +175,7 @@ def sum_usage(results) -> Usage:
         total.prompt_tokens += r.usage.prompt_tokens
         total.completion_tokens += r.usage.completion_tokens
         total.cached_tokens += r.usage.cached_tokens
+        total.reasoning_tokens += r.usage.reasoning_tokens
         total.spec_proposed_tokens += r.usage.spec_proposed_tokens
         total.spec_accepted_tokens += r.usage.spec_accepted_tokens
     return total

@@ -93,7 +93,7 @@ def openai_router(kit: ServerKit) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=kit.checked,
                  responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        p = kit.prepare_chat(req)
+        p = kit.prepare_chat(req, req.template_kwargs())
         if req.stream:
             return await kit.stream_chat(p, request, "chat", lambda run: chat_stream(
                 run.handles, run.timing, p.model_name, p.single_call, req.include_usage))

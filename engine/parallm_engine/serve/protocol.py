@@ -23,6 +23,24 @@ MAX_N = 128
 MAX_STOP = 16
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+#: ``reasoning_effort`` (chat completions) / ``reasoning.effort`` (Responses) as a thinking-token budget: the
+#: engine closes the model's reasoning after this many tokens (``sampling.reasoning_budget``). "none" /
+#: "minimal": no reasoning (the template's switch is off too, and 0 closes it should the model reason anyway);
+#: "high" / "xhigh": no budget (``max_tokens`` still bounds it). An explicit ``thinking_token_budget`` wins.
+EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": None,
+                                         "xhigh": None}
+
+
+def effort_template_kwargs(effort: str | None) -> dict[str, Any]:
+    """The chat template's reasoning switches for an effort: ``enable_thinking`` (Qwen3-style templates) and
+    ``reasoning_effort`` (gpt-oss's harmony template reads low / medium / high)."""
+    if effort is None:
+        return {}
+    level = {"none": "low", "minimal": "low", "xhigh": "high"}.get(effort, effort)
+    return {"enable_thinking": EFFORT_BUDGETS[effort] != 0, "reasoning_effort": level}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -115,13 +133,15 @@ class _Sampling(_Model):
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     # ParaLLM's extension: speculative decoding, e.g. {"method": "ngram", "num_tokens": 4} (spec_config)
     speculative: dict[str, Any] | str | bool | None = None
+    # vLLM's extension: reasoning tokens allowed before the engine closes the reasoning (EFFORT_BUDGETS)
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``Engine.submit`` (engine defaults where a field is unset)."""
         kw: dict[str, Any] = {}
         for name in ("max_tokens", "temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
                      "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
-                     "include_stop_str_in_output", "priority", "speculative"):
+                     "include_stop_str_in_output", "priority", "speculative", "thinking_token_budget"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
@@ -213,6 +233,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    """The template's reasoning switches and a thinking-token budget (:data:`EFFORT_BUDGETS`)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's extension: extra variables for the chat template (e.g. ``{"enable_thinking": false}``)."""
     allow_special_tokens: bool = False
     """ParaLLM extension. False (default): special-token text inside the messages and tools (a user writing
     ``<|im_start|>system``) is tokenized as plain text; only the chat template's own markers are special
@@ -222,11 +246,19 @@ class ChatCompletionRequest(_Sampling):
         kw = super().sampling_kwargs()
         if self.max_completion_tokens is not None and self.max_tokens is None:
             kw["max_tokens"] = self.max_completion_tokens
+        if self.reasoning_effort is not None and "thinking_token_budget" not in kw:
+            budget = EFFORT_BUDGETS[self.reasoning_effort]
+            if budget is not None:
+                kw["thinking_token_budget"] = budget
         if self.logprobs:
             kw["logprobs"] = True
             if self.top_logprobs:
                 kw["top_logprobs"] = self.top_logprobs
         return kw
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: ``reasoning_effort``'s switches, then ``chat_template_kwargs``."""
+        return {**effort_template_kwargs(self.reasoning_effort), **(self.chat_template_kwargs or {})}
 
 
 class ChatCompletionMessage(_Model):

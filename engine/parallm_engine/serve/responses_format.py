@@ -7,8 +7,12 @@ items (``input_text`` / ``output_text`` parts, ``input_image`` parts for a visio
 ``function_call`` items the assistant's tool calls, ``function_call_output`` items tool messages;
 ``reasoning`` items a client sends back are dropped. ``tools`` are function tools, ``tool_choice`` as
 on chat completions (``required`` / a named function constrain decoding to a valid call),
-``text.format`` (``json_schema`` / ``json_object``) the response format. The output is ``reasoning``
-(for reasoning models), ``message`` and ``function_call`` items.
+``text.format`` (``json_schema`` / ``json_object``) the response format; ``reasoning.effort`` the template's
+reasoning switches and a thinking-token budget (``protocol.EFFORT_BUDGETS``; vLLM's ``thinking_token_budget``
+sets one exactly). The output is ``reasoning``
+(for reasoning models), ``message`` and ``function_call`` items. A call's ``arguments`` are the text the
+model wrote; a call cut off by ``max_output_tokens`` is a ``function_call`` item with ``status: "incomplete"``
+and the partial arguments text as generated (streamed and non-streamed alike) in an ``incomplete`` response.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from parallm_engine.formats.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
+from parallm_engine.formats.typed_output import TRUNCATED_CALL
 from parallm_engine.serve.openai_format import APIError, dumps, reported_calls, stream_error
-from parallm_engine.serve.protocol import new_id, now
+from parallm_engine.serve.protocol import ReasoningEffort, effort_template_kwargs, new_id, now
 from parallm_engine.serve.server_kit import ChatRun, Finished, output_pieces
 
 
@@ -82,7 +87,9 @@ class TextConfig(_Model):
 
 
 class ReasoningConfig(_Model):
-    effort: str | None = None
+    """``effort``: the template's reasoning switches and a thinking-token budget (``protocol.EFFORT_BUDGETS``)."""
+
+    effort: ReasoningEffort | None = None
     summary: str | None = None
 
 
@@ -98,6 +105,7 @@ class ResponsesRequest(_Model):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
+    thinking_token_budget: int | None = Field(default=None, ge=0)  # vLLM's extension; wins over reasoning.effort's
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool | None = False
@@ -197,18 +205,20 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict[str, Any]:
             "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
     elif fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
+    if req.reasoning is not None and req.reasoning.effort is not None:  # its thinking-token budget
+        body["reasoning_effort"] = req.reasoning.effort
     for src, dst in (("parallel_tool_calls", "parallel_tool_calls"), ("max_output_tokens", "max_tokens"),
-                     ("temperature", "temperature"), ("top_p", "top_p"), ("user", "user")):
+                     ("temperature", "temperature"), ("top_p", "top_p"), ("user", "user"),
+                     ("thinking_token_budget", "thinking_token_budget")):
         if getattr(req, src) is not None:
             body[dst] = getattr(req, src)
     return body
 
 
 def template_kwargs(req: ResponsesRequest) -> dict[str, Any]:
-    """``reasoning.effort`` as the chat template's switch (Qwen3-style templates read ``enable_thinking``)."""
-    if req.reasoning is None or req.reasoning.effort is None:
-        return {}
-    return {"enable_thinking": req.reasoning.effort not in ("none", "minimal")}
+    """``reasoning.effort`` as the chat template's switches (``enable_thinking`` for Qwen3-style templates,
+    ``reasoning_effort`` for gpt-oss's)."""
+    return effort_template_kwargs(req.reasoning.effort if req.reasoning is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +228,7 @@ def template_kwargs(req: ResponsesRequest) -> dict[str, Any]:
 
 def responses_usage(usage) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens}
 
 
@@ -233,7 +243,7 @@ def response_shell(rid: str, req: ResponsesRequest, model_name: str, status: str
             "previous_response_id": req.previous_response_id,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "tool_choice": tool_choice,
             "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-            "top_p": req.top_p, "text": {"format": fmt}, "reasoning": {"effort": None, "summary": None},
+            "top_p": req.top_p, "text": {"format": fmt}, "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
             "store": req.store is not False, "metadata": req.metadata or {}, "error": None,
             "incomplete_details": None, "usage": None, "user": req.user}
 
@@ -258,6 +268,18 @@ def function_call_item(call_id: str, name: str, arguments: str, item_id: str | N
             "arguments": arguments, "status": status}
 
 
+def call_status(call) -> str:
+    """A function_call item's status: ``incomplete`` for the call max_tokens cut off (its ``arguments`` are
+    the partial text as generated, streamed or not), else ``completed``."""
+    return "incomplete" if getattr(call, "error", None) == TRUNCATED_CALL else "completed"
+
+
+def call_arguments(call) -> str:
+    """A call's ``arguments`` as the stream sent them: the model's text (not re-serialised)."""
+    raw = getattr(call, "raw_arguments", None)
+    return raw if raw is not None else json.dumps(call.arguments, ensure_ascii=False)
+
+
 def finish_response(body: dict, output: list[dict], finish_reason: str | None, usage) -> dict:
     body["output"] = output
     body["usage"] = responses_usage(usage)
@@ -278,7 +300,7 @@ def response_body(result, req: ResponsesRequest, rid: str, model_name: str, sing
     if text or not calls:
         output.append(message_item(text or ""))
     for call in calls:
-        output.append(function_call_item(call.id, call.name, json.dumps(call.arguments, ensure_ascii=False)))
+        output.append(function_call_item(call.id, call.name, call_arguments(call), status=call_status(call)))
     return finish_response(response_shell(rid, req, model_name, "in_progress"), output, c.finish_reason,
                            result.usage)
 
@@ -326,6 +348,7 @@ async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_n
     yield event("response.in_progress", response=dict(body))
     output: list[dict] = []
     current: dict | None = None  # the open item (its text accumulates in it)
+    call_statuses: dict[str, str] = {}  # call id -> status, from the finished calls (the last item closes after)
 
     def close() -> list[str]:
         nonlocal current
@@ -333,7 +356,8 @@ async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_n
             return []
         item, current = current, None
         oi, out = len(output), []
-        item["status"] = "completed"
+        item["status"] = call_statuses.get(item["call_id"], "completed") if item["type"] == "function_call" \
+            else "completed"
         if item["type"] == "message":
             text = item["content"][0]["text"]
             out.append(event("response.output_text.done", item_id=item["id"], output_index=oi, content_index=0,
@@ -396,10 +420,11 @@ async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_n
                 (current is None or current["type"] != "message"):  # as the full response: a message item
             for ev in open_item(message_item("")):
                 yield ev
+        result = run.handles[0].request.result
+        call_statuses.update({c.id: call_status(c) for c in result.choices[0].tool_calls or []})
         for ev in close():
             yield ev
-        final = finish_response(body, output, finished.finish_reason if finished else None,
-                                run.handles[0].request.result.usage)
+        final = finish_response(body, output, finished.finish_reason if finished else None, result.usage)
         on_done(final)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         yield event(kind, response=final)

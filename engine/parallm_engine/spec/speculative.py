@@ -31,7 +31,7 @@ row's drafts are cut where its grammar forbids a token
 (llguidance's ``validate_tokens``), and each verified position is masked with the grammar's state after
 the drafts before it (the matcher is rolled back afterwards). Rows with penalties (their distribution
 depends on counts the drafts would change) do not speculate (a request asking for both is refused at
-submit); ``model_caches``' "mixed" layout (sliding windows, recurrent state) cannot roll back and
+submit), nor do rows whose reasoning budget may force their next token; ``model_caches``' "mixed" layout (sliding windows, recurrent state) cannot roll back and
 refuses speculation at submit.
 """
 
@@ -45,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from parallm_engine.sampling.constrained import apply_constraints
+from parallm_engine.sampling.reasoning_budget import allow_tokens, force_tokens, forced_rows, row_grammars, row_openers
 from parallm_engine.spec.draft_model import DraftRows, loaded_draft
 from parallm_engine.sampling.sampler import sample_batch
 from parallm_engine.sampling.spec_config import SpeculativeConfig
@@ -159,6 +160,9 @@ class Speculator:
         cfg = self.default if cfg is None else cfg
         if cfg is None or not cfg.enabled or seq.sampler.params.needs_penalties:
             return None
+        if seq.reasoning is not None and (seq.reasoning.live or (  # its next token may be forced, or its grammar
+                seq.constraint is not None and (seq.reasoning.frees_grammar or seq.reasoning.opener() is not None))):
+            return None  # waits while it reasons (reasoning_budget)
         if cfg.method == "draft" and seq.request.adapter is not None:  # the draft model drafts for the base only
             return None
         return cfg
@@ -304,13 +308,15 @@ class Speculator:
             starts, widths = [i * W for i in range(B)], W
         # Sample every verified position as decoding would there: a row's last pending token (the
         # next token's logits) and each of its drafts.
-        flat, samplers, constraints, chains, owners = [], [], [], [], []
+        flat, samplers, constraints, chains, owners, forced, openers = [], [], [], [], [], [], []
         for i, (s, u, d) in enumerate(zip(running, pending, drafts)):
             first = starts[i] + len(u) - 1
             if not d:
                 flat.append(first)
                 samplers.append(s.sampler)  # its own state: penalties and key chain advance as usual
-                constraints.append(s.constraint if s.finish_reason is None else None)
+                constraints.extend(row_grammars([s]))
+                forced.extend(forced_rows([s]))
+                openers.extend(row_openers([s]))
                 chains.append(None)
                 owners.append(i)
                 continue
@@ -321,10 +327,13 @@ class Speculator:
                 flat.append(first + j)
                 samplers.append(_PositionSampler(s.sampler.params, chain[j] if chain else None))
                 constraints.append(masks[j])
+                forced.append(None)  # a row with drafts neither reasons under a grammar nor has a live budget
+                openers.append(None)
                 owners.append(i)
         rows = logits[mx.array(flat)]
         if any(c is not None for c in constraints):
-            rows = apply_constraints(rows, constraints)
+            rows = allow_tokens(apply_constraints(rows, constraints), rows, openers)
+        rows = force_tokens(rows, forced)
         toks, logprobs = sample_batch(rows, samplers)
         chosen = logprobs[mx.arange(len(flat)), toks] if logprobs is not None else None
         mx.eval([x for x in (toks, logprobs, chosen) if x is not None])

@@ -30,6 +30,7 @@ try:
         ModelNotCachedError,
         ModelNotFoundError,
         NotAnEmbeddingModelError,
+        NotARerankerError,
         OutOfMemoryError,
         ParaLLMError,
         QueueFullError,
@@ -82,6 +83,9 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
 
     class NotAnEmbeddingModelError(InvalidRequestError):  # type: ignore[no-redef]
         """Embeddings were asked of a model that has no embedding configuration (HTTP 400)."""
+
+    class NotARerankerError(InvalidRequestError):  # type: ignore[no-redef]
+        """Reranking was asked of a model that is neither a cross-encoder nor a decoder reranker (HTTP 400)."""
 
     class OutOfMemoryError(ParaLLMError):  # type: ignore[no-redef]
         """The device ran out of memory for this request even with nothing else running beside it (HTTP 507)."""
@@ -144,7 +148,8 @@ class EngineNotInstalledError(ImportError):
 __all__ = [
     "AdapterLoadError", "AdapterNotFoundError", "ContextLengthExceededError", "EngineDeadError",
     "EngineNotInstalledError", "GrammarError", "InvalidRequestError", "ModelLoadError", "NotAnEmbeddingModelError",
-    "ParaLLMError", "QueueFullError", "RequestCancelledError", "TokenizeError", "UnsupportedModelError",
+    "NotARerankerError", "ParaLLMError", "QueueFullError", "RequestCancelledError", "TokenizeError",
+    "UnsupportedModelError",
     "GatedModelError", "ModelDownloadError", "ModelNotCachedError", "ModelNotFoundError",
     "UnsupportedArchitectureError", "UnsupportedGGUFArchitectureError",
 ]

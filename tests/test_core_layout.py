@@ -136,8 +136,9 @@ def test_a_plan_is_complete_and_frozen_before_it_runs(tiny_model_dir):
 
 
 #: Modules that call a model of their own, not the engine's rows: load-time probes, the draft model, the
-#: BERT-family encoder engine.
-OWN_MODELS = {"runner/logits_head.py", "kv/kv_quant.py", "spec/draft_model.py", "embed/encoder_engine.py"}
+#: BERT-family encoder engine and its cross-encoder (reranker) subclass.
+OWN_MODELS = {"runner/logits_head.py", "kv/kv_quant.py", "spec/draft_model.py", "embed/encoder_engine.py",
+              "embed/cross_encoder.py"}
 
 
 def test_the_model_is_called_from_one_module():

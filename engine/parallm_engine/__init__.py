@@ -30,6 +30,7 @@ from parallm_engine.errors import (  # noqa: E402  (plain Python: no MLX)
     InvalidRequestError,
     ModelLoadError,
     NotAnEmbeddingModelError,
+    NotARerankerError,
     OutOfMemoryError,
     ParaLLMError,
     QueueFullError,
@@ -46,6 +47,9 @@ _LAZY = {
     "Engine": "core.engine",
     "get_engine": "core.registry",
     "get_embedding_engine": "core.registry",
+    "get_rerank_engine": "core.registry",
+    "CrossEncoderEngine": "embed.cross_encoder",
+    "RerankResult": "embed.rerank",
     "shutdown_all": "core.registry",
     "EncoderEngine": "embed.encoder_engine",
     "EmbeddingResult": "embed.embedding",
@@ -63,7 +67,9 @@ if TYPE_CHECKING:
     from parallm_engine.core.engine import Engine
     from parallm_engine.embed.embedding import EmbeddingHandle, EmbeddingResult
     from parallm_engine.embed.encoder_engine import EncoderEngine
-    from parallm_engine.core.registry import get_embedding_engine, get_engine, shutdown_all
+    from parallm_engine.core.registry import get_embedding_engine, get_engine, get_rerank_engine, shutdown_all
+    from parallm_engine.embed.cross_encoder import CrossEncoderEngine
+    from parallm_engine.embed.rerank import RerankResult
     from parallm_engine.core.request import Choice, GenerationResult, RequestHandle, StreamDelta, TokenLogprob, Usage
     from parallm_engine.sampling.sampling_params import SamplingParams
 
@@ -91,6 +97,7 @@ __all__ = [
     "GrammarError", "EngineDeadError", "UnsupportedModelError", "ImageInputError", "OutOfMemoryError",
     "get_embedding_engine", "EncoderEngine", "EmbeddingResult", "EmbeddingHandle", "NotAnEmbeddingModelError",
     "AdapterLoadError", "AdapterNotFoundError",
+    "get_rerank_engine", "CrossEncoderEngine", "RerankResult", "NotARerankerError",
     "TokenizeError",
     "UnsupportedGGUFArchitectureError",
 ]

@@ -254,7 +254,7 @@ def cmd_serve(args) -> int:
     serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, log_level=args.log_level, expose_docs=args.expose_docs,
           max_request_share=args.max_request_share, max_key_share=args.max_key_share,
-          embedding_model=args.embedding_model, **cfg)
+          embedding_model=args.embedding_model, rerank_model=args.rerank_model, **cfg)
     return 0
 
 
@@ -403,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--embedding-model", default=None, metavar="MODEL",
                     help="answer /v1/embeddings with this model (a decoder or a BERT-family encoder) instead of "
                          "the served one (docs/embeddings.md)")
+    sp.add_argument("--rerank-model", default=None, metavar="MODEL",
+                    help="answer /v1/rerank, /rerank and /v2/rerank with this model (a cross-encoder such as "
+                         "bge-reranker, or Qwen3-Reranker) instead of the served one (docs/rerank.md)")
     sp.add_argument("--adapter", type=_adapter, action="append", default=None, metavar="NAME=PATH",
                     help="serve a LoRA adapter (mlx-lm's or PEFT's directory, or a cached HF repo id) as the model "
                          "NAME: requests naming it run under it, in one batch with every other; repeatable")

@@ -64,6 +64,12 @@ class NotAnEmbeddingModelError(InvalidRequestError):
     The message says which models work (``embedding_config.WHICH_MODELS_WORK``)."""
 
 
+class NotARerankerError(InvalidRequestError):
+    """Reranking was asked of a model that is neither a cross-encoder (a BERT / XLM-R
+    ``*ForSequenceClassification`` with one relevance logit) nor a decoder reranker (Qwen3-Reranker), and no
+    ``kind=`` names one (HTTP 400). The message says which models work (``embed.rerank.WHICH_RERANKERS_WORK``)."""
+
+
 class AdapterLoadError(InvalidRequestError):
     """A LoRA adapter cannot be used with this engine's model: no ``adapter_config.json``, a format or option
     the engine does not map, or weights shaped for another base model (refused at load; HTTP 400)."""

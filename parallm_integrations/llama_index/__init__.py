@@ -17,5 +17,6 @@ vLLM, SGLang, mlx-lm's server), with the same responses.
 
 from parallm_integrations.llama_index.base import ParaLLMLlamaIndex
 from parallm_integrations.llama_index.embedding import ParaLLMEmbedding
+from parallm_integrations.llama_index.rerank import ParaLLMRerank
 
-__all__ = ["ParaLLMLlamaIndex", "ParaLLMEmbedding"]
+__all__ = ["ParaLLMLlamaIndex", "ParaLLMEmbedding", "ParaLLMRerank"]

@@ -35,6 +35,7 @@ from parallm_engine.sampling.spec_config import parse_speculative
 from parallm_engine.kv.kv_quant import resolve_kv_bits
 from parallm_engine.kv.memory_budget import apply_mlx_limits, mlx_limits, working_set_bytes
 from parallm_engine.embed.embedding_api import EmbeddingAPI
+from parallm_engine.embed.rerank_api import RerankAPI
 from parallm_engine.core.engine_api import EngineConvenienceAPI, Prompt
 from parallm_engine.core.engine_base import EngineBase
 from parallm_engine.core.engine_core import EngineCore
@@ -109,7 +110,7 @@ def _weight_bytes(model) -> int:
     return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
-class Engine(EngineConvenienceAPI, EmbeddingAPI, EngineBase):
+class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
     def __init__(
         self,
         model: str | os.PathLike | None = None,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from parallm_engine.embed.embedding import EmbeddingResult
 from parallm_engine.embed.embedding_api import EmbeddingAPI
+from parallm_engine.embed.rerank_api import RerankAPI
 from parallm_engine.core.engine_base import EngineBase
 from parallm_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, QueueFullError, RequestCancelledError
 from parallm_engine.models.hub import ENCODER_TYPES
@@ -62,7 +63,9 @@ def _load_mlx_embeddings(path: Path):
         raise ModelLoadError(f"mlx-embeddings could not load {path}: {exc}") from exc
 
 
-class EncoderEngine(EmbeddingAPI, EngineBase):
+class EncoderEngine(EmbeddingAPI, RerankAPI, EngineBase):
+    rerank_kinds: tuple = ()  # an embedding encoder has no classification head (cross_encoder.CrossEncoderEngine has)
+
     def __init__(self, model: str | os.PathLike, *, max_batch_size: int = 64, max_batch_tokens: int = 16384,
                  max_queue: int = 4096, dtype: str | None = None):
         import mlx.core as mx
@@ -74,7 +77,7 @@ class EncoderEngine(EmbeddingAPI, EngineBase):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
         path, name = resolve_model(model, encoder_ok=True)
-        self.model, self.tokenizer = _load_mlx_embeddings(path)
+        self.model, self.tokenizer = self._load(path)
         want = dtype or backend_info().dtype
         if want not in ("native", None):  # the CPU backend is fast in float32 only
             self.model.set_dtype(getattr(mx, want))
@@ -97,6 +100,10 @@ class EncoderEngine(EmbeddingAPI, EngineBase):
         from parallm_engine.core.engine import _live_engines
 
         _live_engines.add(self)  # stopped before the interpreter tears MLX down (engine._shutdown_live_engines)
+
+    def _load(self, path: Path):
+        """(model, tokenizer) of the encoder at ``path`` (a cross-encoder's engine loads its head too)."""
+        return _load_mlx_embeddings(path)
 
     # -- what the front ends read (model_name, context_window, is_alive: EngineBase) -------------------
     def _check_embedding_model(self) -> None:  # every encoder mlx-embeddings loads gives hidden states

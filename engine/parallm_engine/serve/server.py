@@ -68,6 +68,7 @@ from parallm_engine.serve.protocol import HealthResponse, now
 from parallm_engine.serve.queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, QueueShares
 from parallm_engine.serve.responses_routes import responses_router
 from parallm_engine.serve.server_embeddings import add_embedding_routes
+from parallm_engine.serve.server_rerank import add_rerank_routes
 from parallm_engine.serve.server_kit import ERROR_RESPONSES, ServerKit
 from parallm_engine.core.validation import check_text, safe_text
 
@@ -258,7 +259,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
                served_model_name: str | list[str] | None = None, engine_config: dict[str, Any] | None = None,
                max_body_bytes: int = 32 << 20, expose_docs: bool = False,
                max_request_share: float = DEFAULT_REQUEST_SHARE, max_key_share: float = DEFAULT_KEY_SHARE,
-               embedding_model=None) -> FastAPI:
+               embedding_model=None, rerank_model=None) -> FastAPI:
     """The FastAPI app serving ``engine`` (or, when None, the shared engine for ``model`` and
     ``engine_config``, loaded at startup). ``api_key``: a key, or several, one of which ``/v1/*``, the
     tokenizer endpoints and (unless ``expose_docs``) ``/docs``, ``/redoc`` and ``/openapi.json`` require.
@@ -267,7 +268,8 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
     ``max_key_share``: the most of the engine's ``max_queue``, in sequences (prompts x n), that one
     request / one key (with several keys) may hold (see :mod:`parallm_engine.serve.queue_shares`).
     ``embedding_model``: ``/v1/embeddings`` embeds with this model instead of the served one
-    (:mod:`parallm_engine.serve.server_embeddings`)."""
+    (:mod:`parallm_engine.serve.server_embeddings`). ``rerank_model``: ``/v1/rerank``, ``/rerank`` and
+    ``/v2/rerank`` rerank with this model instead of the served one (:mod:`parallm_engine.serve.server_rerank`)."""
     state = ServerState(engine, model, api_key, served_model_name, dict(engine_config or {}),
                         max_request_share=max_request_share, max_key_share=max_key_share)
     docs_behind_key = bool(state.api_keys) and not expose_docs
@@ -376,6 +378,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
     kit = ServerKit(state, checked, auth)
     app.include_router(openai_router(kit))
     add_embedding_routes(app, state, checked, embedding_model, engine_config)
+    add_rerank_routes(app, state, checked, rerank_model, engine_config)
     app.include_router(anthropic_router(kit))
     app.include_router(responses_router(kit))
     return app
@@ -394,7 +397,7 @@ def api_keys_from_env() -> list[str]:
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | Sequence[str] | None = None, *,
           served_model_name: str | list[str] | None = None, log_level: str = "info", expose_docs: bool = False,
           max_request_share: float = DEFAULT_REQUEST_SHARE, max_key_share: float = DEFAULT_KEY_SHARE,
-          embedding_model=None, **engine_config) -> None:
+          embedding_model=None, rerank_model=None, **engine_config) -> None:
     """Load the model (the process-wide shared engine) and serve it until interrupted.
 
     ``api_key`` (one key or several) defaults to ``$PARALLM_API_KEYS`` (comma-separated) and
@@ -410,7 +413,7 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     engine = get_engine(model, **engine_config)
     app = create_app(engine=engine, model=model, api_key=keys, served_model_name=served_model_name,
                      expose_docs=expose_docs, max_request_share=max_request_share, max_key_share=max_key_share,
-                     embedding_model=embedding_model)
+                     embedding_model=embedding_model, rerank_model=rerank_model)
     if host not in LOOPBACK_HOSTS and not keys:
         logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
                        "(pass --api-key to require one)", host)

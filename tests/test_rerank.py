@@ -374,3 +374,18 @@ def test_cli_has_the_flag():
 
     args = build_parser().parse_args(["serve", "--rerank-model", "BAAI/bge-reranker-base"])
     assert args.rerank_model == "BAAI/bge-reranker-base"
+
+
+def test_bench_rerank_workload_quick():
+    """`parallm bench --workloads rerank --quick` end to end (its timings are not checked: no timing asserts):
+    every pair scored, and the pairs' shared prefix not recomputed for each."""
+    from parallm_bench import bench
+    from parallm_bench import rerank as bench_rerank
+
+    entry = bench_rerank.run_rerank({**bench_rerank.QUICK_RERANK, "docs": 8})
+    assert entry["parallm"]["pairs"] == entry["sequential"]["pairs"] == 8
+    assert entry["shared_prefix_tokens"] > 20
+    # the shared prefix is computed once (not 8 times): at least 7 of its 8 copies were not recomputed
+    assert entry["parallm"]["prefill_tokens"] <= entry["parallm"]["pair_tokens"] - 7 * entry["shared_prefix_tokens"] + 8
+    lines = bench_rerank.format_lines(entry)
+    assert "rerank" in bench.ALL_WORKLOADS and any("not recomputed" in ln for ln in lines)

@@ -33,7 +33,10 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
 - vision:     8 requests on one image with a random VLM at SmolVLM-256M's shapes: cold TTFT (vision encoder
               + prefill) vs the later requests' TTFT, and the encoder-run counter (``bench_vision``).
 - embed:      64 texts on a random Qwen3-Embedding-shaped model: texts/s at 1 / 16 / 64 concurrent vs one at a
-              time with mlx-lm, and beside 8 decoding chat streams (``bench_embed``).
+              time with mlx-lm, and a burst of 1,000 beside 8 decoding chat streams: their ITL during vs alone
+              (``bench_embed``).
+- rerank:     one query x 64 passages on a random Qwen3-Reranker-shaped model: pairs/s in the batch vs one
+              pair at a time with mlx-lm, and the prefill tokens the shared prefix saved (``bench_rerank``).
 - restart:    the prefix cache's disk tier across processes: a script with a 3,000-token system prompt and 8
               parallel calls run twice (TTFT, cached tokens, same outputs), and restore vs recompute of
               100 / 1,000 / 8,000-token prefixes with the rule's pick (``restart``).
@@ -104,7 +107,8 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 #: another copy of a multi-GB model.
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
-                 "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "lora", "restart", "sessions")
+                 "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "rerank", "lora", "restart",
+                 "sessions")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -518,6 +522,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
         result["workloads"]["embed"] = be.run_embed(be.QUICK_EMBED if quick else be.FULL_EMBED, tick,
                                                     backend=engine.backend.name)
 
+    if "rerank" in workloads:  # its own random decoder reranker on an engine of its own (bench_rerank)
+        from parallm_bench import rerank as brr
+
+        result["workloads"]["rerank"] = brr.run_rerank(brr.QUICK_RERANK if quick else brr.FULL_RERANK, tick,
+                                                       backend=engine.backend.name)
     if "restart" in workloads:  # the disk tier across processes (fresh processes of the same model)
         from parallm_bench import restart as brs
 
@@ -595,7 +604,7 @@ def _cpu_model() -> str:
 _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "longctx": "longctx",
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
                "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
-               "restart": "restart", "sessions": "sessions"}
+               "restart": "restart", "sessions": "sessions", "rerank": "rerank"}
 
 
 def format_table(result: dict) -> str:

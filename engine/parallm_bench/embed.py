@@ -52,8 +52,9 @@ def write_sentence_transformers(out: Path, pooling: str, query_prompt: str = "",
          "similarity_fn_name": "cosine"}))
 
 
-def build_embedder(out: Path, sizes: dict) -> Path:
-    """A random-weight qwen3 embedding model with the default model's tokenizer."""
+def build_embedder(out: Path, sizes: dict, sentence_transformers: bool = True) -> Path:
+    """A random-weight qwen3 embedding model with the default model's tokenizer (without the
+    sentence-transformers files: a plain qwen3 of that shape, e.g. a reranker's)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
@@ -76,7 +77,8 @@ def build_embedder(out: Path, sizes: dict) -> Path:
     mx.eval(model.parameters())
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
-    write_sentence_transformers(out, "last", dims=sizes["hidden"])
+    if sentence_transformers:
+        write_sentence_transformers(out, "last", dims=sizes["hidden"])
     return out
 
 

@@ -214,39 +214,14 @@ class EmbeddingAPI:
         ``wait``: where the queue is full, wait for room rather than raise QueueFullError; all waiting
         calls on the engine together keep at most a quarter of ``max_queue`` in flight. ``on_progress(n)``:
         called as ``n`` more texts are done."""
-        many = self._many(texts, options, None, wait, window)
-        results: list = [None] * many.n
-        try:
-            while many.done < many.n:
-                delay = many.fill()
-                if delay:
-                    many.pause(delay)
-                    continue
-                i, handle = many.inflight[0]
-                results[i] = handle.result()
-                many.finished(on_progress)
-            return results
-        finally:
-            many.abort()
+        return self._many(texts, options, None, wait, window).run(on_progress=on_progress)
 
     async def aembed_results(self, texts: EmbeddingInput | list[EmbeddingInput], *, wait: bool = False,
                              window: int | None = None, on_progress: Callable[[int], Any] | None = None,
                              **options: Any) -> list[EmbeddingResult]:
         """:meth:`embed_results` on the caller's event loop (cancelling the task aborts what is in flight)."""
-        many = self._many(texts, options, asyncio.get_running_loop(), wait, window)
-        results: list = [None] * many.n
-        try:
-            while many.done < many.n:
-                delay = many.fill()
-                if delay:
-                    await many.apause(delay)
-                    continue
-                i, handle = many.inflight[0]
-                results[i] = await handle.aresult()
-                many.finished(on_progress)
-            return results
-        finally:
-            many.abort()
+        return await self._many(texts, options, asyncio.get_running_loop(), wait, window).arun(
+            on_progress=on_progress)
 
     def embed(self, texts: EmbeddingInput | list[EmbeddingInput], **options: Any) -> list[list[float]]:
         """The vectors of ``texts`` (a bare string gives a one-item list); options as :meth:`embed_results`."""
@@ -364,6 +339,41 @@ class _Window:
         finally:
             if withdraw is not None:
                 withdraw()
+
+    def run(self, take: Callable[[int, Any], Any] | None = None, on_progress=None) -> list:
+        """Every text through the window, waiting on this thread: results in input order (``take(i, result)``
+        maps each one); whatever is still in flight is aborted if the caller stops waiting."""
+        results: list = [None] * self.n
+        try:
+            while self.done < self.n:
+                delay = self.fill()
+                if delay:
+                    self.pause(delay)
+                    continue
+                i, handle = self.inflight[0]
+                r = handle.result()
+                results[i] = take(i, r) if take is not None else r
+                self.finished(on_progress)
+            return results
+        finally:
+            self.abort()
+
+    async def arun(self, take: Callable[[int, Any], Any] | None = None, on_progress=None) -> list:
+        """:meth:`run` on the caller's event loop (cancelling the task aborts what is in flight)."""
+        results: list = [None] * self.n
+        try:
+            while self.done < self.n:
+                delay = self.fill()
+                if delay:
+                    await self.apause(delay)
+                    continue
+                i, handle = self.inflight[0]
+                r = await handle.aresult()
+                results[i] = take(i, r) if take is not None else r
+                self.finished(on_progress)
+            return results
+        finally:
+            self.abort()
 
     def finished(self, on_progress) -> None:
         self.inflight.popleft()

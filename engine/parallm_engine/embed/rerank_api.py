@@ -85,19 +85,7 @@ class RerankAPI:
         ``wait`` / ``window``: as :meth:`embed_results`."""
         many, finish = self._rerank_many(query, documents, top_n, instruction, kind, truncate, priority, None,
                                          wait, window)
-        results: list = [None] * many.n
-        try:
-            while many.done < many.n:
-                delay = many.fill()
-                if delay:
-                    many.pause(delay)
-                    continue
-                i, handle = many.inflight[0]
-                results[i] = finish(i, handle.result())
-                many.finished(None)
-        finally:
-            many.abort()
-        return ranked(results, top_n)
+        return ranked(many.run(finish), top_n)
 
     async def arerank(self, query: str, documents: list, *, top_n: int | None = None,
                       instruction: str | None = None, kind: str | None = None, truncate: bool = True,
@@ -105,19 +93,7 @@ class RerankAPI:
         """:meth:`rerank` on the caller's event loop (cancelling the task aborts what is in flight)."""
         many, finish = self._rerank_many(query, documents, top_n, instruction, kind, truncate, priority,
                                          asyncio.get_running_loop(), wait, window)
-        results: list = [None] * many.n
-        try:
-            while many.done < many.n:
-                delay = many.fill()
-                if delay:
-                    await many.apause(delay)
-                    continue
-                i, handle = many.inflight[0]
-                results[i] = finish(i, await handle.aresult())
-                many.finished(None)
-        finally:
-            many.abort()
-        return ranked(results, top_n)
+        return ranked(await many.arun(finish), top_n)
 
     def _rerank_many(self, query, documents, top_n, instruction, kind, truncate, priority, loop, wait,
                      window) -> tuple[_Window, Any]:

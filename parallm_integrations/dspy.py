@@ -77,15 +77,19 @@ class _Params(ParaLLMParams):
     """Where the requests run: the same fields and engine lookup as ChatParaLLM (``_common``)."""
 
 
-class ParaLLMEngine:
-    """DSPy's engine contract (``complete(Request) -> Response``, ``stream``, ``close``) on a ParaLLM backend:
-    the shared in-process engine, or a server (``base_url``). One call, one blocking request; no lock, so
-    DSPy's threads run concurrently and the engine batches them."""
+class _Capabilities:
+    """What DSPy asks an engine before it builds a request (the sync and async halves say the same)."""
 
     supports_function_calling = True
     supports_response_schema = True
     supports_reasoning = False
     supported_params = _SUPPORTED_PARAMS
+
+
+class ParaLLMEngine(_Capabilities):
+    """DSPy's engine contract (``complete(Request) -> Response``, ``stream``, ``close``) on a ParaLLM backend:
+    the shared in-process engine, or a server (``base_url``). One call, one blocking request; no lock, so
+    DSPy's threads run concurrently and the engine batches them."""
 
     def __init__(self, params: _Params):
         self.params = params
@@ -167,14 +171,9 @@ class ParaLLMEngine:
         return _openai_messages(request), req
 
 
-class AsyncParaLLMEngine:
+class AsyncParaLLMEngine(_Capabilities):
     """The async half of :class:`ParaLLMEngine` (DSPy's ``acall`` / ``aforward``): the request is awaited on
     the caller's event loop, never blocking it."""
-
-    supports_function_calling = True
-    supports_response_schema = True
-    supports_reasoning = False
-    supported_params = _SUPPORTED_PARAMS
 
     def __init__(self, sync: ParaLLMEngine):
         self.sync = sync

@@ -54,16 +54,13 @@ WORDS = ("the cat sat on mat dog ran fast slow red blue green apple pear query p
          "engine batch token paris france capital river mountain city sun moon star").split()
 
 
-def build_bert_encoder(out: Path, seed: int = 0) -> Path:
-    """A 2-layer BERT (hidden 64) with a WordPiece tokenizer, saved the way mlx-embeddings loads it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_embeddings.models import bert
+def write_bert_tokenizer(out: Path, token_types: bool = False) -> int:
+    """A WordPiece BERT tokenizer over ``WORDS`` saved in ``out``; ``token_types``: it also returns BERT's
+    token type ids (a pair's second text: 1), as a cross-encoder's does. Returns the vocabulary size."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + [c for c in "abcdefghijklmnopqrstuvwxyz0123456789.,?!"] \
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list("abcdefghijklmnopqrstuvwxyz0123456789.,?!") \
         + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
     ids = {w: i for i, w in enumerate(dict.fromkeys(vocab))}
     tok = Tokenizer(models.WordPiece(ids, unk_token="[UNK]"))
@@ -72,10 +69,21 @@ def build_bert_encoder(out: Path, seed: int = 0) -> Path:
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    extra = {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]} if token_types else {}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=128)
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=128, **extra)
     fast.save_pretrained(str(out))
-    config = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": len(ids), "hidden_size": 64,
+    return len(ids)
+
+
+def build_bert_encoder(out: Path, seed: int = 0) -> Path:
+    """A 2-layer BERT (hidden 64) with a WordPiece tokenizer, saved the way mlx-embeddings loads it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_embeddings.models import bert
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = write_bert_tokenizer(out)
+    config = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": vocab_size, "hidden_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
               "max_position_embeddings": 128, "type_vocab_size": 2, "layer_norm_eps": 1e-12}
     mx.random.seed(seed)

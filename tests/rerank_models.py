@@ -22,27 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.embedding_models import WORDS
-
-
-def _bert_tokenizer(out: Path):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list("abcdefghijklmnopqrstuvwxyz0123456789.,?!") \
-        + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
-    ids = {w: i for i, w in enumerate(dict.fromkeys(vocab))}
-    tok = Tokenizer(models.WordPiece(ids, unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=128,
-                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])  # BERT's
-    fast.save_pretrained(str(out))
-    return len(ids)
+from tests.embedding_models import write_bert_tokenizer
 
 
 def build_bert_cross_encoder(out: Path, seed: int = 0, config_extra: dict | None = None,
@@ -53,7 +33,7 @@ def build_bert_cross_encoder(out: Path, seed: int = 0, config_extra: dict | None
     from mlx_embeddings.models import bert
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = _bert_tokenizer(out)
+    vocab_size = write_bert_tokenizer(out, token_types=True)
     config = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "vocab_size": vocab_size,
               "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
               "max_position_embeddings": 128, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "hidden_act": "gelu",

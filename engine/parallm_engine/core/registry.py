@@ -35,13 +35,15 @@ def get_engine(model: str | os.PathLike | None = None, **config) -> Engine:
     """Return the process-wide engine for this model and settings, loading it on first use."""
     from parallm_engine.core.engine import Engine
 
-    key = _key(model, config)
+    return _shared(_key(model, config), lambda: Engine(model, **config))
+
+
+def _shared(key, make):
+    """The live engine registered under ``key``, or the one ``make()`` builds (registered for the next call)."""
     with _lock:
         eng = _engines.get(key)
-        if eng is not None and eng.is_alive:
-            return eng
-        eng = Engine(model, **config)
-        _engines[key] = eng
+        if eng is None or not eng.is_alive:
+            eng = _engines[key] = make()
         return eng
 
 
@@ -57,12 +59,7 @@ def get_embedding_engine(model: str | os.PathLike | None = None, **config):
     if cross_encoder_dir(model) is not None:  # a classification head, no pooling: get_rerank_engine runs it
         raise NotAnEmbeddingModelError(f"{model} is a cross-encoder: it scores (query, document) pairs "
                                        "(get_rerank_engine / ParaLLMRerank), it does not embed", param="model")
-    key = _key(model, {"encoder": True, **config})
-    with _lock:
-        eng = _engines.get(key)
-        if eng is None or not eng.is_alive:
-            eng = _engines[key] = EncoderEngine(model, **config)
-        return eng
+    return _shared(_key(model, {"encoder": True, **config}), lambda: EncoderEngine(model, **config))
 
 
 def get_rerank_engine(model: str | os.PathLike | None = None, kind: str | None = None, **config):
@@ -77,12 +74,7 @@ def get_rerank_engine(model: str | os.PathLike | None = None, kind: str | None =
 
     check_kind(kind)
     if kind != "decoder" and cross_encoder_dir(model) is not None:
-        key = _key(model, {"cross_encoder": True, **config})
-        with _lock:
-            eng = _engines.get(key)
-            if eng is None or not eng.is_alive:
-                eng = _engines[key] = CrossEncoderEngine(model, **config)
-            return eng
+        return _shared(_key(model, {"cross_encoder": True, **config}), lambda: CrossEncoderEngine(model, **config))
     name = str(model) if model is not None else "the default model"
     if kind == "cross-encoder":
         raise not_a_reranker(name, "it has no sequence-classification head (config.json architectures)")

@@ -20,10 +20,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import time
 from pathlib import Path
 
-from parallm_engine.core.request import Channel, Request, _Done
+from parallm_engine.core.request import Channel, Request
 from parallm_engine.embed.embedding import EmbeddingHandle
 from parallm_engine.embed.encoder_engine import EncoderEngine
 from parallm_engine.embed.rerank import (
@@ -198,21 +197,11 @@ class CrossEncoderEngine(EncoderEngine):
         import mlx.core as mx
         import numpy as np
 
-        lens = [len(r.prompt_ids) for r in batch]
-        L = max(lens)
-        ids = mx.array([r.prompt_ids + [self.pad_id] * (L - n) for r, n in zip(batch, lens)])
+        lens, ids, mask = self._padded(batch)
+        L = ids.shape[1]
         types = mx.array([r.token_type_ids + [0] * (L - n) for r, n in zip(batch, lens)])
-        mask = mx.array([[1] * n + [0] * (L - n) for n in lens]).astype(mx.float32)
         logits = self.model(ids, types, mask)[:, 0].astype(mx.float32)
         values = np.array(logits).astype(np.float64)
-        self._stats.prefill_forwards += 1
-        self._stats.prefill_tokens += sum(lens)
-        self._stats.on_step(len(batch), 0)
-        now = time.monotonic()
-        for req, n, logit in zip(batch, lens, values):
-            req.finished = True
-            req.finish_time = req.first_token_time = now
-            self._stats.on_finish(req)
-            req.result = RerankResult(-1, self.cross_head.score(logit), n, 0, getattr(req, "truncated", False),
-                                      {"latency": now - req.arrival, "logit": float(logit)})
-            req.channel.put(_Done())
+        self._deliver(batch, lens, lambda req, n, i, now: RerankResult(
+            -1, self.cross_head.score(values[i]), n, 0, getattr(req, "truncated", False),
+            {"latency": now - req.arrival, "logit": float(values[i])}))

@@ -195,13 +195,33 @@ class EncoderEngine(EmbeddingAPI, RerankAPI, EngineBase):
             mx.synchronize()
             mx.clear_streams()  # as Engine._loop: this thread's streams go with it (mlx issue #3126)
 
-    def _embed_batch(self, batch: list) -> None:
+    def _padded(self, batch: list):
+        """(lengths, ids, mask) of a batch right-padded to its longest text."""
         import mlx.core as mx
 
         lens = [len(r.prompt_ids) for r in batch]
         L = max(lens)
         ids = mx.array([r.prompt_ids + [self.pad_id] * (L - n) for r, n in zip(batch, lens)])
         mask = mx.array([[1] * n + [0] * (L - n) for n in lens]).astype(mx.float32)
+        return lens, ids, mask
+
+    def _deliver(self, batch: list, lens: list[int], result) -> None:
+        """The batch's forward counted; each request finished with ``result(req, n, i, now)``."""
+        self._stats.prefill_forwards += 1
+        self._stats.prefill_tokens += sum(lens)
+        self._stats.on_step(len(batch), 0)
+        now = time.monotonic()
+        for i, (req, n) in enumerate(zip(batch, lens)):
+            req.finished = True
+            req.finish_time = req.first_token_time = now
+            self._stats.on_finish(req)
+            req.result = result(req, n, i, now)
+            req.channel.put(_Done())
+
+    def _embed_batch(self, batch: list) -> None:
+        import mlx.core as mx
+
+        lens, ids, mask = self._padded(batch)
         hidden = self.model(ids, attention_mask=mask).last_hidden_state
         vectors = []
         for i, (req, n) in enumerate(zip(batch, lens)):
@@ -214,19 +234,10 @@ class EncoderEngine(EmbeddingAPI, RerankAPI, EngineBase):
                 v = v / mx.maximum(mx.linalg.norm(v), 1e-12)
             vectors.append(v)
         mx.eval(vectors)
-        self._stats.prefill_forwards += 1
-        self._stats.prefill_tokens += sum(lens)
-        self._stats.on_step(len(batch), 0)
-        now = time.monotonic()
-        for req, n, v in zip(batch, lens, vectors):
-            req.finished = True
-            req.finish_time = req.first_token_time = now
-            self._stats.on_finish(req)
-            self._stats.embeddings_finished += 1
-            self._stats.embedding_tokens += n
-            req.result = EmbeddingResult(req.id, v.tolist(), n, getattr(req, "truncated", False),
-                                         {"latency": now - req.arrival})
-            req.channel.put(_Done())
+        self._stats.embeddings_finished += len(batch)
+        self._stats.embedding_tokens += sum(lens)
+        self._deliver(batch, lens, lambda req, n, i, now: EmbeddingResult(
+            req.id, vectors[i].tolist(), n, getattr(req, "truncated", False), {"latency": now - req.arrival}))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:

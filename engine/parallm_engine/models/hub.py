@@ -153,6 +153,13 @@ def refuse_encoder(config: dict, where) -> None:
             "mlx-embeddings)", architecture=config.get("model_type"))
 
 
+def _repo(spec: str) -> tuple[str, str | None]:
+    parsed = parse_repo_spec(spec)
+    if parsed is None:
+        raise ModelNotFoundError(f"{spec!r} is not a hub repo id (org/name or org/name@revision)")
+    return parsed
+
+
 def fetch_model(spec: str, *, local_only: bool = False, encoder_ok: bool = False) -> Path:
     """The local snapshot directory of hub model ``spec`` (``org/name[@revision]``), downloading what is
     missing (huggingface_hub's progress bars on stderr) unless offline or ``local_only``. ``encoder_ok``: an
@@ -160,10 +167,7 @@ def fetch_model(spec: str, *, local_only: bool = False, encoder_ok: bool = False
     errors of :mod:`errors` (all :class:`ModelLoadError`)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    parsed = parse_repo_spec(spec)
-    if parsed is None:
-        raise ModelNotFoundError(f"{spec!r} is not a hub model id (org/name or org/name@revision)")
-    repo_id, revision = parsed
+    repo_id, revision = _repo(spec)
     kwargs = _hub_kwargs(local_only)
     try:
         config_file = hf_hub_download(repo_id, "config.json", revision=revision, **kwargs)
@@ -188,10 +192,7 @@ def fetch_adapter(spec: str) -> Path:
     downloaded on first use as models are (``fetch_model``); the same typed errors."""
     from huggingface_hub import snapshot_download
 
-    parsed = parse_repo_spec(spec)
-    if parsed is None:
-        raise ModelNotFoundError(f"{spec!r} is not a hub repo id (org/name or org/name@revision)")
-    repo_id, revision = parsed
+    repo_id, revision = _repo(spec)
     kwargs = _hub_kwargs(False)
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=ADAPTER_ALLOW_PATTERNS, **kwargs))

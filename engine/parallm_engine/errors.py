@@ -44,6 +44,24 @@ class EngineDeadError(ParaLLMError):
     """The engine thread stopped (shut down or crashed); no new requests are accepted."""
 
 
+class RankLostError(EngineDeadError):
+    """A rank of a distributed engine died, hung or lost its link (HTTP 503): every request in flight and
+    queued ends with it, and the engine takes no more. ``rank`` is the rank that was lost, where known."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class DistributedError(ParaLLMError):
+    """The distributed mode cannot run as asked: not started under ``mlx.launch``, an unknown mode, a family
+    that mode cannot split (``supported`` names the modes that can), or a feature the mode does not support."""
+
+    def __init__(self, message: str, supported: list[str] | None = None):
+        super().__init__(message)
+        self.supported = list(supported or [])
+
+
 class UnsupportedModelError(ModelLoadError):
     """The model loads, but the engine cannot run its family correctly (refused at load, never run wrong)."""
 

@@ -138,6 +138,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         kv_disk: int | str | None = None,
         session_ttl: float | None = None,
         kv_events: str | dict | None = None,
+        distributed: str | None = None,
+        distributed_timeout: float = 90.0,
     ):
         """``backend``: ``"cpu-native"``, ``"cpu-mlx"`` (MLX ops only, the path Metal and CUDA take),
         ``"metal"`` or ``"cuda"``; None picks the device's (``PARALLM_BACKEND`` overrides).
@@ -173,7 +175,10 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         (experimental: docs/memory.md, "Sessions", says what it measured). ``kv_events``: publish what the
         prefix cache holds as vLLM-format KV events on a ZMQ endpoint (``"tcp://*:5557"``, or a dict with
         ``endpoint``, ``replay_endpoint``, ``topic``, ``block_size``: ``kv/kv_events.py``) for prefix-aware
-        routers (llm-d, Dynamo); None: off."""
+        routers (llm-d, Dynamo); None: off. ``distributed``: ``"pipeline"`` or ``"tensor"``, one model over the
+        ranks of ``mlx.launch`` (``docs/distributed.md``): rank 0 returns the engine, the other ranks run its
+        steps until rank 0 shuts down and then exit; a rank that dies or hangs for ``distributed_timeout``
+        seconds ends every request with ``RankLostError``."""
         from parallm_engine.runner.backend import choose_backend
         from parallm_engine.models.loader import load_model
 
@@ -197,14 +202,33 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         kv_events = KVEventsConfig.parse(kv_events)
         speculative = parse_speculative(speculative)
         kv_bits = resolve_kv_bits(kv_bits)
+        #: The ranks this engine runs on (``distributed/group.py``); None: this process alone.
+        self.dist = None
+        if distributed is not None:
+            from parallm_engine.core.distributed_core import join_group
+
+            self.dist, backend = join_group(distributed, backend=backend, speculative=speculative,
+                                            adapters=adapters, session_ttl=session_ttl, kv_bits=kv_bits)
         try:
             self.backend = choose_backend(backend)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="backend") from exc
+        if self.dist is not None:
+            from parallm_engine.core.distributed_core import cpu_backend_for
+
+            self.backend = cpu_backend_for(self.dist, self.backend)
         from parallm_engine.runner.weights_dtype import resolve_weights_dtype
 
         weights = resolve_weights_dtype(weights_dtype, self.backend.device)
-        self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights)
+        shard = None
+        if self.dist is not None:
+            from parallm_engine.distributed.sharding import shard_model
+
+            def shard(net, dist=self.dist):
+                dist.shard.update(shard_model(net, dist))
+
+        self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights,
+                                                                 shard=shard)
         #: The weight storage in effect ("float32", "bfloat16", "bfloat16-matmul"; None: the model's own dtype).
         self.weights_dtype = weights if dtype in (None, "float32") else None
         if self.weights_dtype == "bfloat16":
@@ -236,6 +260,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         )
         self.config.kv_disk = _disk_tier(kv_disk, enable_prefix_cache, self.model_info, self.backend,
                                          self.weights_dtype, dtype, self.config.batch_invariant)
+        if self.dist is not None:
+            self._distributed_settings()
         self._stats = EngineStats()
         if getattr(self.model, "vision", None) is not None:  # image features share the prefix cache's budget
             self.model.vision.budget_bytes = max(1 << 20, self.config.radix_budget_bytes // 4)
@@ -254,9 +280,32 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         self.backend.batch_invariance = _batch_invariance_line(self._scheduler.runner.batch_invariance,
                                                                self.backend.device)
         logger.info("%s; model layout %s", self.backend.summary(), self._scheduler.layout)
+        sync = None
+        if self.dist is not None:
+            from parallm_engine.core.distributed_core import LeaderSync, run_follower
+
+            if not self.dist.leader:
+                run_follower(self)  # the other ranks step with rank 0 until it stops; then the process ends
+            sync = LeaderSync(self.dist, distributed_timeout)
         #: The engine thread and the one way onto it (enqueue, abort, reject, call between steps).
-        self.core = EngineCore(self._scheduler, self._stats, self.model, max_queue)
+        self.core = EngineCore(self._scheduler, self._stats, self.model, max_queue, sync=sync)
         _live_engines.add(self)
+
+    def _distributed_settings(self) -> None:
+        """Out of the scheduler goes everything that differs by rank: the clock (no step-time target: a fixed
+        prefill budget per step), the disk tier, a second decode lane, compiled steps; KV events come from
+        rank 0 only. Then the ranks agree on the rest (``agree_on_settings``)."""
+        from parallm_engine.core.distributed_core import agree_on_settings
+
+        cfg = self.config
+        cfg.step_time_target_s = 0.0
+        cfg.kv_disk = None
+        cfg.decode_lanes = 1
+        cfg.compile_decode = False
+        if not self.dist.leader:
+            cfg.kv_events = None
+        agree_on_settings(self.dist, self)
+        self.model.distributed_ranks = self.dist.size  # its forwards are evaluated at once (runner/forward.py)
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -397,6 +446,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
     def _resolve_adapter(self, adapter, params: SamplingParams):
         if adapter is None:
             return None
+        if self.dist is not None:
+            raise InvalidRequestError("LoRA adapters are not supported by the distributed mode", param="adapter")
         spec = params.speculative
         if spec is not None and spec.enabled and spec.method == "draft":
             raise InvalidRequestError("a draft model drafts for the base model only: use speculative "
@@ -410,6 +461,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         spec = params.speculative
         if spec is None or not spec.enabled:
             return
+        if self.dist is not None:
+            raise InvalidRequestError("speculative decoding is not supported by the distributed mode",
+                                      param="speculative")
         if self._scheduler.speculator is None:
             raise InvalidRequestError(self._scheduler.no_speculation, param="speculative")
         if params.needs_penalties:
@@ -459,18 +513,29 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         if cache is None:
             return 0
 
-        def clear() -> int:
-            self._scheduler.kv.release_session(None)  # what sessions kept goes too
-            freed = cache.clear_unpinned()
-            self._scheduler.kv.trim()
-            return freed
+        return self.core.call(self._clear_prefix_cache_now, mirror=("clear_prefix_cache", ()))
 
-        return self.run_on_engine_thread(clear)
+    def _clear_prefix_cache_now(self) -> int:
+        """Engine thread: :meth:`clear_prefix_cache`'s work."""
+        cache = self._scheduler.prefix_cache
+        self._scheduler.kv.release_session(None)  # what sessions kept goes too
+        freed = cache.clear_unpinned()
+        self._scheduler.kv.trim()
+        return freed
+
+    def run_mirrored_here(self, name: str, *args):
+        """A distributed engine's follower repeats rank 0's maintenance call ``name`` (``MIRRORED_CALLS``)."""
+        if name == "clear_prefix_cache":
+            return self._clear_prefix_cache_now() if self._scheduler.prefix_cache is not None else 0
+        if name == "release_session":
+            return self._scheduler.kv.release_session(*args)
+        raise ValueError(f"not a mirrored call: {name!r}")
 
     def release_session(self, session: str | None = None) -> int:
         """``session`` (None: every session) lets go of the context it kept pinned; returns how many did.
         What it let go stays cached as any prefix does, evicted least recently used."""
-        return self.run_on_engine_thread(lambda: self._scheduler.kv.release_session(session))
+        return self.core.call(lambda: self._scheduler.kv.release_session(session),
+                              mirror=("release_session", (session,)))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.core.shutdown(timeout)

@@ -31,8 +31,10 @@ class EngineCore:
     :meth:`call` and :meth:`shutdown`; the scheduler (``scheduler``) is touched by the engine thread only.
     ``dead`` is None while the thread runs, else the error every later caller gets."""
 
-    def __init__(self, scheduler, stats, model, max_queue: int):
+    def __init__(self, scheduler, stats, model, max_queue: int, sync=None):
         self.scheduler = scheduler
+        # Rank 0 of a distributed engine: what the other ranks must hear (core/distributed_core.py).
+        self.sync = sync
         self.stats = stats
         self.model = model
         self.max_queue = max_queue
@@ -46,6 +48,10 @@ class EngineCore:
         self._stats_warned = False
         self.thread = threading.Thread(target=self._run, name="parallm-engine", daemon=True)
         self.thread.start()
+        if sync is not None:
+            from parallm_engine.core.distributed_core import StepWatchdog
+
+            StepWatchdog(self, sync).start()
 
     @property
     def pending(self) -> int:
@@ -84,15 +90,18 @@ class EngineCore:
         failed to encode) with ``error``, from the engine thread; its slot is free at once."""
         with self._lock:
             self._pending -= 1
-        self._commands.put(("call", (lambda: self.scheduler.reject(req, error), [], threading.Event())))
+        self._commands.put(("call", (lambda: self.scheduler.reject(req, error), [], threading.Event(), None)))
         self._wake.set()
 
-    def call(self, fn, timeout: float | None = None):
+    def call(self, fn, timeout: float | None = None, mirror: tuple | None = None):
         """Run ``fn()`` between steps on the engine thread and return what it returns (or raise what it
-        raised)."""
+        raised). ``mirror``: ``(name, args)`` of the same maintenance on every rank of a distributed engine
+        (``distributed_core.MIRRORED_CALLS``)."""
+        if self.dead is not None:
+            raise self.dead
         box: list = []
         done = threading.Event()
-        self._commands.put(("call", (fn, box, done)))  # answered by _drain_commands, or _fail_waiting
+        self._commands.put(("call", (fn, box, done, mirror)))  # answered by _drain_commands, or _fail_waiting
         self._wake.set()
         if not done.wait(timeout):
             raise TimeoutError("engine thread did not answer")
@@ -137,11 +146,14 @@ class EngineCore:
                 return
 
     def _drain_commands(self) -> None:
+        sync = self.sync
         for cmd, arg in self._queued_commands():
             if cmd == "add":
                 with self._lock:
                     self._pending -= 1
                 try:
+                    if sync is not None:
+                        sync.record_add(arg)  # before the scheduler: a follower adds (or rejects) it alike
                     self.scheduler.add(arg)
                 except Exception as exc:  # one bad request fails alone; the engine keeps serving
                     logger.exception("could not start request %s", arg.id)
@@ -149,9 +161,13 @@ class EngineCore:
             elif cmd == "abort":
                 with self._lock:  # counted as in flight again until the scheduler has dropped it
                     self._aborting.discard(arg)
+                if sync is not None:
+                    sync.record("abort", arg)
                 self.scheduler.abort(arg)
             elif cmd == "call":
-                fn, box, done = arg
+                fn, box, done, mirror = arg
+                if sync is not None and mirror is not None:
+                    sync.record("call", mirror)
                 try:
                     box.append(fn())
                 except BaseException as exc:  # handed back to the caller
@@ -192,9 +208,30 @@ class EngineCore:
                 except BaseException:  # noqa: BLE001
                     logger.exception("could not fail queued request %s", arg.id)
             elif cmd == "call":
-                _, box, done = arg
+                _, box, done, _ = arg
                 box.append(error)
                 done.set()
+
+    def _distributed_step(self) -> None:
+        """A step of rank 0 of a distributed engine: the plan goes to the other ranks before its forwards."""
+        sync = self.sync
+        sync.step_started = time.monotonic()
+        try:
+            self.scheduler.step(on_plan=lambda plan: sync.send_plan(self.scheduler, plan))
+        finally:
+            sync.step_started = None
+
+    def group_lost(self, error) -> None:
+        """A distributed engine's group broke (a rank died, hung or diverged): every request ends with
+        ``error`` and the engine takes no more. Any thread (the watchdog's while this one is blocked)."""
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = error
+        self._stop = True
+        self.sync.stopped = True  # nobody is left to hear a stop message
+        self._fail_waiting(error)
+        self._wake.set()
 
     def _loop(self) -> None:
         sched = self.scheduler
@@ -209,8 +246,17 @@ class EngineCore:
             t0 = time.monotonic()
             try:
                 with batched_deliveries():  # each consumer loop gets the step's deliveries at once
-                    sched.step()  # schedule() -> runner.execute(plan) -> update(plan, out)
+                    if self.sync is None:
+                        sched.step()  # schedule() -> runner.execute(plan) -> update(plan, out)
+                    else:
+                        self._distributed_step()
             except Exception as exc:
+                if self.sync is not None:  # the ranks no longer step together: the group is over
+                    from parallm_engine.core.distributed_core import lost_rank_error
+
+                    logger.critical("distributed step failed", exc_info=True)
+                    self.group_lost(lost_rank_error(self.sync.dist, exc))
+                    return  # the group's collectives are broken: nothing at the end below may run on them
                 if is_allocation_failure(exc):  # preempt and resume; fails no request that can still run
                     memory_recovery.recover(sched, exc)
                 else:  # a bug or another MLX error: fail what is in flight, keep serving
@@ -219,6 +265,8 @@ class EngineCore:
             self.stats.busy_time += time.monotonic() - t0
             sched.kv.publish_events()
             self._publish_stats()
+        if self.sync is not None:
+            self.sync.stop("shutdown")
         try:  # what the prefix cache holds outlives the process (kv/disk_tier.py)
             sched.kv.persist()
         except Exception:  # noqa: BLE001

@@ -211,9 +211,12 @@ class Scheduler(PrefillPlanner):
             self._enqueue([seq])
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self) -> None:
-        """One engine step (the engine thread's loop calls it): plan, execute, update."""
+    def step(self, on_plan=None) -> None:
+        """One engine step (the engine thread's loop calls it): plan, execute, update. ``on_plan(plan)``
+        runs between planning and executing (a distributed engine's ranks agree on the plan there)."""
         plan = self.schedule()
+        if on_plan is not None:
+            on_plan(plan)
         self.update(plan, self.runner.execute(plan))
 
     def schedule(self) -> StepPlan:
@@ -292,12 +295,16 @@ class Scheduler(PrefillPlanner):
         while self.waiting and active < self.config.max_batch_size:
             seq = self._next_fair(groups)
             need = self.kv.context_bytes(seq)
-            # Always admit when idle, so one oversized request still runs rather than waiting forever.
-            if active and need > room:
-                if self.kv.yield_session(seq.request.session):  # a kept session gives way to admission
+            if need > room:
+                # Kept sessions give way only to a request that would otherwise wait on nothing: while rows run,
+                # it waits for them (the pins are bounded by their share, so the rows' share of the budget frees
+                # up as they finish) rather than costing a waiting agent its context (kv/session_pins.py).
+                if not active and self.kv.yield_session(seq.request.session):
                     room = self.kv.admission_room() - sum(self.kv.context_bytes(s) for s in self.prefilling)
                     continue
-                break
+                if active:
+                    break
+                # Always admit when idle, so one oversized request still runs rather than waiting forever.
             self.waiting.remove(seq)
             self.prefilling.append(seq)
             admitted.append(seq)

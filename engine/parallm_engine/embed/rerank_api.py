@@ -25,6 +25,7 @@ full instead of raising QueueFullError.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from parallm_engine.core.request import Channel, Request
@@ -142,7 +143,7 @@ class RerankAPI:
         prompt = self._decoder_prompt()
         vocab = self.model_info.vocab_size
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=2)
-        req = Request(pair[0], params, Channel(loop), grammar=lambda: AnswerChoice(prompt.yes, prompt.no, vocab),
+        req = Request(pair[0], params, Channel(loop), grammar=functools.partial(AnswerChoice, prompt.yes, prompt.no, vocab),
                       priority=priority, group=group)
         self.core.take_queue_slot()
         self.core.enqueue_add(req)

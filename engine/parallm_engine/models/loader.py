@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallm_engine.errors import ModelLoadError
+from parallm_engine.errors import ModelLoadError, UnsupportedModelError
 from parallm_engine.models.model_store import DEFAULT_MODEL_NAME, default_model_path, is_gguf
 from parallm_engine.runner.weights_dtype import BF16_WEIGHTS
 
@@ -165,10 +165,13 @@ def resolve_model(model: str | os.PathLike | None, encoder_ok: bool = False) -> 
     )
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str | None = None, weights_dtype: str | None = None):
+def load_model(model: str | os.PathLike | None = None, dtype: str | None = None, weights_dtype: str | None = None,
+               shard=None):
     """Load (model, tokenizer, ModelInfo). ``dtype`` None picks the backend's fast dtype.
     ``weights_dtype="bfloat16"`` (CPU; with float32 ``dtype``): Linear and Embedding weights stored as
-    bfloat16, everything else float32 (``weights_dtype``)."""
+    bfloat16, everything else float32 (``weights_dtype``). ``shard(net)``: a distributed engine's split of
+    the model (``distributed/sharding.py``), applied to the lazily loaded model before any weight is read,
+    so a rank reads only what it keeps."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load as mlx_load
@@ -187,12 +190,16 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
     except (OSError, ValueError):
         pass  # no readable config: mlx-lm's loader says what is wrong
     if vision_family(path):  # a vision-language model: mlx-vlm loads it (the `vision` extra)
+        if shard is not None:
+            raise UnsupportedModelError("vision-language models are not supported by the distributed mode")
         net, tokenizer = load_vision_model(path)
     else:
         try:
-            net, tokenizer = mlx_load(str(path))
+            net, tokenizer = mlx_load(str(path), lazy=shard is not None)
         except Exception as exc:
             raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from exc
+    if shard is not None:
+        shard(net)
     _silence_length_warning(tokenizer)
 
     want = dtype or info.dtype
@@ -276,9 +283,9 @@ def _measure_kv_bytes_per_token(net) -> int:
 
     def held(n: int) -> int:
         caches = make_cache(net)
-        net(mx.zeros((1, n), dtype=mx.int32), cache=caches)
+        out = net(mx.zeros((1, n), dtype=mx.int32), cache=caches)
         valid = cache_arrays(caches, valid_only=True)  # what holds tokens, not the step-rounded allocation
-        mx.eval(valid)
+        mx.eval(out, valid)  # the output too: a distributed model's collectives are in it (every rank alike)
         return sum(a.nbytes for a in valid)
 
     try:

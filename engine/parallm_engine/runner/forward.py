@@ -14,6 +14,11 @@ vision-language model's image embeddings and M-RoPE positions (its ``prefill_inp
 
 Load-time probes (``logits_head``, ``kv_quant``) and other models (a draft model, a BERT encoder) call
 their models themselves.
+
+A distributed model (``distributed/sharding.py``; ``model.distributed_ranks`` set) has collectives inside
+its forward. Each forward here is evaluated at once, its output included, so every rank runs them in the
+same order whatever part of the step's results it reads first (a prompt's chunk whose logits nobody reads
+would otherwise never send its activations on).
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from parallm_engine.runner.lora import adapter_rows
+
+
+def _settled(model, out):
+    """``out``, evaluated now where ``model`` is distributed (see the module's docstring)."""
+    if getattr(model, "distributed_ranks", 0):
+        mx.eval(out)
+    return out
 
 
 def prefill(model, tokens: mx.array, cache: list, rows: list[tuple]) -> mx.array:
@@ -32,8 +44,8 @@ def prefill(model, tokens: mx.array, cache: list, rows: list[tuple]) -> mx.array
     with adapter_rows(model, seqs):
         ids, kwargs = inputs(tokens, rows) if inputs is not None else (tokens, {})
         if not any(seq.embedding for seq in seqs):
-            return model(ids, cache=cache, **kwargs)
-        hidden = model.model(ids, cache=cache, **kwargs)
+            return _settled(model, model(ids, cache=cache, **kwargs))
+        hidden = _settled(model, model.model(ids, cache=cache, **kwargs))
     L = tokens.shape[1]
     for r, (seq, start, n) in enumerate(rows):
         if seq.embedding:
@@ -46,7 +58,7 @@ def texts(model, tokens: mx.array, seqs: list, lengths: list[int]) -> None:
     position reads a pad after it), the hidden-state forward with no cache (nothing is kept, so no KV is
     written), each row pooling its own ``lengths[i]`` positions."""
     with adapter_rows(model, seqs):
-        hidden = model.model(tokens)
+        hidden = _settled(model, model.model(tokens))
     for r, (seq, n) in enumerate(zip(seqs, lengths)):
         seq.take(hidden[r, :n], 0)
 
@@ -63,13 +75,13 @@ def decode(model, tokens: mx.array, cache: list, seqs: list, positions: list[int
     hook = getattr(model, "decode_kwargs", None) if positions is None else None
     kwargs = hook(seqs, tokens.shape[1]) if hook is not None else {}
     with adapter_rows(model, seqs, positions):
-        return model(tokens, cache=cache, **kwargs)
+        return _settled(model, model(tokens, cache=cache, **kwargs))
 
 
 def prompts(model, ids: mx.array, cache: list, seqs: list) -> None:
     """Prompts' chunks alone (a lane with fused work and no decode rows): their KV written, logits unread."""
     with adapter_rows(model, seqs):
-        model(ids, cache=cache)
+        _settled(model, model(ids, cache=cache))
 
 
 def fused(split, model, tokens: mx.array, cache: list, decode_seqs: list, prompt_seqs: list,
@@ -80,11 +92,11 @@ def fused(split, model, tokens: mx.array, cache: list, decode_seqs: list, prompt
     backbone, head = split
     B = len(decode_seqs)
     with adapter_rows(model, decode_seqs + prompt_seqs, [1] * B + new):
-        hidden = backbone(tokens, cache=cache)
+        hidden = _settled(model, backbone(tokens, cache=cache))
     with adapter_rows(model, decode_seqs):
         return head(hidden[:B])
 
 
 def plain(model, tokens: mx.array, cache: list) -> mx.array:
     """The model's own forward, nothing bound (the compiled decode step's trace)."""
-    return model(tokens, cache=cache)
+    return _settled(model, model(tokens, cache=cache))

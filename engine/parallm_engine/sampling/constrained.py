@@ -197,6 +197,16 @@ def compile_constraint(
             raise GrammarError(f"cannot build a tool-call grammar from these tools: {exc!r}", param="tools") from exc
     if grammar is None:
         return None
+    return compile_grammar(tokenizer, vocab_size, grammar, param=param, optional=optional)
+
+
+def compile_grammar(tokenizer, vocab_size: int, grammar: str, param: str = "response_format",
+                    optional: bool = False) -> Callable[[], GrammarConstraint] | None:
+    """The per-sequence constraint factory of an llguidance ``grammar`` (cached by grammar); its ``source``
+    is the grammar, which another rank of a distributed engine compiles again. None where an optional
+    tool grammar does not compile."""
+    from llguidance import LLMatcher
+
     tok = ll_tokenizer(tokenizer, vocab_size)
     key = (id(tok), grammar)
     with _tok_lock:
@@ -222,4 +232,5 @@ def compile_constraint(
         # A copy of the compiled matcher in its initial state: microseconds, on the engine thread.
         return GrammarConstraint(template.deep_copy(), words)
 
+    factory.source = grammar
     return factory

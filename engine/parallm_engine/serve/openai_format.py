@@ -23,6 +23,7 @@ from parallm_engine.errors import (
     AdapterNotFoundError,
     ContextLengthExceededError,
     EngineDeadError,
+    RankLostError,
     InvalidRequestError,
     OutOfMemoryError,
     ParaLLMError,
@@ -72,6 +73,8 @@ def api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         retry = max(1, math.ceil(exc.retry_after or 1))
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry)})
+    if isinstance(exc, RankLostError):
+        return APIError(503, str(exc), type="server_error", code="rank_lost")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
     if isinstance(exc, RequestCancelledError):

@@ -1,0 +1,152 @@
+"""Split a loaded (still lazy) model over the ranks, by the model's own code where it has it.
+
+- ``tensor``: mlx-lm's ``Model.shard(group)`` (attention heads and MLP columns over the ranks, an ``all_sum``
+  after each block's output projection). Families without it are refused.
+- ``pipeline``: a layer-range pipeline for any model whose layers are a list: rank r keeps a contiguous range
+  of layers
+  (rank 0 the first), its first layer takes its input from rank r - 1 (``recv_like``) and its last sends its
+  output on (``send``); the last rank's hidden state then reaches every rank (``all_gather``), so the final
+  norm and head run everywhere and every rank samples from the same logits. mlx-lm's own
+  ``model.pipeline(group)`` (qwen2, deepseek, ...) communicates the same way, but its forward ties the send to
+  ``cache[-1].keys``, a field of mlx-lm's caches the engine's paged caches do not have; so the engine splits
+  those families by layer range too (the same sends, the same ``all_gather``).
+
+Only what a rank keeps is ever read from the weight files: the model is loaded lazily and the layers a rank
+does not own are dropped before its parameters are evaluated (as mlx-lm's ``sharded_load``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from parallm_engine.errors import DistributedError
+
+
+def _inner(net):
+    """The module whose ``layers`` list the model's forward loops over (mlx-lm: ``Model.model``)."""
+    for holder in (getattr(net, "model", None), getattr(net, "language_model", None), net):
+        layers = getattr(holder, "layers", None) if holder is not None else None
+        if isinstance(layers, list) and layers:
+            return holder
+    return None
+
+
+def supported_modes(net) -> list[str]:
+    modes = []
+    if _inner(net) is not None:
+        modes.append("pipeline")
+    if callable(getattr(net, "shard", None)):
+        modes.append("tensor")
+    return modes
+
+
+def layer_split(n_layers: int, capacities: list[int]) -> list[int]:
+    """Layers per rank in proportion to what each rank can hold (``capacities``: bytes for weights and KV),
+    each at least one; equal capacities give an even split (the low ranks take the remainder)."""
+    size = len(capacities)
+    if n_layers < size:
+        raise DistributedError(f"a {n_layers}-layer model cannot be split over {size} ranks")
+    total = sum(capacities)
+    if total <= 0 or len(set(capacities)) == 1:
+        base, extra = divmod(n_layers, size)
+        return [base + (1 if r < extra else 0) for r in range(size)]
+    raw = [n_layers * c / total for c in capacities]
+    split = [max(1, int(x)) for x in raw]
+    while sum(split) < n_layers:  # the largest remainders get the layers left
+        r = max(range(size), key=lambda i: raw[i] - split[i])
+        split[r] += 1
+    while sum(split) > n_layers:
+        r = max((i for i in range(size) if split[i] > 1), key=lambda i: split[i] - raw[i])
+        split[r] -= 1
+    return split
+
+
+class _Stage(nn.Module):
+    """A layer at a pipeline stage's edge: its input comes from the previous rank (``recv_from``), and/or its
+    output goes to the next (``send_to``) and the last rank's output is then taken on every rank
+    (``gather``). Everything else about the layer (``self_attn``, ``use_sliding``, ...) reads through."""
+
+    def __init__(self, layer, group, rank: int, size: int, recv_from: int | None, send_to: int | None, gather: bool):
+        super().__init__()
+        self.layer = layer
+        # a plain attribute, not a child module (a tuple would join the parameter tree)
+        object.__setattr__(self, "_edge", (group, rank, size, recv_from, send_to, gather))
+
+    def __getattr__(self, key):
+        if key in self:
+            return self[key]
+        if key.startswith("__") or "layer" not in self:
+            raise AttributeError(key)
+        return getattr(self["layer"], key)
+
+    def __call__(self, x, *args, **kwargs):
+        group, rank, size, recv_from, send_to, gather = self._edge
+        if recv_from is not None:
+            x = mx.distributed.recv_like(x, recv_from, group=group)
+        h = self.layer(x, *args, **kwargs)
+        if send_to is not None:
+            h = mx.distributed.send(h, send_to, group=group)
+            _after_send(args, kwargs, h)
+        if gather:  # the last rank's hidden state, on every rank
+            B = h.shape[0]
+            h = mx.distributed.all_gather(h, group=group)[(size - 1) * B : size * B]
+        return h
+
+
+def _after_send(args, kwargs, sent) -> None:
+    """mlx-lm's own generation evaluates only the caches after a prefill chunk: an mlx-lm cache of the
+    stage's last layer is made to depend on the send (as mlx-lm's pipeline does), so the activations leave
+    even then. The engine's caches need nothing: its forwards evaluate their outputs (``runner/forward``)."""
+    cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+    if type(cache).__module__.startswith("mlx_lm") and isinstance(getattr(cache, "keys", None), mx.array):
+        cache.keys = mx.depends(cache.keys, sent)
+
+
+def _layer_range(net, group, split: list[int]) -> tuple[int, int]:
+    inner = _inner(net)
+    rank, size = group.rank(), group.size()
+    start = sum(split[:rank])
+    end = start + split[rank]
+    mine = list(inner.layers[start:end])
+    first, last = 0, len(mine) - 1
+    staged = []
+    for i, layer in enumerate(mine):
+        recv_from = rank - 1 if i == first and rank > 0 else None
+        send_to = rank + 1 if i == last and rank < size - 1 else None
+        gather = i == last
+        staged.append(_Stage(layer, group, rank, size, recv_from, send_to, gather)
+                      if recv_from is not None or send_to is not None or gather else layer)
+    inner.layers = staged
+    return start, end
+
+
+def shard_model(net, dist, split: list[int] | None = None) -> dict:
+    """Split ``net`` for ``dist`` (a ``DistributedGroup``) in place; what this rank holds, for ``info``."""
+    modes = supported_modes(net)
+    name = type(net).__module__.rsplit(".", 1)[-1]
+    if dist.mode not in modes:
+        raise DistributedError(
+            f"the {name} family cannot run distributed={dist.mode!r}; it supports: {', '.join(modes) or 'none'}",
+            supported=modes)
+    inner = _inner(net)
+    n_layers = len(inner.layers)
+    if dist.mode == "tensor":
+        _check_heads(net, dist.size)
+        net.shard(dist.group)
+        return {"layers": [0, n_layers], "num_layers": n_layers, "sharding": "mlx-lm shard()"}
+    if split is None:
+        split = layer_split(n_layers, [1] * dist.size)
+    start, end = _layer_range(net, dist.group, split)
+    return {"layers": [start, end], "num_layers": n_layers, "sharding": "layer range"}
+
+
+def _check_heads(net, size: int) -> None:
+    """Tensor parallel splits the attention heads: both head counts must divide by the ranks."""
+    args = getattr(net, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    kv = getattr(args, "num_key_value_heads", None) or heads
+    for what, n in (("attention heads", heads), ("key/value heads", kv)):
+        if isinstance(n, int) and n % size:
+            raise DistributedError(f"tensor parallel over {size} ranks needs {what} divisible by {size}; the model "
+                                   f"has {n}: use distributed='pipeline'", supported=["pipeline"])

@@ -18,6 +18,10 @@ def main(args) -> int:
         from parallm_bench.plot import check_available
 
         check_available()  # before the run, not after it
+    if getattr(args, "distributed", None):  # its own servers (1 rank, N ranks under mlx.launch), alone
+        from parallm_bench.distributed import main as distributed_main
+
+        return distributed_main(args)
     shape = None
     model = args.model
     if getattr(args, "shape", None):

@@ -33,6 +33,9 @@ def _engine_config(args) -> dict:
         if args.kv_events_block_size is not None:
             events["block_size"] = args.kv_events_block_size
         cfg["kv_events"] = events
+    if getattr(args, "distributed", None):
+        cfg["distributed"] = args.distributed
+        cfg["distributed_timeout"] = args.distributed_timeout
     return cfg
 
 
@@ -342,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --kv-events: a ZMQ ROUTER endpoint that replays missed event batches")
         sp.add_argument("--kv-events-block-size", type=int, default=None, metavar="N",
                         help="with --kv-events: tokens per block (default 16; the router must use the same)")
+        sp.add_argument("--distributed", choices=("pipeline", "tensor"), default=None,
+                        help="one model over the ranks of mlx.launch (e.g. `mlx.launch -n 2 --backend ring -- "
+                             "parallm serve --distributed pipeline`): rank 0 serves, the others follow it "
+                             "(docs/distributed.md)")
+        sp.add_argument("--distributed-timeout", type=float, default=90.0, metavar="S",
+                        help="with --distributed: a step waiting this long on another rank ends every request "
+                             "with a rank_lost error (503)")
 
     sp = sub.add_parser("info", help="backend, dtype and BLAS in use; the default model")
     sp.add_argument("--model", default=None)
@@ -452,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--concurrency", type=int, default=None, metavar="N",
                     help="requests in flight in throughput and fanout (default 32; e.g. 8 or 64)")
     sp.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
+    sp.add_argument("--ranks", type=int, default=2,
+                    help="with --distributed: the model on 1 rank and on this many ranks of mlx.launch (ring, this "
+                         "machine): tok/s, each rank's weights, the control messages' share (default 2)")
     sp.add_argument("--agents", type=int, default=None, help="agents: how many simulated agents (default 16)")
     sp.add_argument("--agent-rate", type=float, default=None, help="agents: Poisson arrivals per second (default 1)")
     sp.add_argument("--agent-reply-tokens", type=int, default=None, help="agents: tokens per reply (default 24)")

@@ -26,8 +26,15 @@ from parallm_engine.core.request import Channel, Request
 
 logger = logging.getLogger("parallm_engine")
 
-# Which mirrored maintenance calls a follower knows how to repeat (``Engine.run_mirrored``).
+# Which mirrored maintenance calls a follower knows how to repeat (``Engine.run_mirrored_here``).
 MIRRORED_CALLS = ("clear_prefix_cache", "release_session")
+MEMORY_EVERY = 32  # steps between two gathers of every rank's memory (``DistributedGroup.gather_memory``)
+
+
+def gather_memory(dist, sched, weights: int) -> None:
+    import mlx.core as mx
+
+    dist.gather_memory(weights, sched.kv_bytes_held(), mx.get_active_memory())
 
 
 # -- requests as a message --------------------------------------------------------------------------------
@@ -101,8 +108,9 @@ def token_digest(sched) -> str:
 class LeaderSync:
     """Rank 0's side: the commands to mirror, sent with each step's plan; the group's end."""
 
-    def __init__(self, dist, step_timeout_s: float):
+    def __init__(self, dist, step_timeout_s: float, weights: int):
         self.dist = dist
+        self.weights = weights
         self.step_timeout_s = step_timeout_s
         self.commands: list = []
         self.steps = 0
@@ -120,6 +128,8 @@ class LeaderSync:
         self.commands = []
         self.steps += 1
         self.dist.broadcast(msg)
+        if msg["step"] % MEMORY_EVERY == 0:
+            gather_memory(self.dist, sched, self.weights)
 
     def stop(self, reason: str) -> None:
         """Shutdown: the followers leave their loops (best effort: a lost group cannot hear it)."""
@@ -169,6 +179,7 @@ def run_follower(engine) -> None:
     import mlx.core as mx
 
     dist, sched = engine.dist, engine._scheduler
+    weights = engine.weight_bytes
     tokenizer, vocab = engine.tokenizer, engine.model_info.vocab_size
     status = 0
     try:
@@ -195,6 +206,8 @@ def run_follower(engine) -> None:
                 if mine != msg["plan"] or digest != msg["digest"]:
                     raise DistributedError(f"rank {dist.rank} diverged from rank 0 at step {msg['step']} "
                                            f"(plan equal: {mine == msg['plan']}, tokens equal: {digest == msg['digest']})")
+                if msg["step"] % MEMORY_EVERY == 0:
+                    gather_memory(dist, sched, weights)
 
             sched.step(on_plan=check)
     except Exception:
@@ -255,3 +268,4 @@ def agree_on_settings(dist, engine) -> None:
                                          cfg.kv_budget_bytes, cfg.enable_prefix_cache, cfg.batch_invariant,
                                          cfg.fuse_prefill, cfg.decode_working_set, engine.backend.name))
     mx.random.seed(dist.seed())
+    dist.gather_memory(engine.weight_bytes, 0, mx.get_active_memory())

@@ -238,6 +238,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
                                   + ("; AVX512_BF16 kernel" if self.backend.name == "cpu-native" and _bf16_dot_kernel() else ""))
         budget = kv_budget_bytes or self.backend.kv_budget(kv_memory)
         weight_bytes = _weight_bytes(self.model)
+        self.weight_bytes = weight_bytes  # what this process holds (a distributed rank: its shard)
         self.mlx_limits = apply_mlx_limits(mlx_limits(self.backend.device, self.backend.memory_bytes, budget,
                                                       weight_bytes))
         self.config = SchedulerConfig(
@@ -286,7 +287,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
 
             if not self.dist.leader:
                 run_follower(self)  # the other ranks step with rank 0 until it stops; then the process ends
-            sync = LeaderSync(self.dist, distributed_timeout)
+            sync = LeaderSync(self.dist, distributed_timeout, weight_bytes)
         #: The engine thread and the one way onto it (enqueue, abort, reject, call between steps).
         self.core = EngineCore(self._scheduler, self._stats, self.model, max_queue, sync=sync)
         _live_engines.add(self)
@@ -496,10 +497,13 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         snap.update(self._stats.published)
         snap["waiting"] = snap.get("waiting", 0) + self.core.pending
         snap["model"] = self.model_name
+        snap["weight_bytes"] = self.weight_bytes
         vision = getattr(self.model, "vision", None)
         if vision is not None:
             snap["vision"] = vision.stats()
         snap["adapters"] = {**self.adapters.stats(), **snap.pop("lora", {})}
+        if self.dist is not None:
+            snap["distributed"] = self.dist.describe()
         return snap
 
     def reset_peaks(self) -> None:

@@ -3,8 +3,8 @@
 ``mx.distributed.init()`` picks the backend ``mlx.launch`` set up (ring over TCP / Thunderbolt, JACCL over
 RDMA, MPI, NCCL on CUDA); this module adds nothing of its own below it. Rank 0 plans; what the other ranks
 must hear from it (the requests it took, each step's plan) is pickled and sent with ``all_sum`` over the
-group on the CPU stream (the other ranks add zeros): two small collectives per message, the same on every
-backend. The ranks are one program launched together on machines the user trusts (``mlx.launch``'s own
+group on the CPU stream (the other ranks add zeros): one small collective per message (two for a long one),
+the same on every backend. The ranks are one program launched together on machines the user trusts (``mlx.launch``'s own
 model), which is why pickle is acceptable on this channel and nowhere else.
 """
 
@@ -21,6 +21,7 @@ import numpy as np
 from parallm_engine.errors import DistributedError
 
 MODES = ("pipeline", "tensor")
+FRAME = 4096  # bytes of a control message's first (often only) collective
 
 
 @dataclass
@@ -34,7 +35,9 @@ class DistributedGroup:
     backend: str
     comm_s: float = 0.0  # seconds spent in control messages (rank 0: sending; others: waiting included)
     messages: int = 0
-    shard: dict = field(default_factory=dict)  # what this rank holds (sharding.describe)
+    shard: dict = field(default_factory=dict)  # what this rank holds (sharding.shard_model)
+    # Each rank's memory by rank: weights (at load), KV held and MLX's active bytes (every MEMORY_EVERY steps).
+    rank_memory: list = field(default_factory=list)
 
     @property
     def leader(self) -> bool:
@@ -42,19 +45,31 @@ class DistributedGroup:
 
     # -- the control channel ------------------------------------------------------------------------
     def broadcast(self, obj=None):
-        """Rank 0's ``obj`` on every rank (the others pass nothing and get rank 0's)."""
+        """Rank 0's ``obj`` on every rank (the others pass nothing and get rank 0's). One collective for a
+        message up to ``FRAME`` bytes (a step's plan is a few hundred), a second for the rest of a longer one."""
         import mlx.core as mx
 
         t0 = time.perf_counter()
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.leader else b""
-        n = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group, stream=mx.cpu)
-        size = int(n.item())
-        buf = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.leader else mx.zeros((size,), dtype=mx.uint8)
-        out = mx.distributed.all_sum(buf, group=self.group, stream=mx.cpu)
-        mx.eval(out)
+        frame = np.zeros(FRAME, dtype=np.uint8)
+        data = b""
+        if self.leader:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            frame[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+            head = data[: FRAME - 8]
+            frame[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        # summed as int32 words (the zeros the other ranks add leave rank 0's bytes as they are)
+        got = np.array(mx.distributed.all_sum(mx.array(frame.view(np.int32)), group=self.group,
+                                              stream=mx.cpu)).view(np.uint8)
+        size = int.from_bytes(got[:8].tobytes(), "little")
+        body = got[8 : 8 + min(size, FRAME - 8)].tobytes()
+        if size > FRAME - 8:  # the rest of a long message (many requests added in one step)
+            rest = np.frombuffer(data[FRAME - 8 :], dtype=np.uint8) if self.leader \
+                else np.zeros(size - (FRAME - 8), dtype=np.uint8)
+            body += np.array(mx.distributed.all_sum(mx.array(rest), group=self.group, stream=mx.cpu)).tobytes()[
+                : size - (FRAME - 8)]
         self.comm_s += time.perf_counter() - t0
         self.messages += 1
-        return obj if self.leader else pickle.loads(np.array(out).tobytes())
+        return obj if self.leader else pickle.loads(body)
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length on every rank), by rank."""
@@ -79,9 +94,15 @@ class DistributedGroup:
         """One random seed for every rank (rank 0's): unseeded sampling draws the same on each."""
         return self.broadcast(random.getrandbits(62) if self.leader else None)
 
+    def gather_memory(self, weights: int, kv_held: int, active: int) -> None:
+        """Every rank's memory, on every rank (a collective: every rank calls it at the same step)."""
+        self.rank_memory = [{"rank": r, "weights_bytes": w, "kv_bytes_held": k, "mlx_active_bytes": a}
+                            for r, (w, k, a) in enumerate(self.gather_ints([weights, kv_held, active]))]
+
     def describe(self) -> dict:
         return {"mode": self.mode, "rank": self.rank, "size": self.size, "backend": self.backend,
-                "control_messages": self.messages, "control_s": round(self.comm_s, 4), **self.shard}
+                "control_messages": self.messages, "control_s": round(self.comm_s, 4),
+                "ranks": list(self.rank_memory), **self.shard}
 
 
 def init_group(mode: str, backend: str = "any") -> DistributedGroup:

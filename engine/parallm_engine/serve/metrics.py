@@ -143,6 +143,7 @@ _ENGINE_METRICS = (
     ("decode_steps", "engine_decode_steps_total", "counter", "Decode steps run."),
     ("prefill_forwards", "engine_prefill_forwards_total", "counter", "Forward passes spent on prompts."),
     ("busy_s", "engine_busy_seconds_total", "counter", "Seconds the engine thread spent working."),
+    ("weight_bytes", "weight_bytes", "gauge", "Bytes of model weights this process holds (a distributed rank: its shard)."),
     ("uptime_s", "engine_uptime_seconds", "gauge", "Seconds since the engine started."),
     ("in_flight", "requests_in_flight", "gauge", "Requests in the engine (waiting, prefilling or decoding)."),
     ("peak_in_flight", "requests_in_flight_peak", "gauge", "Most requests in the engine at once."),
@@ -234,6 +235,30 @@ def render_engine_stats(stats: dict, model: str) -> list[str]:
     cache = stats.get("prefix_cache") or {}
     for key, suffix, kind, help in _PREFIX_CACHE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, cache.get(key), labels)
+    dist = stats.get("distributed")
+    if dist:
+        out += _distributed_lines(dist, labels)
+    return out
+
+
+def _distributed_lines(dist: dict, labels: dict) -> list[str]:
+    """A distributed engine's ranks (docs/distributed.md): mode and backend, each rank's memory, and the
+    control messages rank 0 sends (one per step)."""
+    p = PREFIX
+    out = _gauge_lines(f"{p}_distributed_ranks", "gauge", "Ranks the model is split over.", dist.get("size"),
+                       {**labels, "mode": str(dist.get("mode")), "backend": str(dist.get("backend"))})
+    out += _gauge_lines(f"{p}_distributed_control_seconds_total", "counter",
+                        "Seconds rank 0 spent sending the steps' plans to the other ranks.", dist.get("control_s"), labels)
+    out += _gauge_lines(f"{p}_distributed_control_messages_total", "counter",
+                        "Control messages rank 0 sent (one per step).", dist.get("control_messages"), labels)
+    for key, help in (("weights_bytes", "Weight bytes each rank holds (its shard)."),
+                      ("kv_bytes_held", "KV bytes each rank holds (its layers or heads)."),
+                      ("mlx_active_bytes", "MLX's active memory on each rank.")):
+        rows = [r for r in dist.get("ranks") or [] if isinstance(r.get(key), int)]
+        if rows:
+            name = f"{p}_distributed_rank_{key}"
+            out += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
+            out += [f"{name}{_labels({**labels, 'rank': str(r['rank'])})} {r[key]}" for r in rows]
     return out
 
 

@@ -59,7 +59,7 @@ from parallm_engine import settings
 from parallm_engine import __version__
 from parallm_engine.serve.anthropic_format import anthropic_error, is_anthropic_path
 from parallm_engine.serve.anthropic_routes import anthropic_router
-from parallm_engine.errors import ParaLLMError
+from parallm_engine.errors import ParaLLMError, RankLostError
 from parallm_engine.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from parallm_engine.serve.metrics import ServerMetrics, render as render_metrics
 from parallm_engine.serve.openai_format import APIError, api_error_from
@@ -175,7 +175,10 @@ class ServerState:
 
     def engine_or_503(self):
         if not self.healthy():
-            raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+            dead = getattr(self.engine, "_dead", None)
+            lost = isinstance(dead, RankLostError)  # a distributed engine's group broke: say which rank
+            raise APIError(503, f"the engine is not running: {dead}" if lost else "the engine is not running",
+                           type="server_error", code="rank_lost" if lost else "engine_dead")
         return self.engine
 
 
@@ -423,7 +426,46 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     shares = app.state.parallm.shares
     print(f"Queue shares: one request at most {shares.request_limit()} sequences (prompts x n)"
           + (f", one key at most {shares.key_limit()}" if shares.key_limit() else ""), flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    if getattr(engine, "dist", None) is not None:
+        _DistributedServer(config, engine).run()
+    else:
+        uvicorn.Server(config).run()
+
+
+def _distributed_server_class():
+    import uvicorn
+
+    class DistributedServer(uvicorn.Server):
+        """Rank 0 of a distributed engine. ``mlx.launch`` stops every rank (SIGTERM) once one of them exits:
+        the requests in flight then end with ``RankLostError`` at once (an error event on a stream, 503 on the
+        rest), and the server keeps answering 503 for ``LINGER_S`` so clients and load balancers see why,
+        before it stops."""
+
+        LINGER_S = 5.0
+
+        def __init__(self, config, engine):
+            super().__init__(config)
+            self.engine = engine
+            self._lost_at: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            from parallm_engine.core.distributed_core import lost_rank_error
+
+            if self._lost_at is not None:  # a second signal: stop now
+                return super().handle_exit(sig, frame)
+            self._lost_at = time.monotonic()
+            logger.warning("signal %s: the distributed group is stopping; answering 503 for %.0f s", sig,
+                           self.LINGER_S)
+            if self.engine.core.dead is None:
+                self.engine.core.group_lost(lost_rank_error(self.engine.dist))
+            threading.Timer(self.LINGER_S, super().handle_exit, (sig, frame)).start()
+
+    return DistributedServer
+
+
+def _DistributedServer(config, engine):
+    return _distributed_server_class()(config, engine)
 
 
 class ServerThread:

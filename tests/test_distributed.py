@@ -235,6 +235,66 @@ def test_64_streams_complete_and_a_killed_rank_ends_every_request_typed(tiny):
         srv.proc.wait(60)  # the group ends: mlx.launch stops rank 0 after rank 1 died
 
 
+LANGCHAIN_SCRIPT = """
+import hashlib, json, sys
+from parallm_integrations import ChatParaLLM
+llm = ChatParaLLM(model=sys.argv[1], temperature=0, max_tokens=10, engine_kwargs=json.loads(sys.argv[2]))
+out = llm.batch([f"Question {i}: name a colour." for i in range(8)])
+print("DIGEST", hashlib.sha1(json.dumps([m.content for m in out]).encode()).hexdigest(), flush=True)
+"""
+
+
+def test_in_process_chat_model_under_mlx_launch(tiny, tmp_path):
+    """``ChatParaLLM(engine_kwargs={"distributed": "pipeline"})`` in a script started by mlx.launch: rank 0's
+    batch gives the single-process answers; the other rank follows it and exits with it."""
+    script = tmp_path / "chain.py"
+    script.write_text(LANGCHAIN_SCRIPT)
+    model = str(tiny["llama"])
+    env = {**os.environ, "PARALLM_BACKEND": "cpu-mlx"}
+    alone = subprocess.run([sys.executable, str(script), model, json.dumps({"kv_disk": 0})], env=env,
+                           capture_output=True, text=True, timeout=300)
+    ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
+                            json.dumps({"kv_disk": 0, "distributed": "pipeline"})], env=env,
+                           capture_output=True, text=True, timeout=300)
+    digests = [line for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
+    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
+    assert len(digests) == 2 and digests[0] == digests[1], (alone.stderr[-1500:], ranks.stdout[-1500:])
+
+
+def test_layers_split_by_memory():
+    from parallm_engine.distributed.sharding import layer_split
+
+    assert layer_split(30, [64, 64]) == [15, 15]
+    assert layer_split(30, [100, 104]) == [15, 15]  # what a process sees free moves a little: still even
+    assert layer_split(30, [64, 32]) == [20, 10]
+    assert layer_split(5, [1, 1, 1]) == [2, 2, 1]
+    assert layer_split(80, [128, 64, 64]) == [40, 20, 20]
+    assert all(sum(layer_split(n, caps)) == n and min(layer_split(n, caps)) >= 1
+               for n in range(3, 40) for caps in ([1, 1], [5, 1], [1, 9, 3]))
+
+
+def test_a_family_that_cannot_split_names_the_modes_it_supports(tiny):
+    import mlx.nn as nn
+    from mlx_lm.utils import load
+
+    from parallm_engine.distributed.group import DistributedGroup
+    from parallm_engine.distributed.sharding import shard_model
+    from parallm_engine.errors import DistributedError
+
+    class NoLayers(nn.Module):
+        pass
+
+    fake = DistributedGroup(mode="tensor", group=None, rank=0, size=2, backend="ring")
+    with pytest.raises(DistributedError) as err:
+        shard_model(NoLayers(), fake)
+    assert err.value.supported == []
+    net, _ = load(str(tiny["llama"]), lazy=True)
+    net.args.num_key_value_heads = 3  # heads that do not divide by the ranks
+    with pytest.raises(DistributedError, match="pipeline") as err:
+        shard_model(net, fake)
+    assert err.value.supported == ["pipeline"]
+
+
 def test_what_cannot_run_distributed_is_refused_typed(tiny):
     from parallm_engine import Engine
     from parallm_engine.errors import DistributedError

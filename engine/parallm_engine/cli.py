@@ -124,6 +124,12 @@ def cmd_info(args) -> int:
     values, source = peek_sampling_defaults(args.model)
     out["sampling_defaults"] = {"values": values, "source": source}
     out["cycle_guard"] = _CYCLE_GUARD
+    if getattr(args, "distributed", None):  # under mlx.launch: the ranks load their shards; rank 0 reports
+        from parallm_engine.core.engine import Engine
+
+        engine = Engine(args.model, distributed=args.distributed, kv_disk=0)
+        out["distributed"] = engine.dist.describe()
+        engine.shutdown()
     if args.model is not None or args.load:
         from parallm_engine.models.loader import load_model
 
@@ -172,6 +178,12 @@ def cmd_info(args) -> int:
         print(f"native  : {detail}")
     if b.device == "cpu" and b.blas.startswith("reference"):
         print(f"          {_backend.LATE_IMPORT_HINT if _backend._preload_too_late else _backend.BLAS_FIX_HINT}")
+    if "distributed" in out:
+        d = out["distributed"]
+        print(f"ranks   : {d['size']} ({d['mode']} over {d['backend']}; {d['sharding']}, {d['num_layers']} layers)")
+        for r in d["ranks"]:
+            print(f"          rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, weights "
+                  f"{r['weights_bytes'] / 2**20:.1f} MiB, MLX active {r['mlx_active_bytes'] / 2**20:.1f} MiB")
     dm = out["default_model"]
     print(f"default : {dm.get('name', '')} {dm.get('gguf', dm.get('error', ''))}")
     if "model" in out:
@@ -356,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("info", help="backend, dtype and BLAS in use; the default model")
     sp.add_argument("--model", default=None)
     sp.add_argument("--load", action="store_true", help="also load the model and describe it")
+    sp.add_argument("--distributed", choices=("pipeline", "tensor"), default=None,
+                    help="under mlx.launch: split the model over the ranks and report each rank's share")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_info)
 

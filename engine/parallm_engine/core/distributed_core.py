@@ -253,19 +253,26 @@ def cpu_backend_for(dist, chosen):
 
 
 def agree_on_settings(dist, engine) -> None:
-    """Every rank runs the same model files with the same scheduler settings (the KV budget: the smallest
-    rank's); unseeded sampling draws from one seed."""
+    """Every rank runs the same model files with the same scheduler settings; unseeded sampling draws from
+    one seed. The KV budgets are agreed in tokens (what the tightest rank holds) and each rank's are those
+    tokens at its own KV bytes per token: a rank with more layers holds more bytes per token, and every
+    budget decision (admission, preemption, eviction) compares its bytes with its own budget, so the ranks
+    decide alike however the layers are split."""
     import mlx.core as mx
 
     info, cfg = engine.model_info, engine.config
     files = sorted((p.name, p.stat().st_size) for p in info.path.glob("*.safetensors"))
     dist.agree("the model's files", (info.name, sorted(info.config.items(), key=str), files))
-    budgets = [row[0] for row in dist.gather_ints([cfg.kv_budget_bytes])]
-    cfg.kv_budget_bytes = min(budgets)
-    cfg.radix_budget_bytes = min(cfg.radix_budget_bytes, cfg.kv_budget_bytes)
-    cfg.working_set_bytes = min(row[0] for row in dist.gather_ints([cfg.working_set_bytes]))
+    per_token = max(1, info.kv_bytes_per_token())
+    ws = cfg.working_set_bytes
+    rows = dist.gather_ints([cfg.kv_budget_bytes // per_token, cfg.radix_budget_bytes // per_token,
+                             -1 if ws is None else ws // per_token])
+    cfg.kv_budget_bytes = min(r[0] for r in rows) * per_token
+    cfg.radix_budget_bytes = min(r[1] for r in rows) * per_token
+    cfg.working_set_bytes = None if ws is None else max(0, min(r[2] for r in rows)) * per_token
     dist.agree("the engine's settings", (cfg.max_batch_size, cfg.prefill_chunk, cfg.prefill_budget,
-                                         cfg.kv_budget_bytes, cfg.enable_prefix_cache, cfg.batch_invariant,
-                                         cfg.fuse_prefill, cfg.decode_working_set, engine.backend.name))
+                                         cfg.kv_budget_bytes // per_token, cfg.enable_prefix_cache,
+                                         cfg.batch_invariant, cfg.fuse_prefill, cfg.decode_working_set,
+                                         engine.backend.name))
     mx.random.seed(dist.seed())
     dist.gather_memory(engine.weight_bytes, 0, mx.get_active_memory())

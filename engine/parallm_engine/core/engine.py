@@ -224,8 +224,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         if self.dist is not None:
             from parallm_engine.distributed.sharding import shard_model
 
-            def shard(net, dist=self.dist):
-                dist.shard.update(shard_model(net, dist))
+            def shard(net, dist=self.dist, memory=self.backend.memory_bytes):
+                capacities = [row[0] for row in dist.gather_ints([int(memory or 0)])]
+                dist.shard.update(shard_model(net, dist, capacities))
 
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights,
                                                                  shard=shard)

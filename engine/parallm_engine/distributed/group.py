@@ -96,8 +96,10 @@ class DistributedGroup:
 
     def gather_memory(self, weights: int, kv_held: int, active: int) -> None:
         """Every rank's memory, on every rank (a collective: every rank calls it at the same step)."""
-        self.rank_memory = [{"rank": r, "weights_bytes": w, "kv_bytes_held": k, "mlx_active_bytes": a}
-                            for r, (w, k, a) in enumerate(self.gather_ints([weights, kv_held, active]))]
+        start, end = self.shard.get("layers", (0, 0))
+        rows = self.gather_ints([weights, kv_held, active, start, end])
+        self.rank_memory = [{"rank": r, "weights_bytes": w, "kv_bytes_held": k, "mlx_active_bytes": a,
+                             "layers": [s, e]} for r, (w, k, a, s, e) in enumerate(rows)]
 
     def describe(self) -> dict:
         return {"mode": self.mode, "rank": self.rank, "size": self.size, "backend": self.backend,

@@ -43,12 +43,13 @@ def supported_modes(net) -> list[str]:
 
 def layer_split(n_layers: int, capacities: list[int]) -> list[int]:
     """Layers per rank in proportion to what each rank can hold (``capacities``: bytes for weights and KV),
-    each at least one; equal capacities give an even split (the low ranks take the remainder)."""
+    each at least one; capacities within 10% of each other give an even split (the low ranks take the
+    remainder): what a process sees free moves a little between two readings."""
     size = len(capacities)
     if n_layers < size:
         raise DistributedError(f"a {n_layers}-layer model cannot be split over {size} ranks")
     total = sum(capacities)
-    if total <= 0 or len(set(capacities)) == 1:
+    if min(capacities) <= 0 or max(capacities) < 1.1 * min(capacities):  # alike (or unknown): even
         base, extra = divmod(n_layers, size)
         return [base + (1 if r < extra else 0) for r in range(size)]
     raw = [n_layers * c / total for c in capacities]
@@ -121,8 +122,10 @@ def _layer_range(net, group, split: list[int]) -> tuple[int, int]:
     return start, end
 
 
-def shard_model(net, dist, split: list[int] | None = None) -> dict:
-    """Split ``net`` for ``dist`` (a ``DistributedGroup``) in place; what this rank holds, for ``info``."""
+def shard_model(net, dist, capacities: list[int] | None = None) -> dict:
+    """Split ``net`` for ``dist`` (a ``DistributedGroup``) in place; what this rank holds, for ``info``.
+    ``capacities``: each rank's memory for weights and KV (a pipeline gives a rank layers in proportion; every
+    layer costs its weights and the KV it will hold, alike)."""
     modes = supported_modes(net)
     name = type(net).__module__.rsplit(".", 1)[-1]
     if dist.mode not in modes:
@@ -135,8 +138,7 @@ def shard_model(net, dist, split: list[int] | None = None) -> dict:
         _check_heads(net, dist.size)
         net.shard(dist.group)
         return {"layers": [0, n_layers], "num_layers": n_layers, "sharding": "mlx-lm shard()"}
-    if split is None:
-        split = layer_split(n_layers, [1] * dist.size)
+    split = layer_split(n_layers, capacities or [1] * dist.size)
     start, end = _layer_range(net, dist.group, split)
     return {"layers": [start, end], "num_layers": n_layers, "sharding": "layer range"}
 

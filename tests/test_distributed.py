@@ -261,6 +261,40 @@ def test_in_process_chat_model_under_mlx_launch(tiny, tmp_path):
     assert len(digests) == 2 and digests[0] == digests[1], (alone.stderr[-1500:], ranks.stdout[-1500:])
 
 
+ENGINE_SCRIPT = """
+import hashlib, json, sys
+from parallm_engine import Engine
+from tests import model_zoo
+e = Engine(sys.argv[1], max_batch_size=16, kv_disk=0, **json.loads(sys.argv[2]))
+prompts = [model_zoo.prompt_ids(20 + 7 * i, e.model_info.vocab_size, seed=i) for i in range(16)]
+res = e.generate(prompts, max_tokens=12, temperature=0.0)
+print("DIGEST", hashlib.sha1(json.dumps([r.token_ids for r in res]).encode()).hexdigest(),
+      e.stats()["preemptions"], flush=True)
+e.shutdown()
+"""
+
+
+def test_an_uneven_split_under_preemption_decides_as_one_process(tmp_path):
+    """Three layers over two ranks (2 + 1: the ranks hold different KV bytes per token) under a KV budget the
+    batch overflows: the same preemptions and the same tokens as one process (budgets agreed in tokens)."""
+    tok, vocab = model_zoo.default_tokenizer()
+    model = str(model_zoo.build("llama", tmp_path / "l3", tok, vocab, overrides={"num_hidden_layers": 3}))
+    script = tmp_path / "gen.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = {**os.environ, "PARALLM_BACKEND": "cpu-mlx", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    budget = {"kv_budget_bytes": 300_000}
+    alone = subprocess.run([sys.executable, str(script), model, json.dumps(budget)], env=env,
+                           capture_output=True, text=True, timeout=300)
+    ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
+                            json.dumps({**budget, "distributed": "pipeline"})], env=env,
+                           capture_output=True, text=True, timeout=300)
+    lines = [line.split() for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
+    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
+    assert len(lines) == 2 and lines[0] == lines[1], (alone.stderr[-1500:], ranks.stdout[-1500:])
+    assert int(lines[0][2]) > 0  # the budget did make it preempt
+
+
 def test_layers_split_by_memory():
     from parallm_engine.distributed.sharding import layer_split
 

@@ -224,6 +224,8 @@ def test_64_streams_complete_and_a_killed_rank_ends_every_request_typed(tiny):
             ended = [f.result(timeout=90) for f in futures]
         waited = time.monotonic() - killed
         assert waited < 60, waited
+        print(f"rank 1 killed: every stream ended within {waited:.1f} s; "
+              f"{sum(1 for d in ended if isinstance(d['error'], dict) and 'code' in d['error'])} of 64 with an error event")
         assert all(d["error"] is not None for d in ended), [d for d in ended if d["error"] is None][:2]
         typed = [d for d in ended if isinstance(d["error"], dict) and d["error"].get("code") in ("rank_lost", "engine_dead")]
         assert typed, ended[:2]  # the streams running on it got the error event (others may see the socket close)
@@ -233,6 +235,37 @@ def test_64_streams_complete_and_a_killed_rank_ends_every_request_typed(tiny):
         except httpx.ConnectError:  # the launcher has stopped rank 0 already: nothing hangs either way
             pass
         srv.proc.wait(60)  # the group ends: mlx.launch stops rank 0 after rank 1 died
+
+
+def test_a_hung_rank_ends_every_request_after_the_timeout(tiny):
+    """Rank 1 stopped (SIGSTOP: alive, silent): rank 0's step waits in a collective; after
+    ``--distributed-timeout`` every open stream ends with rank_lost and the server answers 503."""
+    bodies = [{"model": "m", "temperature": 0, "max_tokens": 1500, "ignore_eos": True,
+               "messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(8)]
+    srv = Launched(tiny["llama"], "pipeline", "--distributed-timeout", "6")
+    with srv:
+        rank1 = srv.rank_pid(1)
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(_stream, srv.url, b, 120) for b in bodies]
+                time.sleep(6)
+                os.kill(rank1, signal.SIGSTOP)
+                stopped = time.monotonic()
+                ended = [f.result(timeout=90) for f in futures]
+            waited = time.monotonic() - stopped
+            assert waited < 30, waited
+            assert all(isinstance(d["error"], dict) and d["error"].get("code") == "rank_lost" for d in ended), ended[:2]
+            assert "did not answer" in ended[0]["error"]["message"]
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json={**bodies[0], "model": "llama"}, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", r.text
+            assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
+            print(f"hung rank: every stream ended {waited:.1f} s after rank 1 stopped (timeout 6 s)")
+        finally:
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+            try:
+                os.kill(rank1, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 LANGCHAIN_SCRIPT = """

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -118,7 +119,13 @@ class LeaderSync:
         self.stopped = False
 
     def record_add(self, req) -> None:
-        self.commands.append(("add", describe_request(req)))
+        """A request to mirror; one that cannot cross (typed error) is refused alone, before the scheduler."""
+        desc = describe_request(req)
+        try:
+            pickle.dumps(desc, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise DistributedError(f"this request cannot be sent to the other ranks: {exc!r}") from exc
+        self.commands.append(("add", desc))
 
     def record(self, cmd: str, arg) -> None:
         self.commands.append((cmd, arg))

@@ -2,8 +2,10 @@
 
 Both are real servers (``parallm serve``; the N-rank one under ``mlx.launch -n N --backend ring``), on the
 pure-MLX path the ranks run, given the same concurrent greedy chat traffic. Reported: generated tokens per
-second (one stream and ``--concurrency`` at once), each rank's weight bytes against one process's, and the
-control messages' share of the engine's busy time (rank 0's per-step plan). On one machine the ranks share its
+second (one stream and ``--concurrency`` at once), each rank's weight bytes against one process's, the share
+of a one-stream step that communication and coordination add (on one machine the stages' compute adds up to
+one rank's, so the step time's growth is that share), and the control messages' share of the engine's busy
+time (rank 0's per-step plan). On one machine the ranks share its
 cores: this is a correctness and overhead figure, not the speed-up of several machines.
 """
 
@@ -112,6 +114,11 @@ def format_result(res: dict) -> str:
         ranks = {re.search(r'rank="(\d+)"', k).group(1): v for k, v in weights.items()}
         lines.append("weights per rank: " + ", ".join(f"rank {r}: {v / 2**20:.1f} MiB" for r, v in sorted(ranks.items()))
                      + (f" (one process: {one['weight_bytes'] / 2**20:.1f} MiB)" if one.get("weight_bytes") else ""))
+    if one["single_tok_s"] and many["single_tok_s"]:  # one stream: one token per step
+        t1, tn = 1000 / one["single_tok_s"], 1000 / many["single_tok_s"]
+        lines.append(f"one stream's step: {t1:.1f} ms on 1 rank, {tn:.1f} ms on {res['ranks']}: "
+                     f"{100 * max(tn - t1, 0) / tn:.0f}% of a step is communication and coordination (on one "
+                     "machine the stages' compute adds up to one rank's)")
     lines.append(f"control message per step: {many.get('control_ms_per_step')} ms "
                  f"({100 * (many.get('control_share_of_busy') or 0):.2f}% of the engine's busy time)")
     lines.append(f"same greedy texts on 1 and {res['ranks']} ranks: {res['same_texts']}")

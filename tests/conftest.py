@@ -26,7 +26,7 @@ PagedLaneKV.VERIFY_TABLE = True
 
 # The files that take longest (per-file times of a CI-class run), started first: `scripts/test` hands whole
 # files to two workers in collection order, and a long file handed out last keeps one worker busy alone.
-_LONG_FILES_FIRST = ("test_soak.py", "integration_tests/", "test_model_zoo.py", "test_kv_quant.py",
+_LONG_FILES_FIRST = ("test_soak.py", "test_distributed.py", "integration_tests/", "test_model_zoo.py", "test_kv_quant.py",
                      "test_remote_without_mlx.py", "test_llama_index_remote.py", "test_clients.py", "test_vision.py",
                      "test_constrained.py", "test_engine.py", "test_speculative_draft.py", "test_server.py", "test_bf16.py")
 

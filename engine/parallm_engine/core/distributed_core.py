@@ -170,7 +170,7 @@ class StepWatchdog(threading.Thread):
         self.core, self.sync = core, sync
 
     def run(self) -> None:
-        while not self.core._stop and self.core.dead is None:
+        while not self.core.stopping and self.core.dead is None:
             started = self.sync.step_started
             if started is not None and time.monotonic() - started > self.sync.step_timeout_s:
                 self.core.group_lost(lost_rank_error(self.sync.dist, hung_s=time.monotonic() - started))
@@ -179,13 +179,13 @@ class StepWatchdog(threading.Thread):
 
 
 # -- the other ranks ------------------------------------------------------------------------------------
-def run_follower(engine) -> None:
+def run_follower(engine, sched) -> None:
     """A follower's engine loop, on the calling thread, until rank 0 stops the group; then the process ends
     (a follower has no caller to return to). A step that fails or disagrees with rank 0 ends it too (exit
     status 1): ``mlx.launch`` then stops the group and rank 0's requests end with ``RankLostError``."""
     import mlx.core as mx
 
-    dist, sched = engine.dist, engine._scheduler
+    dist = engine.dist
     weights = engine.weight_bytes
     tokenizer, vocab = engine.tokenizer, engine.model_info.vocab_size
     status = 0
@@ -203,7 +203,10 @@ def run_follower(engine) -> None:
                     sched.abort(arg)
                 elif cmd == "call":
                     name, args = arg
-                    engine.run_mirrored_here(name, *args)
+                    try:
+                        engine.run_mirrored_here(name, *args)
+                    except Exception:  # as on rank 0, where its caller got the error: the group goes on
+                        logger.warning("rank %d: mirrored %s failed", dist.rank, name, exc_info=True)
             if "stop" in msg:
                 logger.info("rank %d: rank 0 stopped the group (%s)", dist.rank, msg["stop"])
                 break

@@ -287,7 +287,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
             from parallm_engine.core.distributed_core import LeaderSync, run_follower
 
             if not self.dist.leader:
-                run_follower(self)  # the other ranks step with rank 0 until it stops; then the process ends
+                run_follower(self, self._scheduler)  # the other ranks step with rank 0 until it stops; then the process ends
             sync = LeaderSync(self.dist, distributed_timeout, weight_bytes)
         #: The engine thread and the one way onto it (enqueue, abort, reject, call between steps).
         self.core = EngineCore(self._scheduler, self._stats, self.model, max_queue, sync=sync)

@@ -54,6 +54,11 @@ class EngineCore:
             StepWatchdog(self, sync).start()
 
     @property
+    def stopping(self) -> bool:
+        """Shutdown was asked for (or the group of a distributed engine broke): the thread is ending."""
+        return self._stop
+
+    @property
     def pending(self) -> int:
         """Requests submitted that the engine thread has not picked up yet."""
         return self._pending

@@ -33,6 +33,16 @@ PARALLM = BIN / "parallm"
 
 pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
 
+_OPEN_PIPES: list[int] = []
+
+
+def quiet_stdin() -> int:
+    """A stdin for mlx.launch that never reads as ready: it forwards its stdin to the ranks in a select()
+    loop, which spins a core on an input at end of file (/dev/null, a closed pipe). The write end stays open."""
+    r, w = os.pipe()
+    _OPEN_PIPES.append(w)
+    return r
+
 SYSTEM = "You are a terse assistant. " * 10
 
 
@@ -58,7 +68,8 @@ class Launched:
             [str(LAUNCH), "-n", "2", "--backend", "ring", "--", str(PARALLM), "serve", "--model", str(model),
              "--port", str(self.port), "--distributed", mode, "--max-batch-size", "64", "--kv-disk", "0",
              "--log-level", "warning", *extra],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            env=env, stdin=quiet_stdin(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
 
     def __enter__(self):
         try:
@@ -288,7 +299,7 @@ def test_in_process_chat_model_under_mlx_launch(tiny, tmp_path):
                            capture_output=True, text=True, timeout=300)
     ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
                             json.dumps({"kv_disk": 0, "distributed": "pipeline"})], env=env,
-                           capture_output=True, text=True, timeout=300)
+                           stdin=quiet_stdin(), capture_output=True, text=True, timeout=300)
     digests = [line for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
     assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
     assert len(digests) == 2 and digests[0] == digests[1], (alone.stderr[-1500:], ranks.stdout[-1500:])
@@ -321,7 +332,7 @@ def test_an_uneven_split_under_preemption_decides_as_one_process(tmp_path):
                            capture_output=True, text=True, timeout=300)
     ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
                             json.dumps({**budget, "distributed": "pipeline"})], env=env,
-                           capture_output=True, text=True, timeout=300)
+                           stdin=quiet_stdin(), capture_output=True, text=True, timeout=300)
     lines = [line.split() for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
     assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
     assert len(lines) == 2 and lines[0] == lines[1], (alone.stderr[-1500:], ranks.stdout[-1500:])

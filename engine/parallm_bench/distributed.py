@@ -26,6 +26,9 @@ import httpx
 from parallm_bench.server_process import free_port, wait_healthy
 
 
+_PIPES: list[int] = []
+
+
 def _serve(model: str | None, ranks: int, mode: str) -> tuple[subprocess.Popen, str]:
     bin_dir = Path(sys.executable).parent
     port = free_port()
@@ -35,8 +38,13 @@ def _serve(model: str | None, ranks: int, mode: str) -> tuple[subprocess.Popen, 
     if ranks > 1:
         cmd = [str(bin_dir / "mlx.launch"), "-n", str(ranks), "--backend", "ring", "--", *cmd, "--distributed", mode]
     env = {**os.environ, "PARALLM_BACKEND": "cpu-mlx"} if sys.platform == "linux" else dict(os.environ)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    # mlx.launch forwards its stdin to the ranks in a select() loop that spins a core on an input at end of
+    # file (/dev/null): it gets a pipe that stays open and never becomes readable.
+    quiet, _keep_open = os.pipe()
+    _PIPES.append(_keep_open)
+    proc = subprocess.Popen(cmd, env=env, stdin=quiet, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    os.close(quiet)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc=proc, timeout=600)
     return proc, url

@@ -14,10 +14,12 @@ a token that differs anyway stops the group with ``RankLostError`` instead of ru
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import pickle
+import random
 import sys
 import threading
 import time
@@ -119,7 +121,11 @@ class LeaderSync:
         self.stopped = False
 
     def record_add(self, req) -> None:
-        """A request to mirror; one that cannot cross (typed error) is refused alone, before the scheduler."""
+        """A request to mirror; one that cannot cross (typed error) is refused alone, before the scheduler.
+        An unseeded sampled request gets a seed of rank 0's drawing: its draws then come from its own key chain
+        on every rank (the global key is per thread in MLX, and the ranks' engine threads differ)."""
+        if req.params.seed is None and req.params.temperature > 0:
+            req.params = dataclasses.replace(req.params, seed=random.getrandbits(31))
         desc = describe_request(req)
         try:
             pickle.dumps(desc, protocol=pickle.HIGHEST_PROTOCOL)
@@ -130,7 +136,21 @@ class LeaderSync:
     def record(self, cmd: str, arg) -> None:
         self.commands.append((cmd, arg))
 
+    def park(self) -> None:
+        """Rank 0 is idle: the other ranks wait on their idle link (no polling) until the next step."""
+        link = self.dist.idle
+        if link is None or link.parked:
+            return
+        self.dist.broadcast({"park": True, "commands": self.commands})
+        self.commands = []
+        link.parked = True
+
+    def _wake(self) -> None:
+        if self.dist.idle is not None:
+            self.dist.idle.wake()
+
     def send_plan(self, sched, plan) -> None:
+        self._wake()
         msg = {"commands": self.commands, "plan": plan_key(plan), "digest": token_digest(sched), "step": self.steps}
         self.commands = []
         self.steps += 1
@@ -144,6 +164,7 @@ class LeaderSync:
             return
         self.stopped = True
         try:
+            self._wake()
             self.dist.broadcast({"stop": reason, "commands": self.commands})
         except Exception:  # noqa: BLE001
             logger.warning("could not tell the other ranks to stop", exc_info=True)
@@ -210,6 +231,12 @@ def run_follower(engine, sched) -> None:
             if "stop" in msg:
                 logger.info("rank %d: rank 0 stopped the group (%s)", dist.rank, msg["stop"])
                 break
+            if "park" in msg:  # rank 0 is idle: wait on the idle link, not in a polling collective
+                if not dist.idle.wait():
+                    logger.critical("rank %d: rank 0's connection closed while idle; leaving", dist.rank)
+                    status = 1
+                    break
+                continue
 
             def check(plan, msg=msg):
                 mine, digest = plan_key(plan), token_digest(sched)
@@ -286,3 +313,11 @@ def agree_on_settings(dist, engine) -> None:
                                          engine.backend.name))
     mx.random.seed(dist.seed())
     dist.gather_memory(engine.weight_bytes, 0, mx.get_active_memory())
+    from parallm_engine.distributed.group import IdleLink
+
+    try:
+        link = IdleLink(dist)
+    except OSError:  # every rank reaches this point: a failure here is rank 0's (no listening socket)
+        logger.warning("the other ranks will wait for work in the group's collectives", exc_info=True)
+        link = None
+    dist.idle = link if link is not None and link.usable else None

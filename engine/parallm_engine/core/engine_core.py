@@ -245,6 +245,14 @@ class EngineCore:
             sched.kv.publish_events()  # a command may have changed the cache (clear_prefix_cache)
             self._publish_stats()
             if not sched.has_work():
+                if self.sync is not None:
+                    try:
+                        self.sync.park()  # the other ranks of a distributed engine wait without polling
+                    except Exception as exc:
+                        from parallm_engine.core.distributed_core import lost_rank_error
+
+                        self.group_lost(lost_rank_error(self.sync.dist, exc))
+                        return
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue

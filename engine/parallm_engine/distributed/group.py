@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import random
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class DistributedGroup:
     comm_s: float = 0.0  # seconds spent in control messages (rank 0: sending; others: waiting included)
     messages: int = 0
     shard: dict = field(default_factory=dict)  # what this rank holds (sharding.shard_model)
+    idle: object = None  # the IdleLink the other ranks wait on while rank 0 is idle (None: they wait in the group)
     # Each rank's memory by rank: weights (at load), KV held and MLX's active bytes (every MEMORY_EVERY steps).
     rank_memory: list = field(default_factory=list)
 
@@ -139,3 +141,86 @@ def _backend_name(asked: str) -> str:
     if os.environ.get("NCCL_HOST_IP") or os.environ.get("MLX_NCCL"):
         return "nccl"
     return "ring"
+
+
+class IdleLink:
+    """Where the other ranks wait while rank 0 has nothing to do: a plain TCP connection to rank 0. A
+    collective's wait polls (MLX's ring backend keeps a core busy); a blocked socket read does not. Rank 0
+    sends ``park`` through the group when it goes idle and one byte on each connection when it has a step again.
+    Set up with every rank taking part; where a rank cannot reach rank 0 this way, nobody parks."""
+
+    def __init__(self, dist: DistributedGroup):
+        self.dist = dist
+        self.conns: list = []  # rank 0: one per other rank
+        self.conn = None  # another rank: its connection to rank 0
+        self.parked = False
+        server = None
+        if dist.leader:
+            server = socket.create_server(("", 0), backlog=dist.size)
+            where = {"hosts": _leader_hosts(), "port": server.getsockname()[1]}
+        else:
+            where = None
+        where = dist.broadcast(where)
+        if not dist.leader:
+            self.conn = _connect(where["hosts"], where["port"])
+        ok = all(row[0] for row in dist.gather_ints([1 if dist.leader or self.conn is not None else 0]))
+        if dist.leader:
+            if ok:
+                server.settimeout(30)
+                self.conns = [server.accept()[0] for _ in range(dist.size - 1)]
+            server.close()
+        elif not ok and self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.conns) or self.conn is not None
+
+    def wake(self) -> None:
+        """Rank 0: the parked ranks come back to the group's collectives."""
+        if self.parked:
+            for c in self.conns:
+                c.sendall(b"w")
+            self.parked = False
+
+    def wait(self) -> bool:
+        """Another rank: block until rank 0 wakes it (True) or its connection ends (False: rank 0 is gone)."""
+        try:
+            return self.conn.recv(1) == b"w"
+        except OSError:
+            return False
+
+
+def _leader_hosts() -> list[str]:
+    """Addresses the other ranks may reach rank 0 at: its ring address (``MLX_HOSTFILE``), the JACCL
+    coordinator's, then this host's names."""
+    import json
+    import os
+
+    hosts: list[str] = []
+    try:
+        ring = json.loads(open(os.environ["MLX_HOSTFILE"]).read())
+        hosts += [a.rsplit(":", 1)[0] for a in ring[0]]
+    except (KeyError, OSError, ValueError, IndexError, TypeError):
+        pass
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator:
+        hosts.append(coordinator.rsplit(":", 1)[0])
+    try:
+        hosts += sorted({info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)})
+    except OSError:
+        pass
+    return list(dict.fromkeys(hosts + ["127.0.0.1"]))
+
+
+def _connect(hosts: list[str], port: int):
+    for host in hosts:
+        try:
+            conn = socket.create_connection((host, port), timeout=3)
+        except OSError:
+            continue
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+    return None

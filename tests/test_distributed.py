@@ -172,8 +172,13 @@ def test_pipeline_serves_the_single_process_tokens_and_caches_prefixes(tiny, ref
         cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in second]
         assert all(c > 0 for c in cached), cached
         _same_tokens(second, reference[family][1])
+        # Sampled requests without a seed draw alike on every rank (rank 0 seeds them): the group stays up.
+        sampled = _post_all(srv.url, [{**b, "temperature": 0.9, "top_logprobs": 0, "logprobs": False}
+                                      for b in _requests(n=4)])
+        assert all(r["choices"][0]["finish_reason"] for r in sampled)
         info = httpx.get(f"{srv.url}/metrics").text
         assert 'parallm_distributed_ranks' in info and 'mode="pipeline"' in info
+        assert httpx.get(f"{srv.url}/health").status_code == 200
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

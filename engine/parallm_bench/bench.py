@@ -601,7 +601,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-_OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "longctx": "longctx",
+_OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "agents_ray": "ray_agents", "longctx": "longctx",
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
                "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
                "restart": "restart", "sessions": "sessions", "rerank": "rerank"}

@@ -63,6 +63,14 @@ def main(args) -> int:
                  "embed": 5, "rerank": 2, "lora": 8, "restart": 8, "sessions": 4}.get(w, 0)
                 for w in workloads)
     agent_sizes, longctx_sizes = _sizes_from_args(args)
+    ray_replicas = getattr(args, "ray_replicas", None)
+    on_ray = bool(ray_replicas) and "agents" in workloads
+    if on_ray:  # the agents trace through `parallm serve --ray` instead of in this process
+        from parallm_engine.serve.ray_launch import require_ray
+
+        require_ray()
+        workloads.remove("agents")
+        steps += 1
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def tick(msg):
             bar.set_postfix_str(msg)
@@ -72,6 +80,10 @@ def main(args) -> int:
                            longctx_sizes=longctx_sizes, memory_sizes=_memory_sizes(args),
                            peer_batch=getattr(args, "peer_batch", None), context=getattr(args, "context", None),
                            concurrency=getattr(args, "concurrency", None))
+        if on_ray:
+            from parallm_bench.ray_agents import run_ray_agents_workload
+
+            result["workloads"]["agents_ray"] = run_ray_agents_workload(engine, agent_sizes, ray_replicas, tick)
     if shape is not None:
         result["env"]["shape"] = shape.as_dict()
     print(format_table(result))
@@ -102,7 +114,8 @@ def _sizes_from_args(args):
 
     agents = QUICK_AGENTS if args.quick else FULL_AGENTS
     over = {k: getattr(args, a) for k, a in (("agents", "agents"), ("rate", "agent_rate"),
-                                             ("reply_tokens", "agent_reply_tokens"), ("seed", "seed"))
+                                             ("reply_tokens", "agent_reply_tokens"), ("seed", "seed"),
+                                             ("min_turns", "agent_turns"), ("max_turns", "agent_turns"))
             if getattr(args, a, None) is not None}
     longctx = QUICK_LONGCTX if args.quick else FULL_LONGCTX
     if getattr(args, "longctx_tokens", None):

@@ -261,11 +261,23 @@ def cmd_demo(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from parallm_engine.serve.ray_launch import check_ray_arguments
     from parallm_engine.serve.server import serve
 
+    check_ray_arguments(args)
     cfg = _engine_config(args)
     if args.max_queue:
         cfg["max_queue"] = args.max_queue
+    if getattr(args, "ray", False):  # replicas on Ray Serve behind one front (serve/ray_serve.py; the `ray` extra)
+        from parallm_engine.serve.ray_launch import serve_on_ray
+
+        serve_on_ray(args.model, host=args.host, port=args.port, ray_address=args.ray_address,
+                     replicas=args.replicas or 2, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                     target_ongoing_requests=args.target_ongoing_requests, routing=args.routing,
+                     replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus, api_key=args.api_key,
+                     served_model_name=args.served_model_name, expose_docs=args.expose_docs,
+                     max_request_share=args.max_request_share, max_key_share=args.max_key_share, engine_config=cfg)
+        return 0
     serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, log_level=args.log_level, expose_docs=args.expose_docs,
           max_request_share=args.max_request_share, max_key_share=args.max_key_share,
@@ -434,6 +446,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve a LoRA adapter (mlx-lm's or PEFT's directory, or a cached HF repo id) as the model "
                          "NAME: requests naming it run under it, in one batch with every other; repeatable")
     sp.add_argument("--log-level", default="info")
+    ray = sp.add_argument_group("replicas on Ray Serve (pip install 'parallm-engine[ray]'; docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve N replicas of the engine on Ray Serve behind one front on --port that routes "
+                          "by cached prefix and session")
+    ray.add_argument("--replicas", type=int, default=None, metavar="N", help="with --ray: replicas (default 2)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="with --ray: join this Ray cluster (auto, host:6379, ray://host:10001) instead of "
+                          "starting a local instance")
+    ray.add_argument("--min-replicas", type=int, default=None, metavar="A",
+                     help="with --ray and --max-replicas: autoscale on requests in flight between A and B")
+    ray.add_argument("--max-replicas", type=int, default=None, metavar="B")
+    ray.add_argument("--target-ongoing-requests", type=float, default=32.0, metavar="N",
+                     help="with --max-replicas: requests in flight per replica the autoscaler aims at (default 32)")
+    ray.add_argument("--routing", choices=("prefix", "round_robin"), default="prefix",
+                     help="with --ray: longest cached prefix / session / least loaded (default), or round robin")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                     help="with --ray: Ray CPUs each replica takes (default 1)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, metavar="N",
+                     help="with --ray: Ray GPUs each replica takes (1: one replica per GPU; default 0)")
     sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("pull", help="download a Hugging Face model (org/name[@revision]) and say what it is")
@@ -483,6 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--agent-rate", type=float, default=None, help="agents: Poisson arrivals per second (default 1)")
     sp.add_argument("--agent-reply-tokens", type=int, default=None, help="agents: tokens per reply (default 24)")
     sp.add_argument("--seed", type=int, default=None, help="agents: the trace's seed (default 2024)")
+    sp.add_argument("--agent-turns", type=int, default=None, metavar="N",
+                    help="agents: every agent runs exactly N turns (default 4-6)")
+    sp.add_argument("--ray-replicas", type=int, default=None, metavar="N",
+                    help="agents: run the trace through `parallm serve --ray` on a local Ray instance instead: "
+                         "1 replica, N replicas routed by prefix, N round robin, and N with a replica killed "
+                         "(pip install 'parallm-engine[ray]'; parallm_bench/ray_agents.py)")
     sp.add_argument("--peer-batch", type=int, default=None, metavar="N",
                     help="peer: N prompts of 32 tokens, 48 new tokens (the batch-64 decode check: --peer-batch 64) "
                          "instead of the throughput workload's prompts")

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -358,3 +359,31 @@ def test_a_replica_killed_mid_run(front):
     text = httpx.get(f"{front}/metrics", timeout=60).text
     assert "parallm_front_stream_errors_total 3" in text
     assert "parallm_front_retries_total 0" not in text
+
+
+@needs_ray
+def test_autoscaling_adds_a_replica_when_requests_queue(front):
+    """--min-replicas 1 --max-replicas 2 with a target of 1 request in flight per replica: 4 long requests at
+    once make Ray Serve start the second replica (its delays shortened for the test), and the front routes to it."""
+    import httpx
+
+    from parallm_bench import ray_agents as ra
+
+    ra.deploy(1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
+              autoscaling={"upscale_delay_s": 1.0, "metrics_interval_s": 0.5, "look_back_period_s": 2.0,
+                           "downscale_delay_s": 600.0})
+    ra.wait_for_replicas(front, 1)
+    assert len(_replicas(front)) == 1
+
+    def long(i: int):
+        body = {"prompt": f"Story {i}:", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+        return httpx.post(f"{front}/v1/completions", json=body, timeout=300)
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(long, i) for i in range(4)]
+        grown = ra.wait_for_replicas(front, 2, timeout_s=150)
+        assert len(grown) == 2
+        assert all(a.result().status_code == 200 for a in answers)
+    seen = {httpx.post(f"{front}/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2}, timeout=60)
+            .headers["x-parallm-replica"] for i in range(8)}
+    assert seen <= set(grown)

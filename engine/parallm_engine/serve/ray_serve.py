@@ -327,7 +327,8 @@ def build_app(model=None, replicas: int = 2, *, min_replicas: int | None = None,
               max_request_share: float | None = None, max_key_share: float | None = None,
               max_body_bytes: int = 32 << 20, routing: str = "prefix", slack: int = DEFAULT_SLACK, replica_cpus: float = 1.0,
               replica_gpus: float = 0.0, max_ongoing_requests: int = 1024, retries: int = 2,
-              health_check_period_s: float = 5.0, engine_config: dict | None = None):
+              health_check_period_s: float = 5.0, engine_config: dict | None = None,
+              autoscaling: dict | None = None):
     """The Ray Serve application: ``replicas`` engines (or ``min_replicas``..``max_replicas``, autoscaled to keep
     ``target_ongoing_requests`` in flight per replica) behind one front. ``routing``: ``prefix`` (longest
     recorded prefix, session, least loaded) or ``round_robin`` (for comparison). ``slack``: requests in flight a
@@ -357,7 +358,8 @@ def build_app(model=None, replicas: int = 2, *, min_replicas: int | None = None,
     scale: dict[str, Any] = {"num_replicas": replicas}
     if max_replicas is not None:
         scale = {"autoscaling_config": AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas,
-                                                         target_ongoing_requests=target_ongoing_requests)}
+                                                         target_ongoing_requests=target_ongoing_requests,
+                                                         **(autoscaling or {}))}
     router = RequestRouterConfig(request_router_class="parallm_engine.serve.ray_router.PrefixAffinityRouter",
                                  request_router_kwargs={"policy": routing, "slack": slack})
     replica = serve.deployment(ParaLLMReplica, name="ParaLLMReplica").options(

@@ -70,6 +70,10 @@ def _translate(exc: BaseException) -> BaseException:
             return ModelLoadError(message)
     if isinstance(exc, openai.APIStatusError) and _error_fields(exc)[2] == "out_of_memory":
         return OutOfMemoryError(_error_fields(exc)[0])
+    if isinstance(exc, openai.APIError) and _error_fields(exc)[2] == "rank_lost":
+        from .errors import RankLostError  # a distributed server's group broke (503, or a stream's error event)
+
+        return RankLostError(_error_fields(exc)[0])
     if isinstance(exc, openai.APIError) and not isinstance(exc, openai.APIStatusError):
         # An error event inside a stream (``data: {"error": ...}``).
         message, param, code = _error_fields(exc)

@@ -20,6 +20,7 @@ try:
         AdapterLoadError,
         AdapterNotFoundError,
         ContextLengthExceededError,
+        DistributedError,
         EngineDeadError,
         GatedModelError,
         GrammarError,
@@ -34,6 +35,7 @@ try:
         OutOfMemoryError,
         ParaLLMError,
         QueueFullError,
+        RankLostError,
         RequestCancelledError,
         TokenizeError,
         UnsupportedArchitectureError,
@@ -73,6 +75,20 @@ except ImportError:  # the engine is not installed: the same classes, for the ba
 
     class EngineDeadError(ParaLLMError):  # type: ignore[no-redef]
         """The engine thread stopped (shut down or crashed); no new requests are accepted."""
+
+    class RankLostError(EngineDeadError):  # type: ignore[no-redef]
+        """A rank of a distributed engine died, hung or lost its link (HTTP 503); ``rank``: which, where known."""
+
+        def __init__(self, message: str, rank: int | None = None):
+            super().__init__(message)
+            self.rank = rank
+
+    class DistributedError(ParaLLMError):  # type: ignore[no-redef]
+        """The distributed mode cannot run as asked (``supported``: the modes that can)."""
+
+        def __init__(self, message: str, supported: list[str] | None = None):
+            super().__init__(message)
+            self.supported = list(supported or [])
 
     class UnsupportedModelError(ModelLoadError):  # type: ignore[no-redef]
         """The model loads, but the engine cannot run its family correctly (refused at load, never run wrong)."""
@@ -151,5 +167,5 @@ __all__ = [
     "NotARerankerError", "ParaLLMError", "QueueFullError", "RequestCancelledError", "TokenizeError",
     "UnsupportedModelError",
     "GatedModelError", "ModelDownloadError", "ModelNotCachedError", "ModelNotFoundError",
-    "UnsupportedArchitectureError", "UnsupportedGGUFArchitectureError",
+    "UnsupportedArchitectureError", "UnsupportedGGUFArchitectureError", "DistributedError", "RankLostError",
 ]

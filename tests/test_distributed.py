@@ -275,6 +275,11 @@ def test_a_hung_rank_ends_every_request_after_the_timeout(tiny):
             r = httpx.post(f"{srv.url}/v1/chat/completions", json={**bodies[0], "model": "llama"}, timeout=10)
             assert r.status_code == 503 and r.json()["error"]["code"] == "rank_lost", r.text
             assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
+            from parallm_engine.errors import RankLostError
+            from parallm_integrations import ChatParaLLM
+
+            with pytest.raises(RankLostError):  # a base_url= client gets the same typed error
+                ChatParaLLM(base_url=f"{srv.url}/v1", model="llama", max_retries=0).invoke("hi")
             print(f"hung rank: every stream ended {waited:.1f} s after rank 1 stopped (timeout 6 s)")
         finally:
             os.killpg(srv.proc.pid, signal.SIGKILL)

@@ -283,10 +283,22 @@ def join_group(mode: str, *, backend: str | None, speculative, adapters, session
 
 
 def cpu_backend_for(dist, chosen):
-    """The CPU's pure-MLX path where the device's default would be the native kernels."""
-    from parallm_engine.runner.backend import choose_backend
+    """The CPU's pure-MLX path where the device's default would be the native kernels; ranks that share one
+    machine's CPU share its cores (each BLAS call of a rank on as many threads as its share: several ranks
+    each running every core's worth of BLAS threads, and a waiting rank's collective polling, would take
+    turns on the same cores). A collective: every rank calls it."""
+    import socket
 
-    return choose_backend("cpu-mlx") if chosen.name == "cpu-native" else chosen
+    from parallm_engine.runner.backend import choose_backend, set_blas_threads, usable_cores
+
+    backend = choose_backend("cpu-mlx") if chosen.name == "cpu-native" else chosen
+    me = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "little")
+    local = sum(1 for row in dist.gather_ints([me]) if row[0] == me)
+    if backend.device == "cpu" and local > 1:
+        threads = max(1, usable_cores() // local)
+        if set_blas_threads(threads):
+            logger.info("rank %d: %d ranks share this machine's CPU: BLAS on %d thread(s)", dist.rank, local, threads)
+    return backend
 
 
 def agree_on_settings(dist, engine) -> None:

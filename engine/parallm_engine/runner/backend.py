@@ -191,6 +191,20 @@ def _configure_openblas() -> dict[str, str | None]:
     return restore
 
 
+def set_blas_threads(n: int) -> bool:
+    """Threads the preloaded CBLAS uses per call from now on (OpenBLAS or MKL, loaded with global symbols);
+    False where neither answers (MLX's own BLAS, Accelerate)."""
+    import ctypes
+
+    lib = ctypes.CDLL(None)
+    for name in ("openblas_set_num_threads", "MKL_Set_Num_Threads"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn(ctypes.c_int(max(1, n)))
+            return True
+    return False
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -1,12 +1,15 @@
 """KV accounting under any sequence of operations (hypothesis state machine on the real scheduler).
 
-Rules: submit (prompts over a few shared prefixes, greedy or seeded, n = 1 or 2, mixed priorities),
-step, abort, shrink or restore the one KV budget (forcing preemption and prefix-cache eviction), cut it
+Rules: submit (prompts over a few shared prefixes, greedy or seeded, n = 1 or 2, mixed priorities, some
+naming a session whose context stays pinned after its turn: ``kv/session_pins.py``), step, abort, let the
+sessions go (all, or one), shrink or restore the one KV budget (forcing preemption and prefix-cache eviction), cut it
 below what two or more running rows hold (preemption), evict from the prefix cache. After every rule:
 
-- the radix tree's byte and pinned-byte counters equal a recount from its nodes;
+- the radix tree's byte and pinned-byte counters (the pools' running count of pinned pages no row holds)
+  equal a recount from its nodes;
 - every pin has a holder: per node, its own pins (its count less its children's) are never negative,
-  and they add up to the prefilling sequences holding a match plus the batch's shared prefix;
+  and they add up to the prefilling sequences holding a match, the batch's shared prefix and the kept
+  sessions; the sessions hold at most their share of the budget;
 - the tree is within its limit unless what is over is pinned;
 - ``kv_bytes_held`` equals the bytes of the distinct arrays reachable from the batch, its shared
   prefix and the tree (each buffer once, whoever holds it);
@@ -72,7 +75,7 @@ def _direct_pins(radix) -> int:
     return total
 
 
-def _make_machine(engine, lanes: int):
+def _make_machine(engine, lanes: int, sessions: bool = False):
     from parallm_engine.core.request import Channel, Request
     from parallm_engine.sampling.sampling_params import SamplingParams
     from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
@@ -102,18 +105,20 @@ def _make_machine(engine, lanes: int):
             config = SchedulerConfig(max_batch_size=8, prefill_chunk=64, prefill_budget=64,
                                      kv_budget_bytes=full_budget, radix_budget_bytes=full_budget,
                                      decode_lanes=lanes, cpu_kernels=engine.backend.cpu_kernels,
-                                     step_time_target_s=0.0)
+                                     step_time_target_s=0.0, session_ttl_s=60.0 if sessions else 0.0,
+                                     session_share=0.5)
             self.sched = Scheduler(engine.model, engine.tokenizer, engine.model_info, config, EngineStats())
             self.requests: list = []
             self.aborted: set[str] = set()
 
         @rule(prefix=st.integers(0, 2), suffix=st.integers(1, 30), max_tokens=st.integers(1, 10),
               n=st.sampled_from([1, 1, 2]), priority=st.integers(0, 2), seed=st.none() | st.integers(0, 9))
-        def submit(self, prefix, suffix, max_tokens, n, priority, seed):
+        def submit(self, prefix, suffix, max_tokens, n, priority, seed, session=None):
             ids = prefixes[prefix] + prompt_ids(suffix, vocab, seed=100 + suffix)
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.9,
                                     seed=seed, n=n, ignore_eos=True)
             req = Request(ids, params, Channel(), priority=priority)
+            req.session = session
             self.sched.add(req)
             self.requests.append(req)
 
@@ -137,6 +142,20 @@ def _make_machine(engine, lanes: int):
             self.aborted.add(req.id)
             seen["aborts"] += 1
 
+        if sessions:  # (the rules of the machine without sessions stay as they were: same examples)
+            @rule(prefix=st.integers(0, 2), suffix=st.integers(1, 30), session=st.sampled_from(["s1", "s2", "s3"]))
+            def submit_a_turn(self, prefix, suffix, session):
+                self.submit(prefix, suffix, max_tokens=4, n=1, priority=0, seed=None, session=session)
+
+            @rule(session=st.sampled_from([None, "s1", "s2"]), expire=st.booleans())
+            def let_sessions_go(self, session, expire):
+                if expire:  # their time is up
+                    for pin in self.sched.kv.sessions.pins.values():
+                        pin.expires = 0.0
+                    self.sched.kv.expire_sessions()
+                else:
+                    self.sched.kv.release_session(session)
+
         @rule(fraction=st.sampled_from([0.01, 0.03, 0.06, 0.1, 0.2, 1.0]))
         def set_budget(self, fraction):
             self.sched.config.kv_budget_bytes = int(full_budget * fraction)
@@ -159,7 +178,9 @@ def _make_machine(engine, lanes: int):
             sched = self.sched
             holders = sum(1 for s in sched.prefilling if s.match is not None)
             holders += 1 if sched.batch.shared is not None else 0
+            holders += len(sched.kv.sessions.pins)
             assert _direct_pins(sched.radix) == holders
+            assert sched.kv.sessions.nbytes <= sched.kv.sessions.max_bytes
 
         @invariant()
         def held_bytes_are_the_arrays_held(self):
@@ -202,7 +223,13 @@ def _make_machine(engine, lanes: int):
             assert all(r.finished for r in self.requests)
             assert sched.batch.nbytes() == 0 and sched.batch.shared is None
             assert all(lane.kv.pool.row_pages == 0 for lane in sched.batch.lanes)
+            assert _direct_pins(sched.radix) == len(sched.kv.sessions.pins)
+            assert sched.radix.pinned_bytes() == sched.radix.computed_pinned_bytes()
+            if sessions:
+                seen["sessions_kept"] = seen.get("sessions_kept", 0) + sched.kv.sessions.kept
+            sched.kv.release_session(None)
             assert sched.radix.pinned_bytes() == 0 and _direct_pins(sched.radix) == 0
+            assert all(lane.kv.pool.pinned_cached == 0 for lane in sched.batch.lanes)
             for req in self.requests:
                 if req.id in self.aborted:
                     continue
@@ -216,12 +243,12 @@ def _make_machine(engine, lanes: int):
     return KVAccounting, seen
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_kv_accounting_holds_under_any_sequence_of_operations(tiny_engine, lanes, monkeypatch):
+@pytest.mark.parametrize("lanes,sessions", [(1, False), (2, False), (1, True), (2, True)])
+def test_kv_accounting_holds_under_any_sequence_of_operations(tiny_engine, lanes, sessions, monkeypatch):
     from parallm_engine.kv import decode_batch
 
     monkeypatch.setattr(decode_batch, "LANE_FILL_ROWS", 1)  # with 2 lanes, rows over both
-    machine, seen = _make_machine(tiny_engine, lanes)
+    machine, seen = _make_machine(tiny_engine, lanes, sessions)
     run_state_machine_as_test(machine, settings=settings(
         max_examples=30, stateful_step_count=30, deadline=None, derandomize=True,
         suppress_health_check=list(HealthCheck)))

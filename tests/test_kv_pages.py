@@ -28,11 +28,13 @@ def check_pages(kv: PagedLaneKV) -> None:
     pages or a borrowed prefix) and its tree count the prefix-cache segments holding it; a page is
     written by at most one row (its own), so a page in two rows is a read-only borrowed prefix page;
     free + used = the pool and used = the rows' pages + the pages only the prefix cache holds. Rows are
-    the running rows and the rows of prompts being prefilled."""
+    the running rows and the rows of prompts being prefilled. The running count of pinned pages only the
+    cache holds (``PagePool.pinned_cached``, what ``RadixCache.pinned_bytes`` reads) equals a recount."""
     pool = kv.pool
     holders = [0] * pool.capacity
     owners = [0] * pool.capacity
     tree = [0] * pool.capacity
+    pinned = [0] * pool.capacity
     for row in kv.rows + kv.pending:  # running rows and prompts' rows being prefilled (paged_prefill)
         assert row.pages_for(row.length) == len(row.pages) and 0 <= row.head < PAGE
         assert row.borrowed_pages == list(dict.fromkeys((row.borrowed // PAGE).tolist()))
@@ -45,6 +47,7 @@ def check_pages(kv: PagedLaneKV) -> None:
         assert seg.lane is kv and seg.pages == list(dict.fromkeys((seg.slots // PAGE).tolist()))
         for p in seg.pages:
             tree[p] += 1
+            pinned[p] += seg.pinned
     assert holders[0] == 0 and pool.refs[0] == 0 and pool.tree[0] == 0, "page 0 (padding) is never handed out"
     assert pool.refs == holders, "a page's holder count is not the rows holding it"
     assert pool.tree == tree, "a page's cache count is not the segments holding it"
@@ -52,6 +55,9 @@ def check_pages(kv: PagedLaneKV) -> None:
     assert sorted(pool.free) == [p for p in range(1, pool.capacity) if not holders[p] and not tree[p]]
     cached = sum(1 for p in range(pool.capacity) if tree[p] and not holders[p])
     assert pool.cached == cached, "pages only the cache holds are miscounted"
+    assert pool.pinned == pinned, "a page's pin count is not the pinned segments holding it"
+    pinned_cached = sum(1 for p in range(pool.capacity) if pinned[p] and not holders[p])
+    assert pool.pinned_cached == pinned_cached, "pinned pages only the cache holds are miscounted (running count)"
     assert pool.used + len(pool.free) + 1 == pool.capacity
     assert pool.used == pool.row_pages + pool.cached
     for layer in kv.layers:

@@ -83,13 +83,15 @@ def test_a_session_keeps_its_context_between_turns(model_dir):
 
 def test_the_ttl_and_release_let_go(model_dir):
     vocab = 49152
-    eng = _engine(model_dir, session_ttl=0.3)
+    ttl = 3.0  # (long enough for two short turns on a loaded machine)
+    eng = _engine(model_dir, session_ttl=ttl)
     try:
         eng.generate([prompt_ids(TURN, vocab, seed=3)], max_tokens=4, temperature=0, session="a")
         eng.generate([prompt_ids(TURN, vocab, seed=4)], max_tokens=4, temperature=0, session="b")
+        kept_b = time.monotonic()
         assert settled_stats(eng)["memory"]["sessions_pinned"] == 2
         assert eng.release_session("a") == 1 and eng.release_session("a") == 0
-        time.sleep(0.4)
+        time.sleep(max(0.0, kept_b + ttl + 0.1 - time.monotonic()))
         eng.generate([[300, 301]], max_tokens=1, temperature=0)  # a step: expired pins let go
         stats = settled_stats(eng)["memory"]
         assert stats["sessions_pinned"] == 0 and stats["sessions_expired"] == 1
@@ -110,7 +112,9 @@ def test_pins_are_bounded_by_their_share_of_the_budget(model_dir):
         stats = settled_stats(eng)["memory"]
         assert stats["sessions_pinned"] == 2 and stats["sessions_displaced"] == 2
         assert stats["sessions_pinned_bytes"] <= kv.sessions.max_bytes
-        assert set(kv.sessions.pins) == {"s2", "s3"}  # the latest turns keep theirs
+        # A pin, once kept, lasts until its next turn: the turns that end when the pins are full are not kept
+        # (the agent that has waited longest is the likeliest to come back next).
+        assert set(kv.sessions.pins) == {"s0", "s1"}
     finally:
         eng.shutdown()
 
@@ -217,3 +221,65 @@ def test_sessions_are_off_by_default(model_dir):
         assert settled_stats(eng)["memory"]["sessions_pinned"] == 0
     finally:
         eng.shutdown()
+
+
+def _tree_with(contexts: dict[str, list[int]]):
+    """A radix tree holding these contexts (KV: one float per token), and pins over it with no TTL running out."""
+    from parallm_engine.kv.radix_cache import RadixCache
+    from parallm_engine.kv.session_pins import SessionPins
+
+    from .test_radix_cache import kv_for_tokens
+
+    tree = RadixCache(max_bytes=1 << 30)
+    for ids in contexts.values():
+        tree.insert(ids, kv_for_tokens(ids))
+    return tree, SessionPins(tree, ttl_s=60.0, max_bytes=0, bytes_per_token=1)
+
+
+def test_the_pin_kept_last_gives_way_first():
+    """A tool call takes a bounded time: the agent that has waited longest comes back next, so the pins kept
+    last give way first (to the share's bound, to rows that need the room) and an earlier pin lasts."""
+    system = list(range(1000, 1010))
+    ctx = {s: system + [i] * 20 for i, s in enumerate(["a", "b", "c"])}
+    tree, pins = _tree_with(ctx)
+    pins.max_bytes = 10 + 2 * 20  # the shared system prompt once and two agents' own tokens
+    for s in ("a", "b", "c"):
+        pins.keep(s, ctx[s], None)
+    assert set(pins.pins) == {"a", "b"} and pins.displaced == 1 and pins.nbytes == 50
+    assert tree.pinned_bytes() == tree.computed_pinned_bytes()
+    assert pins.give_way(keep=None) and set(pins.pins) == {"a"}
+    assert not pins.give_way(keep="a")  # the one a waiting request continues stays
+    pins.release()
+    assert tree.pinned_bytes() == 0 == tree.computed_pinned_bytes()
+
+
+def test_a_turn_that_does_not_fit_keeps_the_context_it_had():
+    """The pins are full when an agent's turn ends: it keeps its previous context pinned (its next turn
+    recomputes only this turn's part) instead of losing all of it."""
+    first = list(range(2000, 2030))
+    longer = first + list(range(3000, 3020))
+    other = list(range(4000, 4030))
+    tree, pins = _tree_with({"a": longer, "b": other})
+    pins.max_bytes = 65
+    pins.keep("a", first, None)
+    pins.keep("b", other, None)
+    pins.keep("a", longer, None)  # 30 + 50 > 65: "a" keeps its first 30 tokens
+    assert set(pins.pins) == {"a", "b"} and pins.displaced == 0
+    assert tree.pinned_prefix(longer) == 30 and tree.pinned_prefix(other) == 30
+    pins.release("b")
+    pins.keep("a", longer, None)  # now it fits
+    assert tree.pinned_prefix(longer) == 50 and pins.nbytes == 50
+    assert tree.pinned_bytes() == tree.computed_pinned_bytes()
+
+
+def test_a_queued_turn_keeps_its_pin_past_the_ttl():
+    """On a busy engine the next turn may wait in the queue longer than the TTL: its session's pin stays until
+    it is admitted (the turn the pin is for); the others expire."""
+    ctx = {"a": list(range(10, 40)), "b": list(range(50, 80))}
+    tree, pins = _tree_with(ctx)
+    pins.max_bytes = 100
+    for s, ids in ctx.items():
+        pins.keep(s, ids, None)
+    assert pins.expire(now=float("inf"), waiting={"a"}) == 1 and set(pins.pins) == {"a"}
+    assert pins.expire(now=float("inf")) == 1 and not pins.pins
+    assert tree.pinned_bytes() == 0

@@ -224,7 +224,9 @@ class Scheduler(PrefillPlanner):
         started = time.perf_counter()
         preempted: list[Sequence] = []
         admitted: list[Sequence] = []
-        self.kv.expire_sessions()
+        # (a session with a turn in the queue keeps its pin past the TTL: kv/session_pins.py)
+        self.kv.expire_sessions({s.request.session for s in self.waiting if s.request.session is not None}
+                                if self.config.session_ttl_s else ())
         self._make_room(preempted)
         self.kv.trim()  # pages the prefix cache gave back
         self._admit(admitted)

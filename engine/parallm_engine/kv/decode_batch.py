@@ -269,6 +269,10 @@ class DecodeBatch:
         """Pages of the lanes' pools that only the prefix cache holds."""
         return sum(lane.kv.pool.cached for lane in self.lanes)
 
+    def pinned_cached_pages(self) -> int:
+        """Of those, the pages pinned prefix-cache entries hold (it cannot give them back now)."""
+        return sum(lane.kv.pool.pinned_cached for lane in self.lanes)
+
     def trim(self) -> None:
         """Lanes whose pools hold much more than their pages in use shrink (see PagedLaneKV.trim)."""
         for lane in self.lanes:

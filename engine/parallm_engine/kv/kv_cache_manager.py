@@ -94,8 +94,9 @@ class KVCacheManager(KVBudget):
     def keep_session(self, session: str, seq) -> None:
         """A turn of ``session`` ended (``seq`` retired, its context committed): keep it for the next turn."""
 
-    def expire_sessions(self) -> None:
-        """Sessions whose time is up let go of what they kept."""
+    def expire_sessions(self, waiting=()) -> None:
+        """Sessions whose time is up let go of what they kept, except those in ``waiting`` (a turn of theirs
+        is queued)."""
 
     def yield_session(self, keep: str | None) -> bool:
         """Memory is short: the kept session expiring soonest (other than ``keep``) lets go; False if none."""

@@ -139,10 +139,16 @@ class KVBudget:
     # -- what is held ---------------------------------------------------------------------------
     def context_bytes(self, seq) -> int:
         """What admitting ``seq`` takes now: its context plus the watermark (not its max_tokens), less
-        what its prompt's row holds already (``paged_prefill``: those pages count with the rows')."""
+        what its prompt's row holds already (``paged_prefill``: those pages count with the rows') or, before
+        it has one, the prefix the budget counts as taken already (:meth:`held_prefix_tokens`)."""
         row = getattr(seq.cache, "row", None)
-        held = row.length if row is not None else 0
+        held = row.length if row is not None else self.held_prefix_tokens(seq)
         return (seq.total_len + self.config.watermark_tokens - held) * self.bytes_per_token
+
+    def held_prefix_tokens(self, seq) -> int:
+        """Leading context tokens of ``seq`` (without a row yet) whose KV the budget already counts as held
+        (pinned prefix-cache entries, which its row will borrow): admitting it takes only the rest."""
+        return 0
 
     def rows_bytes(self, extra: int) -> int:
         """The running rows after ``extra`` more decode steps (pages they share counted once; a shared

@@ -21,15 +21,20 @@ class PagePool:
     """Which pages of a lane are free and who holds each used page: ``refs`` counts the rows holding it
     (their own pages, or a prefix they borrow from the prefix cache), ``tree`` the prefix cache's
     entries holding it (:class:`PagedSegment`). A page is free when neither holds it; ``cached`` pages
-    are held by the prefix cache alone. Page 0 is reserved (padding target) and is neither free nor
+    are held by the prefix cache alone. ``pinned`` counts the pinned entries holding a page (a prompt's
+    matched prefix, a session's context: ``radix_cache``), and ``pinned_cached`` the pages such an entry
+    holds and no row does: what the prefix cache cannot give back now, kept as a running count because the
+    scheduler asks it several times a step. Page 0 is reserved (padding target) and is neither free nor
     used. Pure accounting: the arrays live in the layers."""
 
     def __init__(self, capacity: int = 0):
         self.capacity = max(1, capacity)  # pages the arrays are sized for (page 0 included)
         self.refs = [0] * self.capacity
         self.tree = [0] * self.capacity
+        self.pinned = [0] * self.capacity
         self.free = list(range(self.capacity - 1, 0, -1))  # popped from the end: lowest ids first
         self.cached = 0
+        self.pinned_cached = 0
         # Spare pages the arrays may hold beyond what is used after a growth (set from the free KV
         # budget: growth slack never takes memory the budget does not have); None: no limit.
         self.spare: int | None = None
@@ -54,6 +59,7 @@ class PagePool:
             new = max(new, exact)
             self.refs += [0] * (new - self.capacity)
             self.tree += [0] * (new - self.capacity)
+            self.pinned += [0] * (new - self.capacity)
             self.free = list(range(new - 1, self.capacity - 1, -1)) + self.free
             self.capacity = new
         pages = [self.free.pop() for _ in range(n)]
@@ -67,6 +73,8 @@ class PagePool:
             assert self.refs[p] or self.tree[p], f"page {p} borrowed while free"
             if not self.refs[p]:
                 self.cached -= 1
+                if self.pinned[p]:
+                    self.pinned_cached -= 1
             self.refs[p] += 1
 
     def release(self, pages: list[int]) -> None:
@@ -76,6 +84,8 @@ class PagePool:
             if self.refs[p] == 0:
                 if self.tree[p]:
                     self.cached += 1
+                    if self.pinned[p]:
+                        self.pinned_cached += 1
                 else:
                     self.free.append(p)
 
@@ -93,15 +103,30 @@ class PagePool:
                 self.cached -= 1
                 self.free.append(p)
 
+    def pin(self, pages: list[int]) -> None:
+        """A pinned prefix-cache entry holds these (tree-held) pages: they cannot be given back."""
+        for p in pages:
+            assert self.tree[p], f"page {p} pinned while the prefix cache does not hold it"
+            self.pinned[p] += 1
+            if self.pinned[p] == 1 and not self.refs[p]:
+                self.pinned_cached += 1
+
+    def unpin(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.pinned[p] > 0, f"page {p} unpinned more often than pinned"
+            self.pinned[p] -= 1
+            if self.pinned[p] == 0 and not self.refs[p]:
+                self.pinned_cached -= 1
+
     def remap(self) -> dict[int, int]:
         """Renumber the used pages 1..used (the arrays are then gathered to match); returns old -> new."""
         live = [p for p in range(1, self.capacity) if self.refs[p] or self.tree[p]]
         mapping = {p: i + 1 for i, p in enumerate(live)}
         capacity = max(int((len(live) + 1) * _GROW), MIN_PAGES)
-        refs, tree = [0] * capacity, [0] * capacity
+        refs, tree, pinned = [0] * capacity, [0] * capacity, [0] * capacity
         for p, q in mapping.items():
-            refs[q], tree[q] = self.refs[p], self.tree[p]
-        self.refs, self.tree, self.capacity = refs, tree, capacity
+            refs[q], tree[q], pinned[q] = self.refs[p], self.tree[p], self.pinned[p]
+        self.refs, self.tree, self.pinned, self.capacity = refs, tree, pinned, capacity
         self.free = list(range(capacity - 1, len(live), -1))
         return mapping
 
@@ -237,12 +262,13 @@ class PagedSegment:
     they touch, counted in ``PagePool.tree``). Nothing is copied to make one: a row's own pages become
     the cache's when it is inserted, and a later row borrows them back (``PageRow.borrow``)."""
 
-    __slots__ = ("lane", "slots", "pages")
+    __slots__ = ("lane", "slots", "pages", "pinned")
 
     def __init__(self, lane, slots: np.ndarray):  # lane: the kv_pages.PagedLaneKV whose pool holds the slots
         self.lane = lane
         self.slots = np.asarray(slots, dtype=np.int32)
         self.pages = pages_of(self.slots)
+        self.pinned = False  # its radix node is pinned (PagePool.pinned counts its pages)
         lane.pool.tree_retain(self.pages)
         lane.segments.add(self)
 
@@ -255,8 +281,19 @@ class PagedSegment:
         self.release()
         return upper, lower
 
+    def pin(self) -> None:
+        if not self.pinned and self.lane is not None:
+            self.lane.pool.pin(self.pages)
+            self.pinned = True
+
+    def unpin(self) -> None:
+        if self.pinned and self.lane is not None:
+            self.lane.pool.unpin(self.pages)
+        self.pinned = False
+
     def release(self) -> None:
         if self.lane is not None:
+            self.unpin()
             self.lane.pool.tree_release(self.pages)
             self.lane.segments.discard(self)
             self.lane = None

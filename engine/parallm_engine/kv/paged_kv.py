@@ -55,6 +55,7 @@ class PagedKVManager(KVCacheManager):
         if self.radix is not None:  # the tree's paged entries live in the lanes' pools
             self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
             self.radix.cached_pages = self.batch.cached_pages
+            self.radix.pinned_cached_pages = self.batch.pinned_cached_pages
         self._unindexed: list = []  # rows that joined for this step's fused forward (index_fused)
         self.sessions = SessionPins(self.radix, config.session_ttl_s, self._session_bytes(), self.kv_bytes_per_token) \
             if self.radix is not None else None
@@ -104,14 +105,19 @@ class PagedKVManager(KVCacheManager):
         if self.sessions is not None and not seq.embedding:
             self.sessions.keep(session, seq.prefill_ids[: seq.computed], seq.adapter_key)
 
-    def expire_sessions(self) -> None:
+    def expire_sessions(self, waiting=()) -> None:
         if self.sessions is not None and self.sessions.pins:
             self.sessions.max_bytes = self._session_bytes()  # (the budget may have been lowered: memory_recovery)
-            self.sessions.expire()
+            self.sessions.expire(waiting=waiting)
             self.sessions.bound()
+            self.radix.evict_to_budget()  # what they let go is an ordinary entry: within the tree's limit
 
     def release_session(self, session: str | None) -> int:
-        return self.sessions.release(session) if self.sessions is not None else 0
+        if self.sessions is None:
+            return 0
+        released = self.sessions.release(session)
+        self.radix.evict_to_budget()
+        return released
 
     def yield_session(self, keep: str | None) -> bool:
         if self.sessions is None or not self.sessions.give_way(keep):
@@ -220,6 +226,16 @@ class PagedKVManager(KVCacheManager):
             self.radix.pin(seq.match.node)
             seq.cached_tokens = seq.match.length
         seq.computed = seq.cached_tokens
+
+    def held_prefix_tokens(self, seq) -> int:
+        """A sequence holding its match pinned (admitted, its row not opened yet) borrows all of it; a waiting
+        one, what pinned nodes hold of its context (a kept session's, a prefix being prefilled): the bytes
+        ``pinned_bytes`` counts already, so a session's next turn is not charged for its context twice."""
+        if self.radix is None or seq.embedding:
+            return 0
+        if seq.match is not None:
+            return seq.match.length
+        return self.radix.pinned_prefix(seq.prefill_ids, ns=seq.adapter_key)
 
     def peek(self, seq) -> int:
         if self.radix is None or seq.embedding:

@@ -11,8 +11,9 @@ Each namespace (``ns``: a LoRA adapter's key, ``lora_adapters.LoRAAdapter.key``;
 its own root: KV computed under one adapter is never matched by another's tokens (adapters change every
 layer's keys and values), while rows of one adapter share prefixes as the base's rows do.
 The tree's bytes are its arrays plus the pages only it holds (pages a row also holds are the row's):
-``page_nbytes`` and ``cached_pages`` are set by the owner of the pools (the KV cache manager,
-``kv/kv_cache_manager.py``).
+``page_nbytes``, ``cached_pages`` and ``pinned_cached_pages`` are set by the owner of the pools (the KV cache
+manager, ``kv/kv_cache_manager.py``). A pinned node's paged segment is pinned in its pool
+(``PagedSegment.pin``), which keeps the count of pinned pages no row holds as pages change hands.
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ class RadixCache:
         self.roots: dict = {None: self.root}  # one root per namespace (see the module docstring)
         self.array_bytes = 0  # the nodes' own arrays
         self._pinned_bytes = 0  # of those, pinned nodes' (kept by pin / unpin / split: asked every step)
-        self._pinned_paged: set[RadixNode] = set()  # pinned nodes holding pages
-        # Paged segments: bytes of one page, and how many pages only the tree holds (every lane's pool).
+        # Paged segments: bytes of one page, how many pages only the tree holds, and how many of those
+        # pinned nodes hold (every lane's pool; running counts kept by the pools, PagePool.pinned_cached).
         self.page_nbytes = 0
         self.cached_pages: Callable[[], int] = lambda: 0
+        self.pinned_cached_pages: Callable[[], int] = lambda: 0
         self._reads: dict[tuple, tuple] = {}  # this prefill phase's gathered prefixes (gather)
         self._nodes = 0  # kept as nodes come and go, so stats() is O(1) (published every step)
         self._tokens = 0
@@ -156,6 +158,21 @@ class RadixCache:
             self.lookup_tokens += n
             self.hit_tokens += i
         return PrefixMatch(node, i)
+
+    def pinned_prefix(self, tokens: Sequence[int], ns=None) -> int:
+        """Leading tokens of ``tokens`` stored in pinned nodes (pins cover a node's whole path, so these are a
+        prefix of the match). Looks only: no split, no recency, no counters."""
+        node, i, n = self.roots.get(ns), 0, len(tokens)
+        while node is not None and i < n:
+            child = node.children.get(tokens[i])
+            if child is None or not child.ref:
+                break
+            edge = child.tokens
+            part = tuple(tokens[i : i + len(edge)])
+            if part != edge:
+                return i + common_prefix_len(edge, part)
+            node, i = child, i + len(edge)
+        return i
 
     def gather(self, match: PrefixMatch) -> Segment | None:
         """The matched prefix's KV, concatenated per layer: (1, H, length, D) arrays. A node's own arrays
@@ -221,10 +238,10 @@ class RadixCache:
         self.array_bytes += nbytes - node.nbytes
         if node.ref:
             self._pinned_bytes += nbytes - node.nbytes
+            if isinstance(node.kv, PagedSegment):
+                node.kv.unpin()
             if isinstance(kv, PagedSegment):
-                self._pinned_paged.add(node)
-            else:
-                self._pinned_paged.discard(node)
+                kv.pin()
         node.kv, node.nbytes = kv, nbytes
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
@@ -276,7 +293,7 @@ class RadixCache:
             if node.ref == 1:
                 self._pinned_bytes += node.nbytes
                 if isinstance(node.kv, PagedSegment):
-                    self._pinned_paged.add(node)
+                    node.kv.pin()
             node = node.parent
 
     def unpin(self, node: RadixNode) -> None:
@@ -285,7 +302,8 @@ class RadixCache:
             assert node.ref >= 0, "radix node unpinned more often than pinned"
             if node.ref == 0:
                 self._pinned_bytes -= node.nbytes
-                self._pinned_paged.discard(node)
+                if isinstance(node.kv, PagedSegment):
+                    node.kv.unpin()
             node = node.parent
 
     # -- eviction -------------------------------------------------------------------------------
@@ -407,7 +425,7 @@ class RadixCache:
 
     def pinned_bytes(self) -> int:
         """Bytes of pinned nodes (on the path of a pinned node) that only the tree holds: not evictable now."""
-        return self._pinned_bytes + self._cached_pages_of(self._pinned_paged) * self.page_nbytes
+        return self._pinned_bytes + self.pinned_cached_pages() * self.page_nbytes
 
     def computed_pinned_bytes(self) -> int:
         """Recount of :meth:`pinned_bytes` from the nodes (tests compare the two)."""

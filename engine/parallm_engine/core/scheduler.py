@@ -260,6 +260,9 @@ class Scheduler(PrefillPlanner):
             self._other_step_s = other if not self._other_step_s else 0.8 * self._other_step_s + 0.2 * other
         if out.plain_rows and not (out.joined or out.prefill_tokens or out.fused_tokens):  # a steady decode step
             self.speculator.observe_plain_step(out.plain_rows, other)
+        # Rows that left during the step may have handed the prefix cache pages after its last eviction (a row's
+        # pages go back once the step's forward no longer reads them): within its limit between steps.
+        self.kv.evict_freed()
         self.stats.on_step(len(self.running), self.batch_kv_bytes(), self.kv_bytes_held())
         if self._trace is not None:
             self._trace.record(plan, out, self.stats, self.kv.meter.moved)

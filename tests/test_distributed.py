@@ -298,21 +298,28 @@ print("DIGEST", hashlib.sha1(json.dumps([m.content for m in out]).encode()).hexd
 """
 
 
+def _alone_and_on_two_ranks(script: Path, model: str, engine_kwargs: dict, env: dict) -> list[list[str]]:
+    """``script MODEL KWARGS`` run once as one process and once under ``mlx.launch -n 2`` with
+    ``distributed="pipeline"`` added: the two runs' ``DIGEST`` lines, split (the ranks' run must exit 0)."""
+    alone = subprocess.run([sys.executable, str(script), model, json.dumps(engine_kwargs)], env=env,
+                           capture_output=True, text=True, timeout=300)
+    ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
+                            json.dumps({**engine_kwargs, "distributed": "pipeline"})], env=env,
+                           stdin=quiet_stdin(), capture_output=True, text=True, timeout=300)
+    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
+    lines = [line.split() for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
+    assert len(lines) == 2, (alone.stderr[-1500:], ranks.stdout[-1500:])
+    return lines
+
+
 def test_in_process_chat_model_under_mlx_launch(tiny, tmp_path):
     """``ChatParaLLM(engine_kwargs={"distributed": "pipeline"})`` in a script started by mlx.launch: rank 0's
     batch gives the single-process answers; the other rank follows it and exits with it."""
     script = tmp_path / "chain.py"
     script.write_text(LANGCHAIN_SCRIPT)
     model = str(tiny["llama"])
-    env = {**os.environ, "PARALLM_BACKEND": "cpu-mlx"}
-    alone = subprocess.run([sys.executable, str(script), model, json.dumps({"kv_disk": 0})], env=env,
-                           capture_output=True, text=True, timeout=300)
-    ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
-                            json.dumps({"kv_disk": 0, "distributed": "pipeline"})], env=env,
-                           stdin=quiet_stdin(), capture_output=True, text=True, timeout=300)
-    digests = [line for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
-    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
-    assert len(digests) == 2 and digests[0] == digests[1], (alone.stderr[-1500:], ranks.stdout[-1500:])
+    alone, ranks = _alone_and_on_two_ranks(script, model, {"kv_disk": 0}, {**os.environ, "PARALLM_BACKEND": "cpu-mlx"})
+    assert alone == ranks
 
 
 ENGINE_SCRIPT = """
@@ -337,16 +344,9 @@ def test_an_uneven_split_under_preemption_decides_as_one_process(tmp_path):
     script.write_text(ENGINE_SCRIPT)
     env = {**os.environ, "PARALLM_BACKEND": "cpu-mlx", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
-    budget = {"kv_budget_bytes": 300_000}
-    alone = subprocess.run([sys.executable, str(script), model, json.dumps(budget)], env=env,
-                           capture_output=True, text=True, timeout=300)
-    ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
-                            json.dumps({**budget, "distributed": "pipeline"})], env=env,
-                           stdin=quiet_stdin(), capture_output=True, text=True, timeout=300)
-    lines = [line.split() for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
-    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
-    assert len(lines) == 2 and lines[0] == lines[1], (alone.stderr[-1500:], ranks.stdout[-1500:])
-    assert int(lines[0][2]) > 0  # the budget did make it preempt
+    alone, ranks = _alone_and_on_two_ranks(script, model, {"kv_budget_bytes": 300_000}, env)
+    assert alone == ranks
+    assert int(alone[2]) > 0  # the budget did make it preempt
 
 
 def test_layers_split_by_memory():

@@ -428,12 +428,12 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
           + (f", one key at most {shares.key_limit()}" if shares.key_limit() else ""), flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     if getattr(engine, "dist", None) is not None:
-        _DistributedServer(config, engine).run()
+        _distributed_server(config, engine).run()
     else:
         uvicorn.Server(config).run()
 
 
-def _distributed_server_class():
+def _distributed_server(config, engine):
     import uvicorn
 
     class DistributedServer(uvicorn.Server):
@@ -461,11 +461,7 @@ def _distributed_server_class():
                 self.engine.core.group_lost(lost_rank_error(self.engine.dist))
             threading.Timer(self.LINGER_S, super().handle_exit, (sig, frame)).start()
 
-    return DistributedServer
-
-
-def _DistributedServer(config, engine):
-    return _distributed_server_class()(config, engine)
+    return DistributedServer(config, engine)
 
 
 class ServerThread:

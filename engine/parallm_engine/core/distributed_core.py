@@ -262,8 +262,8 @@ def run_follower(engine, sched) -> None:
 
 # -- joining ----------------------------------------------------------------------------------------------
 def join_group(mode: str, *, backend: str | None, speculative, adapters, session_ttl, kv_bits):
-    """Join ``mlx.launch``'s group for ``Engine(distributed=mode)``; returns ``(group, backend)``. What this
-    mode does not support is refused here, typed, before a weight is read."""
+    """Join ``mlx.launch``'s group for ``Engine(distributed=mode)``. What this mode does not support is refused
+    here, typed, before a weight is read."""
     from parallm_engine.distributed.group import init_group
 
     if speculative is not None and getattr(speculative, "enabled", True):
@@ -278,8 +278,7 @@ def join_group(mode: str, *, backend: str | None, speculative, adapters, session
     if backend == "cpu-native":
         raise DistributedError("the native CPU kernels do not run distributed: use backend='cpu-mlx' (the default "
                                "in this mode), 'metal' or 'cuda'", supported=["cpu-mlx", "metal", "cuda"])
-    dist = init_group(mode)
-    return dist, backend
+    return init_group(mode)
 
 
 def cpu_backend_for(dist, chosen):

@@ -207,8 +207,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         if distributed is not None:
             from parallm_engine.core.distributed_core import join_group
 
-            self.dist, backend = join_group(distributed, backend=backend, speculative=speculative,
-                                            adapters=adapters, session_ttl=session_ttl, kv_bits=kv_bits)
+            self.dist = join_group(distributed, backend=backend, speculative=speculative, adapters=adapters,
+                                   session_ttl=session_ttl, kv_bits=kv_bits)
         try:
             self.backend = choose_backend(backend)
         except ValueError as exc:

@@ -1,7 +1,8 @@
 """One model over two MLX ranks (issue 59): ``mlx.launch -n 2 --backend ring -- parallm serve --distributed ...``
 on this machine, against the single-process engine on the same weights.
 
-- pipeline (layer ranges) and tensor (mlx-lm's ``shard()``) on tiny random-weight llama and qwen2: 16
+- pipeline (qwen2: mlx-lm's own ``pipeline()``; llama: the engine's layer ranges) and tensor (mlx-lm's
+  ``shard()``) on tiny random-weight llama and qwen2: 16
   concurrent greedy chat requests give the single-process tokens (tensor: logprobs within 1e-3, a token may
   differ only where the reference's top-2 gap is below that; the count is printed);
 - a second wave sharing a 500-token prefix is served from the radix cache (``cached_tokens`` > 0);
@@ -178,6 +179,11 @@ def test_pipeline_serves_the_single_process_tokens_and_caches_prefixes(tiny, ref
         assert all(r["choices"][0]["finish_reason"] for r in sampled)
         info = httpx.get(f"{srv.url}/metrics").text
         assert 'parallm_distributed_ranks' in info and 'mode="pipeline"' in info
+        # qwen2 has mlx-lm's own pipeline(); llama is split by layer range
+        assert ('sharding="mlx-lm pipeline()"' if family == "qwen2" else 'sharding="layer range"') in info
+        comm = [float(line.split()[-1]) for line in info.splitlines()
+                if line.startswith(("parallm_distributed_step_comm_seconds", "parallm_distributed_step_comm_share"))]
+        assert len(comm) == 2 and all(v > 0 for v in comm), comm  # the probed steps' collectives took time
         assert httpx.get(f"{srv.url}/health").status_code == 200
 
 
@@ -335,11 +341,13 @@ e.shutdown()
 """
 
 
-def test_an_uneven_split_under_preemption_decides_as_one_process(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_uneven_split_under_preemption_decides_as_one_process(tmp_path, family):
     """Three layers over two ranks (2 + 1: the ranks hold different KV bytes per token) under a KV budget the
-    batch overflows: the same preemptions and the same tokens as one process (budgets agreed in tokens)."""
+    batch overflows: the same preemptions and the same tokens as one process (budgets agreed in tokens). qwen2
+    runs mlx-lm's own pipeline (rank 0 holds the last layers)."""
     tok, vocab = model_zoo.default_tokenizer()
-    model = str(model_zoo.build("llama", tmp_path / "l3", tok, vocab, overrides={"num_hidden_layers": 3}))
+    model = str(model_zoo.build(family, tmp_path / "l3", tok, vocab, overrides={"num_hidden_layers": 3}))
     script = tmp_path / "gen.py"
     script.write_text(ENGINE_SCRIPT)
     env = {**os.environ, "PARALLM_BACKEND": "cpu-mlx", "PYTHONPATH": os.pathsep.join(

@@ -4,7 +4,8 @@ Both are real servers (``parallm serve``; the N-rank one under ``mlx.launch -n N
 pure-MLX path the ranks run, given the same concurrent greedy chat traffic. Reported: generated tokens per
 second (one stream and ``--concurrency`` at once), each rank's weight bytes against one process's, the share
 of a one-stream step that communication and coordination add (on one machine the stages' compute adds up to
-one rank's, so the step time's growth is that share), and the control messages' share of the engine's busy
+one rank's, so the step time's growth is that share), the communication measured by replaying the steps'
+collectives alone (``distributed/comm_probe.py``), and the control messages' share of the engine's busy
 time (rank 0's per-step plan). On one machine the ranks share its
 cores: this is a correctness and overhead figure, not the speed-up of several machines.
 """
@@ -99,6 +100,10 @@ def run(model: str | None, mode: str, ranks: int, quick: bool, concurrency: int 
                 messages = sum(_metric(page, "parallm_distributed_control_messages_total").values())
                 row["control_ms_per_step"] = round(1000 * control / max(messages, 1), 3)
                 row["control_share_of_busy"] = round(control / busy, 4) if busy else None
+                # the steps' collectives replayed alone on probed steps (distributed/comm_probe.py)
+                row["comm_ms_per_step"] = round(1000 * sum(_metric(page, "parallm_distributed_step_comm_seconds")
+                                                           .values()), 3)
+                row["comm_share_of_step"] = sum(_metric(page, "parallm_distributed_step_comm_share").values()) or None
             else:
                 row["weight_bytes"] = sum(_metric(page, "parallm_weight_bytes").values()) or None
             result["runs"][r] = row
@@ -127,6 +132,9 @@ def format_result(res: dict) -> str:
         lines.append(f"one stream's step: {t1:.1f} ms on 1 rank, {tn:.1f} ms on {res['ranks']}: "
                      f"{100 * max(tn - t1, 0) / tn:.0f}% of a step is communication and coordination (on one "
                      "machine the stages' compute adds up to one rank's)")
+    if many.get("comm_share_of_step"):
+        lines.append(f"communication, measured (the step's collectives replayed alone): {many['comm_ms_per_step']} ms "
+                     f"per step, {100 * many['comm_share_of_step']:.0f}% of the step's forwards")
     lines.append(f"control message per step: {many.get('control_ms_per_step')} ms "
                  f"({100 * (many.get('control_share_of_busy') or 0):.2f}% of the engine's busy time)")
     lines.append(f"same greedy texts on 1 and {res['ranks']} ranks: {res['same_texts']}")

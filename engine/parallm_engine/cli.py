@@ -184,6 +184,10 @@ def cmd_info(args) -> int:
         for r in d["ranks"]:
             print(f"          rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1] - 1}, weights "
                   f"{r['weights_bytes'] / 2**20:.1f} MiB, MLX active {r['mlx_active_bytes'] / 2**20:.1f} MiB")
+        load = (d.get("comm") or {}).get("at_load") or {}
+        if load:
+            print(f"          communication per forward: {1000 * load['decode_1_row_s']:.2f} ms for one decode row, "
+                  f"{1000 * load['prefill_128_tokens_s']:.2f} ms for a 128-token prefill chunk")
     dm = out["default_model"]
     print(f"default : {dm.get('name', '')} {dm.get('gguf', dm.get('error', ''))}")
     if "model" in out:

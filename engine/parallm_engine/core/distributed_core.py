@@ -157,6 +157,8 @@ class LeaderSync:
         self.dist.broadcast(msg)
         if msg["step"] % MEMORY_EVERY == 0:
             gather_memory(self.dist, sched, self.weights)
+        if self.dist.probe is not None:
+            self.dist.probe.at_step(msg["step"])
 
     def stop(self, reason: str) -> None:
         """Shutdown: the followers leave their loops (best effort: a lost group cannot hear it)."""
@@ -245,6 +247,8 @@ def run_follower(engine, sched) -> None:
                                            f"(plan equal: {mine == msg['plan']}, tokens equal: {digest == msg['digest']})")
                 if msg["step"] % MEMORY_EVERY == 0:
                     gather_memory(dist, sched, weights)
+                if dist.probe is not None:
+                    dist.probe.at_step(msg["step"])
 
             sched.step(on_plan=check)
     except Exception:

@@ -308,6 +308,16 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
             cfg.kv_events = None
         agree_on_settings(self.dist, self)
         self.model.distributed_ranks = self.dist.size  # its forwards are evaluated at once (runner/forward.py)
+        import mlx.core as mx
+
+        from parallm_engine.distributed.comm_probe import CommProbe
+
+        text = self.model_info.config.get("text_config", self.model_info.config)
+        hidden = text.get("hidden_size") or text.get("d_model") or text.get("n_embd")
+        if isinstance(hidden, int):  # (every family the modes split has it)
+            dtype = getattr(mx, str(self.model_info.dtype), mx.float32)
+            self.dist.probe = self.model.comm_probe = CommProbe(self.dist, self.model, hidden, dtype)
+            self.dist.probe.at_load()
 
     # -- properties -----------------------------------------------------------------------------
     @property

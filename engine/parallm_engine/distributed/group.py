@@ -40,6 +40,7 @@ class DistributedGroup:
     idle: object = None  # the IdleLink the other ranks wait on while rank 0 is idle (None: they wait in the group)
     # Each rank's memory by rank: weights (at load), KV held and MLX's active bytes (every MEMORY_EVERY steps).
     rank_memory: list = field(default_factory=list)
+    probe: object = None  # the step's communication time (comm_probe.CommProbe), once the model is split
 
     @property
     def leader(self) -> bool:
@@ -106,7 +107,8 @@ class DistributedGroup:
     def describe(self) -> dict:
         return {"mode": self.mode, "rank": self.rank, "size": self.size, "backend": self.backend,
                 "control_messages": self.messages, "control_s": round(self.comm_s, 4),
-                "ranks": list(self.rank_memory), **self.shard}
+                "ranks": list(self.rank_memory), **self.shard,
+                **({"comm": self.probe.describe()} if self.probe is not None else {})}
 
 
 def init_group(mode: str, backend: str = "any") -> DistributedGroup:

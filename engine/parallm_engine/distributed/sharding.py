@@ -2,14 +2,14 @@
 
 - ``tensor``: mlx-lm's ``Model.shard(group)`` (attention heads and MLP columns over the ranks, an ``all_sum``
   after each block's output projection). Families without it are refused.
-- ``pipeline``: a layer-range pipeline for any model whose layers are a list: rank r keeps a contiguous range
-  of layers
-  (rank 0 the first), its first layer takes its input from rank r - 1 (``recv_like``) and its last sends its
-  output on (``send``); the last rank's hidden state then reaches every rank (``all_gather``), so the final
-  norm and head run everywhere and every rank samples from the same logits. mlx-lm's own
-  ``model.pipeline(group)`` (qwen2, deepseek, ...) communicates the same way, but its forward ties the send to
-  ``cache[-1].keys``, a field of mlx-lm's caches the engine's paged caches do not have; so the engine splits
-  those families by layer range too (the same sends, the same ``all_gather``).
+- ``pipeline``: mlx-lm's own ``model.pipeline(group, split)`` where the family has it (qwen2, qwen3-moe,
+  deepseek, glm4-moe, ...: rank 0 keeps the *last* layers, as mlx-lm orders them); for every other model
+  whose layers are a list, a layer-range pipeline of the same shape: rank r keeps a contiguous range of
+  layers (rank 0 the first), its first layer takes its input from rank r - 1 (``recv_like``) and its last
+  sends its output on (``send``). Either way the last stage's hidden state then reaches every rank
+  (``all_gather``), so the final norm and head run everywhere and every rank samples from the same logits.
+  mlx-lm's forward ties its send to ``cache[-1].keys``: the engine's caches take that assignment
+  (``kv.kv_pages.PipelineTie``); its forwards evaluate their outputs, which hold the send already.
 
 Only what a rank keeps is ever read from the weight files: the model is loaded lazily and the layers a rank
 does not own are dropped before its parameters are evaluated (as mlx-lm's ``sharded_load``).
@@ -139,8 +139,32 @@ def shard_model(net, dist, capacities: list[int] | None = None) -> dict:
         net.shard(dist.group)
         return {"layers": [0, n_layers], "num_layers": n_layers, "sharding": "mlx-lm shard()"}
     split = layer_split(n_layers, capacities or [1] * dist.size)
+    if callable(getattr(inner, "pipeline", None)):
+        start, end = _own_pipeline(net, inner, dist.group, split)
+        # rank 0 holds the last layers: activations flow from rank size - 1 down to rank 0
+        rank, size = dist.rank, dist.size
+        return {"layers": [start, end], "num_layers": n_layers, "sharding": "mlx-lm pipeline()",
+                "recv_from": rank + 1 if rank < size - 1 else None, "send_to": rank - 1 if rank > 0 else None}
     start, end = _layer_range(net, dist.group, split)
-    return {"layers": [start, end], "num_layers": n_layers, "sharding": "layer range"}
+    rank, size = dist.rank, dist.size
+    return {"layers": [start, end], "num_layers": n_layers, "sharding": "layer range",
+            "recv_from": rank - 1 if rank > 0 else None, "send_to": rank + 1 if rank < size - 1 else None}
+
+
+def _own_pipeline(net, inner, group, split: list[int]) -> tuple[int, int]:
+    """mlx-lm's ``pipeline(group, split)``: ``split[r]`` layers for rank r, the last layers on rank 0. The
+    engine then sees only the rank's layers through ``net.layers`` (its caches, its KV bytes per token)."""
+    if group.size() != mx.distributed.init().size():
+        # its sends and all_gather use MLX's default group
+        raise DistributedError("mlx-lm's pipeline runs on the whole launched group only")
+    inner.pipeline(group, split=split)
+    start, end = inner.start_idx, inner.end_idx
+    mine = list(net.layers)
+    if len(mine) != end - start or any(layer is None for layer in mine):
+        raise DistributedError(f"the {type(net).__module__.rsplit('.', 1)[-1]} family's layers do not follow "
+                               "its pipeline split", supported=["tensor"] if callable(getattr(net, "shard", None))
+                               else [])
+    return start, end
 
 
 def _check_heads(net, size: int) -> None:

@@ -23,8 +23,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from parallm_engine.kv.pipeline_tie import PipelineTie
 
-class FusedLayerKV:
+
+class FusedLayerKV(PipelineTie):
     """One layer of a fused step, as mlx-lm's models call a cache: ``offset`` (each model row's position),
     ``update_and_fetch`` (writes every part; the keys and values returned are the decode part's, stand-ins:
     the hook reads :attr:`fused`), ``make_mask`` (None: each part has its own)."""

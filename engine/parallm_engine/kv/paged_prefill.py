@@ -35,6 +35,7 @@ from parallm_engine.kv import kv_quant as kvq
 from parallm_engine.kv.kv_cache import prefill_layout
 from parallm_engine.kv.table_reads import read_table, table_index
 from parallm_engine.kv.page_pool import PageRow
+from parallm_engine.kv.pipeline_tie import PipelineTie
 
 
 class PrefillRow:
@@ -126,7 +127,7 @@ class PagedPrefillStep:
         return self._pools()
 
 
-class PagedPrefillKV:
+class PagedPrefillKV(PipelineTie):
     """One layer of a :class:`PagedPrefillStep`, as mlx-lm's models call a cache (``offset``,
     ``update_and_fetch``, ``make_mask``) plus the shared prefix the engine's attention hook reads."""
 

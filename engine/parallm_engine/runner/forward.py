@@ -23,15 +23,22 @@ would otherwise never send its activations on).
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 
 from parallm_engine.runner.lora import adapter_rows
 
 
 def _settled(model, out):
-    """``out``, evaluated now where ``model`` is distributed (see the module's docstring)."""
+    """``out``, evaluated now where ``model`` is distributed (see the module's docstring); the forward's shape
+    and time go to its communication probe (``distributed/comm_probe.py``)."""
     if getattr(model, "distributed_ranks", 0):
+        t0 = time.perf_counter()
         mx.eval(out)
+        probe = getattr(model, "comm_probe", None)
+        if probe is not None and hasattr(out, "shape"):
+            probe.saw(out.shape, time.perf_counter() - t0)
     return out
 
 

@@ -246,11 +246,19 @@ def _distributed_lines(dist: dict, labels: dict) -> list[str]:
     control messages rank 0 sends (one per step)."""
     p = PREFIX
     out = _gauge_lines(f"{p}_distributed_ranks", "gauge", "Ranks the model is split over.", dist.get("size"),
-                       {**labels, "mode": str(dist.get("mode")), "backend": str(dist.get("backend"))})
+                       {**labels, "mode": str(dist.get("mode")), "backend": str(dist.get("backend")),
+                        "sharding": str(dist.get("sharding"))})
     out += _gauge_lines(f"{p}_distributed_control_seconds_total", "counter",
                         "Seconds rank 0 spent sending the steps' plans to the other ranks.", dist.get("control_s"), labels)
     out += _gauge_lines(f"{p}_distributed_control_messages_total", "counter",
                         "Control messages rank 0 sent (one per step).", dist.get("control_messages"), labels)
+    comm = dist.get("comm") or {}
+    out += _gauge_lines(f"{p}_distributed_step_comm_seconds", "gauge",
+                        "Communication of one step: its collectives replayed alone every few steps, mean.",
+                        comm.get("comm_s_per_step"), labels)
+    out += _gauge_lines(f"{p}_distributed_step_comm_share", "gauge",
+                        "The share of a step's forwards that its communication takes (probed steps).",
+                        comm.get("comm_share"), labels)
     for key, help in (("weights_bytes", "Weight bytes each rank holds (its shard)."),
                       ("kv_bytes_held", "KV bytes each rank holds (its layers or heads)."),
                       ("mlx_active_bytes", "MLX's active memory on each rank.")):

@@ -312,7 +312,9 @@ def _alone_and_on_two_ranks(script: Path, model: str, engine_kwargs: dict, env: 
     ranks = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "--", sys.executable, str(script), model,
                             json.dumps({**engine_kwargs, "distributed": "pipeline"})], env=env,
                            stdin=quiet_stdin(), capture_output=True, text=True, timeout=300)
-    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-2000:]
+    # (mlx.launch exits 0 even when a rank failed: it warns instead)
+    assert ranks.returncode == 0 and "exited with code" not in ranks.stdout + ranks.stderr, \
+        ranks.stdout[-2000:] + ranks.stderr[-2000:]
     lines = [line.split() for line in (alone.stdout + ranks.stdout).splitlines() if line.startswith("DIGEST")]
     assert len(lines) == 2, (alone.stderr[-1500:], ranks.stdout[-1500:])
     return lines
@@ -355,6 +357,71 @@ def test_an_uneven_split_under_preemption_decides_as_one_process(tmp_path, famil
     alone, ranks = _alone_and_on_two_ranks(script, model, {"kv_budget_bytes": 300_000}, env)
     assert alone == ranks
     assert int(alone[2]) > 0  # the budget did make it preempt
+
+
+HUB_SCRIPT = """
+import os
+os.environ["HF_HOME"] = os.path.join(os.environ["HUB_HOMES"], "rank" + os.environ.get("MLX_RANK", "alone"))
+""" + ENGINE_SCRIPT
+
+
+def _one_file_per_layer(src: Path, out: Path) -> Path:
+    """``src``'s checkpoint as a hub repo shards it: a file per layer, one for the rest, and the index."""
+    import re
+
+    import mlx.core as mx
+
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    weights = mx.load(str(src / "model.safetensors"))
+    groups: dict[str, dict] = {}
+    for key, value in weights.items():
+        m = re.search(r"\.layers\.(\d+)\.", key)
+        groups.setdefault(f"layer{m.group(1)}" if m else "rest", {})[key] = value
+    names = sorted(groups)
+    weight_map = {}
+    for i, g in enumerate(names):
+        fname = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        mx.save_safetensors(str(out / fname), groups[g], metadata={"format": "mlx"})
+        weight_map.update({key: fname for key in groups[g]})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_each_pipeline_rank_downloads_only_its_layers(tmp_path, family):
+    """A model named by HF id (a local hub, tests/hub_server.py), one weight file per layer: each rank's own
+    cache gets the files of its layers and the rest (embedding, norm, head), never the other rank's, and the
+    tokens equal one process's, which downloads every file. qwen2: rank 0 holds the last layers."""
+    from tests.hub_server import LocalHub
+
+    tok, vocab = model_zoo.default_tokenizer()
+    src = model_zoo.build(family, tmp_path / "src", tok, vocab, overrides={"num_hidden_layers": 4})
+    repo = _one_file_per_layer(src, tmp_path / "repo")
+    script = tmp_path / "gen.py"
+    script.write_text(HUB_SCRIPT)
+    homes = tmp_path / "homes"
+    with LocalHub() as hub:
+        hub.add_repo(f"parallm-test/tiny-{family}", repo)
+        env = {**os.environ, "PARALLM_BACKEND": "cpu-mlx", "HF_ENDPOINT": hub.url, "HUB_HOMES": str(homes),
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                              os.environ.get("PYTHONPATH", "")])}
+        alone, ranks = _alone_and_on_two_ranks(script, f"parallm-test/tiny-{family}", {}, env)
+    assert alone == ranks
+
+    def held(who: str) -> list[str]:
+        snap = next((homes / who / "hub").glob("models--parallm-test--*/snapshots/*"))
+        layers = json.loads((snap / "model.safetensors.index.json").read_text())["weight_map"]
+        files = {f.name for f in snap.glob("*.safetensors")}
+        return sorted({k.split(".layers.")[1].split(".")[0] if ".layers." in k else "rest"
+                       for k, f in layers.items() if f in files})
+
+    assert held("rankalone") == ["0", "1", "2", "3", "rest"]
+    first, last = (["2", "3"], ["0", "1"]) if family == "qwen2" else (["0", "1"], ["2", "3"])
+    assert held("rank0") == first + ["rest"]
+    assert held("rank1") == last + ["rest"]
 
 
 def test_layers_split_by_memory():

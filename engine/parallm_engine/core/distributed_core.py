@@ -313,7 +313,11 @@ def agree_on_settings(dist, engine) -> None:
     import mlx.core as mx
 
     info, cfg = engine.model_info, engine.config
-    files = sorted((p.name, p.stat().st_size) for p in info.path.glob("*.safetensors"))
+    index = info.path / "model.safetensors.index.json"
+    if index.exists():  # a sharded checkpoint: its index (a pipeline rank may hold only its own files)
+        files = hashlib.sha256(index.read_bytes()).hexdigest()
+    else:
+        files = sorted((p.name, p.stat().st_size) for p in info.path.glob("*.safetensors"))
     dist.agree("the model's files", (info.name, sorted(info.config.items(), key=str), files))
     per_token = max(1, info.kv_bytes_per_token())
     ws = cfg.working_set_bytes

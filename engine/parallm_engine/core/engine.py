@@ -222,11 +222,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         weights = resolve_weights_dtype(weights_dtype, self.backend.device)
         shard = None
         if self.dist is not None:
-            from parallm_engine.distributed.sharding import shard_model
+            from parallm_engine.distributed.sharding import ShardPlan
 
-            def shard(net, dist=self.dist, memory=self.backend.memory_bytes):
-                capacities = [row[0] for row in dist.gather_ints([int(memory or 0)])]
-                dist.shard.update(shard_model(net, dist, capacities))
+            shard = ShardPlan(self.dist, self.backend.memory_bytes)
 
         self.model, self.tokenizer, self.model_info = load_model(model, dtype=dtype, weights_dtype=weights,
                                                                  shard=shard)

@@ -12,15 +12,24 @@
   (``kv.kv_pages.PipelineTie``); its forwards evaluate their outputs, which hold the send already.
 
 Only what a rank keeps is ever read from the weight files: the model is loaded lazily and the layers a rank
-does not own are dropped before its parameters are evaluated (as mlx-lm's ``sharded_load``).
+does not own are dropped before its parameters are evaluated (as mlx-lm's ``sharded_load``). A pipeline
+rank also downloads only the weight files that hold its layers (``ShardPlan.weight_files``: the checkpoint
+index's ``weight_map`` by layer number), so a model named by HF id is never whole on any machine.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from parallm_engine.errors import DistributedError
+from parallm_engine.errors import DistributedError, ModelLoadError
+
+INDEX = "model.safetensors.index.json"
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a weight of layer N (mlx-lm's sharded_load matches the same)
 
 
 def _inner(net):
@@ -104,11 +113,80 @@ def _after_send(args, kwargs, sent) -> None:
         cache.keys = mx.depends(cache.keys, sent)
 
 
+def layer_range(net, rank: int, split: list[int]) -> tuple[int, int]:
+    """The layers [start, end) rank ``rank`` keeps under ``split``: mlx-lm's own pipeline gives rank 0 the
+    last layers, the engine's layer-range split the first."""
+    if callable(getattr(_inner(net), "pipeline", None)):
+        start = sum(split[rank + 1 :])
+    else:
+        start = sum(split[:rank])
+    return start, start + split[rank]
+
+
+class ShardPlan:
+    """This rank's split, decided before any weight is read or downloaded: every rank's memory is gathered
+    once, when the plan is made (a collective: every rank makes its plan at the same point of the load,
+    whatever its local cache holds). ``plan(net)`` splits the lazily loaded model; ``weight_files(path)`` is
+    what a pipeline rank downloads."""
+
+    def __init__(self, dist, memory_bytes: int | None):
+        self.dist = dist
+        self.capacities = [row[0] for row in dist.gather_ints([int(memory_bytes or 0)])]
+
+    def __call__(self, net) -> None:
+        self.dist.shard.update(shard_model(net, self.dist, self.capacities))
+
+    def weight_files(self, path: Path) -> list[str] | None:
+        """The weight files (as the index names them) that hold this rank's layers, plus every file with
+        weights outside the layers (embedding, final norm, head); None: every file (tensor parallel needs
+        each layer, a checkpoint without an index is one file)."""
+        index = Path(path) / INDEX
+        if self.dist.mode != "pipeline" or not index.exists():
+            return None
+        from mlx_lm.utils import load_model as mlx_load_model
+
+        net, _ = mlx_load_model(Path(path), lazy=True, strict=False)  # the family's classes; no weight is read
+        inner = _inner(net)
+        if inner is None:
+            return None  # shard_model refuses it, naming the modes it supports
+        n = len(inner.layers)
+        start, end = layer_range(net, self.dist.rank, layer_split(n, self.capacities))
+        files, indexed = _files_for(json.loads(index.read_text())["weight_map"], start, end)
+        missing = sorted(set(range(n)) - indexed)
+        if missing:
+            raise ModelLoadError(f"{path}: the checkpoint has no weights for layers {missing[:8]}"
+                                 f"{' ...' if len(missing) > 8 else ''} (convert it with mlx_lm.convert first)")
+        return sorted(files)
+
+    def check_files(self, path: Path) -> None:
+        """After a partial download: every file this rank's layers need is there (mlx-lm loads a partial
+        checkpoint non-strictly, so a missing one would leave random weights)."""
+        start, end = self.dist.shard["layers"]
+        files, _ = _files_for(json.loads((Path(path) / INDEX).read_text())["weight_map"], start, end)
+        absent = sorted(f for f in files if not (Path(path) / f).exists())
+        if absent:
+            raise ModelLoadError(f"{path}: rank {self.dist.rank} needs {', '.join(absent)} for layers "
+                                 f"{start}-{end - 1}, and they are not there")
+
+
+def _files_for(weight_map: dict, start: int, end: int) -> tuple[set[str], set[int]]:
+    """(the files holding layers [start, end) or weights outside any layer, every layer number indexed)."""
+    files, indexed = set(), set()
+    for key, f in weight_map.items():
+        m = _LAYER_KEY.search(key)
+        if m is None:
+            files.add(f)  # every stage keeps the embedding, the final norm and the head
+            continue
+        indexed.add(int(m.group(1)))
+        if start <= int(m.group(1)) < end:
+            files.add(f)
+    return files, indexed
+
+
 def _layer_range(net, group, split: list[int]) -> tuple[int, int]:
     inner = _inner(net)
     rank, size = group.rank(), group.size()
-    start = sum(split[:rank])
-    end = start + split[rank]
+    start, end = layer_range(net, rank, split)
     mine = list(inner.layers[start:end])
     first, last = 0, len(mine) - 1
     staged = []
@@ -159,6 +237,7 @@ def _own_pipeline(net, inner, group, split: list[int]) -> tuple[int, int]:
         raise DistributedError("mlx-lm's pipeline runs on the whole launched group only")
     inner.pipeline(group, split=split)
     start, end = inner.start_idx, inner.end_idx
+    assert (start, end) == layer_range(net, group.rank(), split)  # what weight_files chose to download
     mine = list(net.layers)
     if len(mine) != end - start or any(layer is None for layer in mine):
         raise DistributedError(f"the {type(net).__module__.rsplit('.', 1)[-1]} family's layers do not follow "

@@ -160,11 +160,12 @@ def _repo(spec: str) -> tuple[str, str | None]:
     return parsed
 
 
-def fetch_model(spec: str, *, local_only: bool = False, encoder_ok: bool = False) -> Path:
+def fetch_model(spec: str, *, local_only: bool = False, encoder_ok: bool = False, select_weights=None) -> Path:
     """The local snapshot directory of hub model ``spec`` (``org/name[@revision]``), downloading what is
     missing (huggingface_hub's progress bars on stderr) unless offline or ``local_only``. ``encoder_ok``: an
-    encoder embedding model (``ENCODER_TYPES``, run by mlx-embeddings) is fetched too. Raises the typed
-    errors of :mod:`errors` (all :class:`ModelLoadError`)."""
+    encoder embedding model (``ENCODER_TYPES``, run by mlx-embeddings) is fetched too. ``select_weights(path)``
+    (a distributed rank's ``ShardPlan.weight_files``): the snapshot without its weights first, then only the
+    weight files it names (None: all). Raises the typed errors of :mod:`errors` (all :class:`ModelLoadError`)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
     repo_id, revision = _repo(spec)
@@ -174,8 +175,14 @@ def fetch_model(spec: str, *, local_only: bool = False, encoder_ok: bool = False
         config = json.loads(Path(config_file).read_text())
         if not (encoder_ok and config.get("model_type") in ENCODER_TYPES):
             check_architecture(config, spec)
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns_for(config),
-                                      **kwargs))
+        patterns = allow_patterns_for(config)
+        if select_weights is not None:
+            no_weights = [p for p in patterns if "safetensors" not in p]
+            files = select_weights(Path(snapshot_download(repo_id, revision=revision, allow_patterns=no_weights,
+                                                          **kwargs)))
+            if files is not None:
+                patterns = no_weights + list(files)
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **kwargs))
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001  (mapped to a typed error, or re-raised as it is)

@@ -136,9 +136,11 @@ def _is_gguf_file(path: Path) -> bool:
     return path.suffix.lower() == ".gguf" or is_gguf(path)
 
 
-def resolve_model(model: str | os.PathLike | None, encoder_ok: bool = False) -> tuple[Path, str]:
+def resolve_model(model: str | os.PathLike | None, encoder_ok: bool = False,
+                  select_weights=None) -> tuple[Path, str]:
     """Return (mlx-lm loadable directory, display name). A hub id downloads on first use (``hub.py``);
-    ``encoder_ok``: an encoder embedding model's repo too (mlx-embeddings loads it)."""
+    ``encoder_ok``: an encoder embedding model's repo too (mlx-embeddings loads it); ``select_weights``: the
+    weight files to download (a distributed rank's, ``hub.fetch_model``)."""
     from parallm_engine.models.gguf import ensure_converted
 
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
@@ -158,11 +160,31 @@ def resolve_model(model: str | os.PathLike | None, encoder_ok: bool = False) -> 
     from parallm_engine.models.hub import fetch_model, parse_repo_spec
 
     if parse_repo_spec(str(model)) is not None:
-        return fetch_model(str(model), encoder_ok=encoder_ok), str(model)
+        return fetch_model(str(model), encoder_ok=encoder_ok, select_weights=select_weights), str(model)
     raise ModelLoadError(
         f"unknown model {str(model)!r}: not a .gguf file, not a model directory, and not a Hugging Face "
         "model id (org/name or org/name@revision)"
     )
+
+
+def _some_weights_absent(path: Path) -> bool:
+    """The checkpoint index names weight files the directory lacks (a distributed rank downloaded its own)."""
+    try:
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(not (path / f).exists() for f in set(index.get("weight_map", {}).values()))
+
+
+def _load_partial(path: Path):
+    """(model, tokenizer) of a checkpoint with only some weight files, lazily and not strictly (as mlx-lm's
+    ``sharded_load``): the layers whose files are absent are dropped by the shard before a weight is read,
+    and ``ShardPlan.check_files`` then makes sure the kept ones had theirs."""
+    from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
+
+    net, config = mlx_load_model(path, lazy=True, strict=False)
+    return net, load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | None = None, weights_dtype: str | None = None,
@@ -178,7 +200,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
 
     from parallm_engine.runner.backend import backend_info, warn_if_slow_blas
 
-    path, name = resolve_model(model)
+    path, name = resolve_model(model, select_weights=getattr(shard, "weight_files", None))
     info = backend_info()
     warn_if_slow_blas(info)
     from parallm_engine.vision.vlm import load_vision_model, vision_family
@@ -189,16 +211,21 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None,
         refuse_encoder(json.loads((path / "config.json").read_text()), name)
     except (OSError, ValueError):
         pass  # no readable config: mlx-lm's loader says what is wrong
+    partial = False
     if vision_family(path):  # a vision-language model: mlx-vlm loads it (the `vision` extra)
         if shard is not None:
             raise UnsupportedModelError("vision-language models are not supported by the distributed mode")
         net, tokenizer = load_vision_model(path)
     else:
+        partial = shard is not None and _some_weights_absent(path)  # a pipeline rank's download
         try:
-            net, tokenizer = mlx_load(str(path), lazy=shard is not None)
+            net, tokenizer = _load_partial(path) if partial else mlx_load(str(path), lazy=shard is not None)
         except Exception as exc:
             raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from exc
-    if shard is not None:
+        if partial:
+            shard(net)
+            shard.check_files(path)
+    if shard is not None and not partial:
         shard(net)
     _silence_length_warning(tokenizer)
 

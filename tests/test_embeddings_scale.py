@@ -120,6 +120,41 @@ def test_length_sorted_submission_pads_less_and_gives_the_same_vectors(shared_en
     assert seen["computed"] < 1.5 * seen["tokens"]
 
 
+def test_texts_of_separate_calls_are_grouped_by_length(shared_engine, monkeypatch):
+    """Texts of many separate calls (as concurrent ``aembed`` callers send them: one text each, in no order of
+    length) queue together; a forward takes texts of similar length (at least ``EMBEDDING_FILL`` of its padded
+    rectangle real tokens), the others wait for a forward of their own, and every vector is the one its text
+    gets alone."""
+    from parallm_engine.core.prefill_planner import EMBEDDING_FILL
+    from parallm_engine.runner import forward
+
+    rng = random.Random(2)
+    mixed = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([2, 3, 60, 90]))) for _ in range(96)]
+    want = small_batches(shared_engine, mixed, size=1)
+    fills = []
+    real = forward.texts
+
+    def counting(model, tokens, seqs, lengths):  # the real forward, its padded rectangle's fill noted
+        fills.append(sum(lengths) / (tokens.shape[0] * tokens.shape[1]))
+        return real(model, tokens, seqs, lengths)
+
+    monkeypatch.setattr(forward, "texts", counting)
+    release, held = threading.Event(), threading.Event()
+    holder = threading.Thread(target=shared_engine.run_on_engine_thread,
+                              args=(lambda: (held.set(), release.wait(30)),))
+    holder.start()
+    assert held.wait(30)
+    try:
+        handles = [shared_engine.submit_embedding(t) for t in mixed]  # queued while the engine thread is held
+    finally:
+        release.set()
+        holder.join()
+    got = np.asarray([h.result().embedding for h in handles])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert fills and min(fills) >= EMBEDDING_FILL, fills
+    assert len(fills) < len(mixed) / 4  # still batched: a few forwards, not one per text
+
+
 def test_in_memory_vector_store_of_5000_chunks(embedder_dir, shared_engine, texts):
     from langchain_core.documents import Document
     from langchain_core.vectorstores import InMemoryVectorStore

@@ -28,6 +28,10 @@ from parallm_engine.runner.step_plan import PrefillWork
 #: Embedding tokens a step prefills beside decoding rows however slow the machine (a prompt's floor,
 #: ``min_prefill_tokens``, is larger: a stream waits behind it; nobody streams an embedding).
 EMBEDDING_MIN_TOKENS = 16
+#: An embedding group's forward is one right-padded rectangle (rows x its longest text): a text joins only
+#: while at least this share of the rectangle is real tokens. Texts of other lengths wait for a group of
+#: their own (on a CPU the padding's attention and MLP cost more than a bigger batch saves).
+EMBEDDING_FILL = 0.8
 
 
 class PrefillPlanner:
@@ -154,7 +158,7 @@ class PrefillPlanner:
                     break  # a shared prefix's snapshot is taken after the step (Scheduler.update)
                 budget -= work.n_tokens
                 continue
-            group, used = [head], remaining
+            group, used, widest = [head], remaining, remaining
             for seq in list(self.prefilling)[1:]:
                 if len(group) >= self.config.max_batch_size:
                     break
@@ -162,8 +166,14 @@ class PrefillPlanner:
                     continue  # (embedding texts beside decoding rows: their own, capped budget below)
                 cached = seq.computed if seq.started else self.kv.peek(seq)
                 left = len(seq.prefill_ids) - cached
-                if left == 0 or used + left > min(chunk, budget) or not self._joins(seq, group, cached, step):
+                if left == 0 or used + left > min(chunk, budget):
                     continue
+                if head.embedding and seq.embedding and \
+                        used + left < EMBEDDING_FILL * (len(group) + 1) * max(widest, left):
+                    continue  # mostly padding: a text of another length waits for texts like it
+                if not self._joins(seq, group, cached, step):
+                    continue
+                widest = max(widest, left)
                 group.append(seq)
                 used += len(seq.prefill_ids) - seq.computed
             for seq in group:

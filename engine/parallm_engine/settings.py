@@ -35,6 +35,7 @@ VARIABLES = {
     "PARALLM_FUSE_PREFILL": "switch: a prompt's chunk in the decode step's forward (default on; Engine(fuse_prefill=...))",
     "PARALLM_COMPILE_DECODE": "switch: the compiled decode step (default off; Engine(compile_decode=...))",
     "PARALLM_DECODE_WORKING_SET": "switch: keep the decode working set between steps (default on; Engine(decode_working_set=...))",
+    "PARALLM_PIPELINE_MICRO_BATCHES": "switch: a distributed pipeline's decode batch as one micro-batch per stage (default off)",
     "PARALLM_GPU_PAGED_ATTENTION": "switch: the paged CUDA decode kernel (default on)",
     "PARALLM_GPU_SHARED_PREFIX": "kernel (default) or cascade: where a shared prefix is read on CUDA",
     "PARALLM_WEIGHTS_DTYPE": "CPU weight storage: float32, bfloat16 or bfloat16-matmul",
@@ -121,6 +122,11 @@ def decode_lanes() -> int | None:
 
 def cpu_kernels() -> bool:
     return flag("PARALLM_CPU_KERNELS", True)
+
+
+def pipeline_micro_batches() -> bool:
+    """A distributed pipeline splits its decode batch into one micro-batch per stage (docs/distributed.md)."""
+    return flag("PARALLM_PIPELINE_MICRO_BATCHES", False)
 
 
 def native() -> bool:

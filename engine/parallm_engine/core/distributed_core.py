@@ -329,7 +329,7 @@ def agree_on_settings(dist, engine) -> None:
     dist.agree("the engine's settings", (cfg.max_batch_size, cfg.prefill_chunk, cfg.prefill_budget,
                                          cfg.kv_budget_bytes // per_token, cfg.enable_prefix_cache,
                                          cfg.batch_invariant, cfg.fuse_prefill, cfg.decode_working_set,
-                                         engine.backend.name))
+                                         cfg.decode_lanes, cfg.micro_batches, engine.backend.name))
     mx.random.seed(dist.seed())
     dist.gather_memory(engine.weight_bytes, 0, mx.get_active_memory())
     from parallm_engine.distributed.group import IdleLink

@@ -300,7 +300,9 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         cfg = self.config
         cfg.step_time_target_s = 0.0
         cfg.kv_disk = None
-        cfg.decode_lanes = 1
+        # One decode lane, or for a pipeline one per stage, its micro-batches (runner/forward.micro_batched)
+        cfg.micro_batches = self.dist.mode == "pipeline" and settings.pipeline_micro_batches()
+        cfg.decode_lanes = self.dist.size if cfg.micro_batches else 1
         cfg.compile_decode = False
         if not self.dist.leader:
             cfg.kv_events = None
@@ -513,6 +515,10 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         snap["adapters"] = {**self.adapters.stats(), **snap.pop("lora", {})}
         if self.dist is not None:
             snap["distributed"] = self.dist.describe()
+            stage = getattr(self.model, "stage_outputs", None)
+            if stage is not None:  # a pipeline: its micro-batches (lanes), and the most that ran in one step
+                snap["distributed"]["micro_batches"] = {"lanes": self.config.decode_lanes if self.config.micro_batches
+                                                        else 1, "most_in_one_step": stage.most}
         return snap
 
     def reset_peaks(self) -> None:

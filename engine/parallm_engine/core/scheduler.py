@@ -51,6 +51,9 @@ class SchedulerConfig:
     enable_prefix_cache: bool = True
     pipeline: bool = True  # overlap host work with the next decode step (see decode_runner)
     decode_lanes: int = 1  # parallel decode lanes (CPU cores; see decode_batch)
+    # The lanes are a distributed pipeline's micro-batches (runner/forward.micro_batched): rows spread evenly,
+    # every lane on the default stream, a step's lane forwards evaluated stage first.
+    micro_batches: bool = False
     cpu_kernels: bool = False  # faster attention/SwiGLU on MLX's CPU backend (see cpu_kernels)
     batch_invariant: bool = False  # pad the CPU BLAS's small products so rows are batch-invariant (batch_invariance)
     watermark_tokens: int = 16  # decode steps of growth every running row must have room for

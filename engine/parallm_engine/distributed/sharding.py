@@ -72,16 +72,32 @@ def layer_split(n_layers: int, capacities: list[int]) -> list[int]:
     return split
 
 
+class StageOutputs:
+    """What a pipeline stage computed for each forward, before the hidden state is gathered: while
+    ``recording`` (``runner/forward.micro_batched``), the stage's last layer adds its output (after the send,
+    where it sends) for each forward built. Evaluating these for every micro-batch before any gather lets a
+    rank compute its next micro-batch while the next rank computes its last one."""
+
+    def __init__(self):
+        self.recording = False
+        self.items: list = []  # the current forward's
+        self.forwards: list = []  # (output, what to evaluate first) per forward built while recording
+        self.most = 0  # the most forwards one recording held (micro-batches that ran in one step)
+
+
 class _Stage(nn.Module):
     """A layer at a pipeline stage's edge: its input comes from the previous rank (``recv_from``), and/or its
     output goes to the next (``send_to``) and the last rank's output is then taken on every rank
-    (``gather``). Everything else about the layer (``self_attn``, ``use_sliding``, ...) reads through."""
+    (``gather``); ``outputs``: the stage's :class:`StageOutputs` (its last layer records there). Everything
+    else about the layer (``self_attn``, ``use_sliding``, ...) reads through."""
 
-    def __init__(self, layer, group, rank: int, size: int, recv_from: int | None, send_to: int | None, gather: bool):
+    def __init__(self, layer, group, rank: int, size: int, recv_from: int | None, send_to: int | None, gather: bool,
+                 outputs: StageOutputs | None = None):
         super().__init__()
         self.layer = layer
-        # a plain attribute, not a child module (a tuple would join the parameter tree)
+        # plain attributes, not child modules (a tuple would join the parameter tree)
         object.__setattr__(self, "_edge", (group, rank, size, recv_from, send_to, gather))
+        object.__setattr__(self, "_outputs", outputs)
 
     def __getattr__(self, key):
         if key in self:
@@ -98,6 +114,8 @@ class _Stage(nn.Module):
         if send_to is not None:
             h = mx.distributed.send(h, send_to, group=group)
             _after_send(args, kwargs, h)
+        if self._outputs is not None and self._outputs.recording:
+            self._outputs.items.append(h)
         if gather:  # the last rank's hidden state, on every rank
             B = h.shape[0]
             h = mx.distributed.all_gather(h, group=group)[(size - 1) * B : size * B]
@@ -194,7 +212,8 @@ def _layer_range(net, group, split: list[int]) -> tuple[int, int]:
         recv_from = rank - 1 if i == first and rank > 0 else None
         send_to = rank + 1 if i == last and rank < size - 1 else None
         gather = i == last
-        staged.append(_Stage(layer, group, rank, size, recv_from, send_to, gather)
+        staged.append(_Stage(layer, group, rank, size, recv_from, send_to, gather,
+                             net.stage_outputs if gather else None)
                       if recv_from is not None or send_to is not None or gather else layer)
     inner.layers = staged
     return start, end
@@ -217,6 +236,7 @@ def shard_model(net, dist, capacities: list[int] | None = None) -> dict:
         net.shard(dist.group)
         return {"layers": [0, n_layers], "num_layers": n_layers, "sharding": "mlx-lm shard()"}
     split = layer_split(n_layers, capacities or [1] * dist.size)
+    net.stage_outputs = StageOutputs()
     if callable(getattr(inner, "pipeline", None)):
         start, end = _own_pipeline(net, inner, dist.group, split)
         # rank 0 holds the last layers: activations flow from rank size - 1 down to rank 0
@@ -238,6 +258,10 @@ def _own_pipeline(net, inner, group, split: list[int]) -> tuple[int, int]:
     inner.pipeline(group, split=split)
     start, end = inner.start_idx, inner.end_idx
     assert (start, end) == layer_range(net, group.rank(), split)  # what weight_files chose to download
+    # its last layer records the stage's output (mlx-lm's forward sends it on and ties the send to the
+    # stage's last cache, which ``runner/forward.micro_batched`` evaluates with it)
+    inner.layers[end - 1] = _Stage(inner.layers[end - 1], group, group.rank(), group.size(), None, None, False,
+                                   net.stage_outputs)
     mine = list(net.layers)
     if len(mine) != end - start or any(layer is None for layer in mine):
         raise DistributedError(f"the {type(net).__module__.rsplit('.', 1)[-1]} family's layers do not follow "

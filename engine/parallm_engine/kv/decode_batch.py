@@ -54,10 +54,12 @@ class DecodeLane:
 
 class DecodeBatch:
     def __init__(self, n_layers: int, n_lanes: int = 1, fmt=None, meter: KVWriteMeter | None = None,
-                 keep_working_sets: bool = True):
+                 keep_working_sets: bool = True, micro_batches: bool = False):
         """``fmt``: the KV storage format (``kv_quant.KVFormat``; None: floats); ``meter``: where the lanes
         count the KV bytes they write; ``keep_working_sets``: lanes keep their decode working sets between
-        plain steps (``decode_working_set``)."""
+        plain steps (``decode_working_set``); ``micro_batches``: the lanes are a distributed pipeline's
+        micro-batches: rows spread evenly over them (no lane fills first, no lane is a prompt's home for its
+        cached prefix) and no lane has a stream of its own (the ranks' collectives run in one order)."""
         if n_lanes < 1:
             raise ValueError(f"n_lanes must be >= 1, got {n_lanes}")
         self.n_layers = n_layers
@@ -67,9 +69,10 @@ class DecodeBatch:
         self.lanes = [DecodeLane(n_layers, fmt, self.meter) for _ in range(n_lanes)]
         for lane in self.lanes:
             lane.kv.ws.enabled = keep_working_sets
-        self.fill_rows = LANE_FILL_ROWS  # rows a lane takes before the next gets any
+        self.fill_rows = 1 if micro_batches else LANE_FILL_ROWS  # rows a lane takes before the next gets any
+        self.micro_batches = micro_batches
 
-        self._streams_made = n_lanes == 1
+        self._streams_made = n_lanes == 1 or micro_batches
         self.shared: SharedPrefix | None = None
         self.shared_readers = 0  # prompts being prefilled that read the shared prefix (paged_prefill)
         # The model's attention takes the layer's keys and values only into the engine's attention hook,

@@ -50,7 +50,8 @@ class PagedKVManager(KVCacheManager):
         self.radix = RadixCache(config.radix_budget_bytes) if config.enable_prefix_cache else None
         super().__init__(model, model_info, config, family, layout, None, self.radix)
         self.batch = DecodeBatch(self.n_layers, config.decode_lanes, self.kv_format, self.meter,
-                                 keep_working_sets=config.decode_working_set)
+                                 keep_working_sets=config.decode_working_set,
+                                 micro_batches=getattr(config, "micro_batches", False))
         self.batch.working_set_limit = self._working_set_limit(config)
         if self.radix is not None:  # the tree's paged entries live in the lanes' pools
             self.radix.page_nbytes = PagedLaneKV.page_bytes(self.kv_bytes_per_token)
@@ -95,7 +96,7 @@ class PagedKVManager(KVCacheManager):
 
     @property
     def prefill_lanes(self) -> int:
-        return len(self.batch.lanes)
+        return 1 if self.batch.micro_batches else len(self.batch.lanes)  # micro-batches share one stream
 
     # -- sessions (kv/session_pins.py) ----------------------------------------------------------
     def _session_bytes(self) -> int:

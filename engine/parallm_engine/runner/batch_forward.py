@@ -60,12 +60,18 @@ class BatchForward:
                   work: FusedWork | None = None):
         """Each lane's rows through the model on the lane's stream; the lanes' logits in row order.
         ``rows``: a ragged step instead of ``tokens`` (one model row per position); ``work``: see
-        :meth:`forward`."""
-        parts = []
-        start = 0
+        :meth:`forward`. A distributed pipeline's lanes are its micro-batches (``forward.micro_batched``)."""
         fused = {id(lane): work.in_lane(lane) for lane in self.batch.lanes} if work is not None else {}
         solo = sum(1 for lane in self.batch.lanes if lane.seqs or fused.get(id(lane))) == 1  # one lane has the cores
         nat = cpu_kernels.native_module()
+        with forward.micro_batched(model, self.batch.micro_batches and not solo):
+            parts = self._lane_forwards(model, tokens, last_only, rows, work, fused, solo, nat)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def _lane_forwards(self, model, tokens, last_only: bool, rows, work, fused: dict, solo: bool, nat) -> list:
+        """The lanes' (lazy) logits, lane by lane."""
+        parts = []
+        start = 0
         for lane, compiled in zip(self.batch.lanes, self.compiled):
             n = len(lane.seqs)
             prompts = fused.get(id(lane))
@@ -101,7 +107,7 @@ class BatchForward:
                 self.batch.meter.decoded += x.shape[0] * x.shape[1]
                 parts.append((logits[:, -1, :] if last_only else logits).astype(mx.float32))
             start += n
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        return parts
 
     def forward_prompts(self, model, work: FusedWork) -> None:
         """Fused work no decode step took: its prompts' forward alone in each lane they are in, as in a lane

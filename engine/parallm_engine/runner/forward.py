@@ -18,11 +18,16 @@ their models themselves.
 A distributed model (``distributed/sharding.py``; ``model.distributed_ranks`` set) has collectives inside
 its forward. Each forward here is evaluated at once, its output included, so every rank runs them in the
 same order whatever part of the step's results it reads first (a prompt's chunk whose logits nobody reads
-would otherwise never send its activations on).
+would otherwise never send its activations on). Within :func:`micro_batched` (a pipeline's decode lanes,
+its micro-batches) the forwards are built first and then evaluated stage first: every micro-batch's stage
+(up to its send), in order, then every micro-batch's gather and head, in order. A rank then computes its
+next micro-batch while the next rank computes the one it just sent, and every rank still runs the same
+collectives in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import mlx.core as mx
@@ -30,16 +35,52 @@ import mlx.core as mx
 from parallm_engine.runner.lora import adapter_rows
 
 
-def _settled(model, out):
+def _settled(model, out, cache: list | None = None):
     """``out``, evaluated now where ``model`` is distributed (see the module's docstring); the forward's shape
-    and time go to its communication probe (``distributed/comm_probe.py``)."""
+    and time go to its communication probe (``distributed/comm_probe.py``). Within :func:`micro_batched`:
+    kept for its end, with what the pipeline stage computed for it and the stage's last cache (mlx-lm's
+    pipeline ties its send to that cache's ``keys``)."""
     if getattr(model, "distributed_ranks", 0):
-        t0 = time.perf_counter()
-        mx.eval(out)
-        probe = getattr(model, "comm_probe", None)
-        if probe is not None and hasattr(out, "shape"):
-            probe.saw(out.shape, time.perf_counter() - t0)
+        stage = getattr(model, "stage_outputs", None)
+        if stage is not None and stage.recording:
+            tie = getattr(cache[-1], "keys", None) if cache else None
+            stage.forwards.append((out, [*stage.items, *([tie] if isinstance(tie, mx.array) else [])]))
+            stage.items = []
+            return out
+        _evaluated(model, out)
     return out
+
+
+def _evaluated(model, out, seconds: float = 0.0) -> None:
+    t0 = time.perf_counter()
+    mx.eval(out)
+    probe = getattr(model, "comm_probe", None)
+    if probe is not None and hasattr(out, "shape"):
+        probe.saw(out.shape, seconds + time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def micro_batched(model, on: bool = True):
+    """The forwards built inside, each a micro-batch of a distributed pipeline (its decode lanes), evaluated
+    stage first at the end (see the module's docstring). Off (``on`` False, or not a pipeline): as outside."""
+    stage = getattr(model, "stage_outputs", None)
+    if not on or stage is None or not getattr(model, "distributed_ranks", 0):
+        yield
+        return
+    stage.recording, stage.items, stage.forwards = True, [], []
+    try:
+        yield
+    finally:
+        stage.recording = False
+        forwards, stage.forwards, stage.items = stage.forwards, [], []
+        stage.most = max(stage.most, len(forwards))
+    staged = []
+    for _, targets in forwards:  # every micro-batch's stage, in order (a send leaves with its stage)
+        t0 = time.perf_counter()
+        mx.eval(targets)
+        staged.append(time.perf_counter() - t0)
+    for (out, _), seconds in zip(forwards, staged):  # then each one's gather and head, in order
+        _evaluated(model, out, seconds)
 
 
 def prefill(model, tokens: mx.array, cache: list, rows: list[tuple]) -> mx.array:
@@ -82,13 +123,13 @@ def decode(model, tokens: mx.array, cache: list, seqs: list, positions: list[int
     hook = getattr(model, "decode_kwargs", None) if positions is None else None
     kwargs = hook(seqs, tokens.shape[1]) if hook is not None else {}
     with adapter_rows(model, seqs, positions):
-        return _settled(model, model(tokens, cache=cache, **kwargs))
+        return _settled(model, model(tokens, cache=cache, **kwargs), cache)
 
 
 def prompts(model, ids: mx.array, cache: list, seqs: list) -> None:
     """Prompts' chunks alone (a lane with fused work and no decode rows): their KV written, logits unread."""
     with adapter_rows(model, seqs):
-        _settled(model, model(ids, cache=cache))
+        _settled(model, model(ids, cache=cache), cache)
 
 
 def fused(split, model, tokens: mx.array, cache: list, decode_seqs: list, prompt_seqs: list,
@@ -99,7 +140,7 @@ def fused(split, model, tokens: mx.array, cache: list, decode_seqs: list, prompt
     backbone, head = split
     B = len(decode_seqs)
     with adapter_rows(model, decode_seqs + prompt_seqs, [1] * B + new):
-        hidden = _settled(model, backbone(tokens, cache=cache))
+        hidden = _settled(model, backbone(tokens, cache=cache), cache)
     with adapter_rows(model, decode_seqs):
         return head(hidden[:B])
 

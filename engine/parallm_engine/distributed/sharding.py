@@ -9,7 +9,7 @@
   sends its output on (``send``). Either way the last stage's hidden state then reaches every rank
   (``all_gather``), so the final norm and head run everywhere and every rank samples from the same logits.
   mlx-lm's forward ties its send to ``cache[-1].keys``: the engine's caches take that assignment
-  (``kv.kv_pages.PipelineTie``); its forwards evaluate their outputs, which hold the send already.
+  (``kv/pipeline_tie.py``); its forwards evaluate their outputs, which hold the send already.
 
 Only what a rank keeps is ever read from the weight files: the model is loaded lazily and the layers a rank
 does not own are dropped before its parameters are evaluated (as mlx-lm's ``sharded_load``). A pipeline
@@ -144,8 +144,8 @@ def layer_range(net, rank: int, split: list[int]) -> tuple[int, int]:
 class ShardPlan:
     """This rank's split, decided before any weight is read or downloaded: every rank's memory is gathered
     once, when the plan is made (a collective: every rank makes its plan at the same point of the load,
-    whatever its local cache holds). ``plan(net)`` splits the lazily loaded model; ``weight_files(path)`` is
-    what a pipeline rank downloads."""
+    whatever its local cache holds). Called on the lazily loaded model, it splits it; ``weight_files(path)``
+    is what a pipeline rank downloads."""
 
     def __init__(self, dist, memory_bytes: int | None):
         self.dist = dist

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.rerank_models import (build_bert_cross_encoder, build_decoder_reranker, reference_cross_encoder,
+from tests.rerank_models import (build_bert_cross_encoder, build_xlmr_cross_encoder, build_decoder_reranker, reference_cross_encoder,
                                  reference_decoder_scores)
 from tests.test_server import assert_error_body
 
@@ -81,6 +81,25 @@ def test_cross_encoder_equals_numpy_reference(ce_engine, ce_dir):
     assert [r.index for r in top] == [r.index for r in results[:3]]
     tokens = ce_engine.tokenizer(QUERY, DOCS[0])["input_ids"]
     assert next(r for r in results if r.index == 0).tokens == len(tokens)
+
+
+def test_xlm_roberta_cross_encoder_equals_numpy_reference(tmp_path):
+    """bge-reranker's family: XLM-RoBERTa's positions (from the padding id + 1), its pair template and the
+    RoBERTa classification head; padded in a batch (rows of different lengths) as alone."""
+    from parallm_engine import get_rerank_engine
+
+    path = build_xlmr_cross_encoder(tmp_path / "tiny-xlmr-reranker")
+    eng = get_rerank_engine(str(path))
+    try:
+        assert eng.tokenizer(QUERY, DOCS[0])["input_ids"][:1] == [0]  # <s> ... </s></s> ... </s>
+        results = eng.rerank(QUERY, DOCS)
+        ref = reference_cross_encoder(path, QUERY, DOCS)
+        np.testing.assert_allclose(by_index(results), ref, atol=1e-4, rtol=0)
+        assert max(ref) - min(ref) > 0.05
+        alone = [eng.rerank(QUERY, [d])[0].relevance_score for d in DOCS]
+        np.testing.assert_allclose(by_index(results), alone, atol=1e-6, rtol=0)
+    finally:
+        eng.shutdown()
 
 
 def test_cross_encoder_truncates_like_sentence_transformers(ce_engine, ce_dir):

@@ -107,14 +107,17 @@ def test_pins_are_bounded_by_their_share_of_the_budget(model_dir):
         kv = eng._scheduler.kv
         eng.config.session_share = 2.5 * TURN * kv.kv_bytes_per_token / eng.config.kv_budget_bytes  # two turns' pins
         kv.sessions.max_bytes = kv._session_bytes()
-        for i in range(4):
-            eng.generate([prompt_ids(TURN, vocab, seed=20 + i)], max_tokens=2, temperature=0, session=f"s{i}")
+        prompts = [prompt_ids(TURN, vocab, seed=20 + i) for i in range(4)]
+        for i, ids in enumerate(prompts):
+            eng.generate([ids], max_tokens=2, temperature=0, session=f"s{i}")
         stats = settled_stats(eng)["memory"]
-        assert stats["sessions_pinned"] == 2 and stats["sessions_displaced"] == 2
+        assert stats["sessions_displaced"] == 2
         assert stats["sessions_pinned_bytes"] <= kv.sessions.max_bytes
-        # A pin, once kept, lasts until its next turn: the turns that end when the pins are full are not kept
-        # (the agent that has waited longest is the likeliest to come back next).
-        assert set(kv.sessions.pins) == {"s0", "s1"}
+        # A pin, once kept, lasts until its next turn: the turns that end when the pins are full keep what fits
+        # of their context, the last none (the agent that has waited longest is the likeliest to come back next).
+        assert set(kv.sessions.pins) == {"s0", "s1", "s2"}
+        held = eng.run_on_engine_thread(lambda: [kv.radix.pinned_prefix(ids) for ids in prompts])
+        assert held[:2] == [TURN, TURN] and 0 < held[2] <= TURN // 2 and held[3] == 0
     finally:
         eng.shutdown()
 
@@ -208,10 +211,14 @@ def test_kept_sessions_give_way_to_a_request_that_needs_the_room(model_dir):
         assert settled_stats(eng)["memory"]["sessions_pinned"] == 2
         out = eng.generate([prompt_ids(TURN, vocab, seed=50)], max_tokens=2, temperature=0, ignore_eos=True)[0]
         stats = settled_stats(eng)["memory"]
+        held = eng.run_on_engine_thread(
+            lambda: [kv.radix.pinned_prefix(prompt_ids(TURN, vocab, seed=40 + i)) for i in range(2)])
     finally:
         eng.shutdown()
     assert len(out.token_ids) == 2
-    assert stats["sessions_displaced"] >= 1 and stats["sessions_pinned"] <= 1
+    # The pin kept last gave up the end of its context, about what the request lacked; the first kept all of it.
+    assert stats["sessions_displaced"] >= 1
+    assert held[0] == TURN and held[1] < TURN
 
 
 def test_sessions_are_off_by_default(model_dir):
@@ -238,24 +245,69 @@ def _tree_with(contexts: dict[str, list[int]]):
 
 def test_the_pin_kept_last_gives_way_first():
     """A tool call takes a bounded time: the agent that has waited longest comes back next, so the pins kept
-    last give way first (to the share's bound, to rows that need the room) and an earlier pin lasts."""
+    last give way first (to the share's bound, to rows that need the room) and an earlier pin lasts. A pin
+    that gives way falls back to the prefix its context shares with the others (the system prompt), which
+    lets go only after every full pin has given way."""
     system = list(range(1000, 1010))
     ctx = {s: system + [i] * 20 for i, s in enumerate(["a", "b", "c"])}
     tree, pins = _tree_with(ctx)
     pins.max_bytes = 10 + 2 * 20  # the shared system prompt once and two agents' own tokens
     for s in ("a", "b", "c"):
         pins.keep(s, ctx[s], None)
-    assert set(pins.pins) == {"a", "b"} and pins.displaced == 1 and pins.nbytes == 50
+    assert set(pins.pins) == {"a", "b", "c"} and pins.displaced == 1 and pins.nbytes == 50
+    assert pins.pins["c"].shared_only and tree.pinned_prefix(ctx["c"]) == 10  # "c" keeps the system prompt
     assert tree.pinned_bytes() == tree.computed_pinned_bytes()
-    assert pins.give_way(keep=None) and set(pins.pins) == {"a"}
-    assert not pins.give_way(keep="a")  # the one a waiting request continues stays
-    pins.release()
+    assert pins.give_way(keep=None) and pins.pins["b"].shared_only and not pins.pins["a"].shared_only
+    assert tree.pinned_prefix(ctx["b"]) == 10 and tree.pinned_prefix(ctx["a"]) == 30
+    # The one a waiting request continues stays; the others pin only what it pins too: nothing to free.
+    assert not pins.give_way(keep="a") and set(pins.pins) == {"a", "b", "c"}
+    assert pins.give_way(keep=None) and pins.pins["a"].shared_only  # the last full pin falls back
+    assert pins.give_way(keep=None) and not pins.pins  # and the shared prefix goes, for every pin over it at once
     assert tree.pinned_bytes() == 0 == tree.computed_pinned_bytes()
 
 
+def test_a_pin_over_pages_a_running_row_holds_does_not_give_way():
+    """Letting go of a pin that frees nothing (a running row holds the same prefix) only exposes it to eviction
+    once the row leaves: it stays, and the pin that does free memory gives way instead."""
+    system = list(range(1000, 1010))
+    ctx = {"a": system + [1] * 20, "b": system + [2] * 20}
+    tree, pins = _tree_with(ctx)
+    pins.max_bytes = 1000
+    pins.keep("a", ctx["a"], None)
+    pins.keep("b", ctx["b"], None)  # kept last: it would give way first
+    row = tree.match(ctx["b"], record=False)
+    tree.pin(row.node)  # a running turn of "b" borrows its context
+    before = tree.pinned_bytes()
+    per_token = before // 50  # (the system prompt and both agents' own tokens)
+    assert pins.give_way() and pins.pins["a"].shared_only and not pins.pins["b"].shared_only
+    assert tree.pinned_bytes() == before - 20 * per_token
+    assert not pins.give_way()  # "b" frees nothing while the row runs; "a" pins what "b" pins
+    tree.unpin(row.node)
+    undo = pins.let_go_all()  # (the scheduler asks what letting go of every pin would free)
+    assert tree.pinned_bytes() == 0 and not pins.pins
+    undo()
+    assert set(pins.pins) == {"a", "b"} and tree.pinned_bytes() == 30 * per_token == tree.computed_pinned_bytes()
+
+
+def test_a_pin_gives_up_about_what_is_lacking_from_the_end_of_its_context():
+    """Rows short of a few tokens' room cost the pin kept last the end of its context (a page more: pages are
+    whole), not all of it: its agent's next turn recomputes only that end."""
+    system = list(range(1000, 1010))
+    ctx = {"a": system + list(range(100, 140)), "b": system + list(range(200, 240))}
+    tree, pins = _tree_with(ctx)
+    pins.max_bytes = 1000
+    pins.keep("a", ctx["a"], None)
+    pins.keep("b", ctx["b"], None)
+    assert pins.give_way(nbytes=5)  # 5 tokens short: "b" (kept last) gives up 5 + a page of 8
+    assert tree.pinned_prefix(ctx["b"]) == 50 - 13 and tree.pinned_prefix(ctx["a"]) == 50
+    assert pins.give_way(nbytes=100)  # more than it has past the system prompt: down to that
+    assert pins.pins["b"].shared_only and tree.pinned_prefix(ctx["b"]) == 10 and tree.pinned_prefix(ctx["a"]) == 50
+    assert tree.pinned_bytes() == tree.computed_pinned_bytes()
+
+
 def test_a_turn_that_does_not_fit_keeps_the_context_it_had():
-    """The pins are full when an agent's turn ends: it keeps its previous context pinned (its next turn
-    recomputes only this turn's part) instead of losing all of it."""
+    """The pins are full when an agent's turn ends: it keeps what fits of its context pinned, at least its
+    previous context (its next turn recomputes only the rest), instead of losing all of it."""
     first = list(range(2000, 2030))
     longer = first + list(range(3000, 3020))
     other = list(range(4000, 4030))
@@ -263,9 +315,9 @@ def test_a_turn_that_does_not_fit_keeps_the_context_it_had():
     pins.max_bytes = 65
     pins.keep("a", first, None)
     pins.keep("b", other, None)
-    pins.keep("a", longer, None)  # 30 + 50 > 65: "a" keeps its first 30 tokens
-    assert set(pins.pins) == {"a", "b"} and pins.displaced == 0
-    assert tree.pinned_prefix(longer) == 30 and tree.pinned_prefix(other) == 30
+    pins.keep("a", longer, None)  # 30 + 50 > 65: "a" keeps what fits, its first 35 tokens
+    assert set(pins.pins) == {"a", "b"} and pins.displaced == 1
+    assert tree.pinned_prefix(longer) == 35 and tree.pinned_prefix(other) == 30
     pins.release("b")
     pins.keep("a", longer, None)  # now it fits
     assert tree.pinned_prefix(longer) == 50 and pins.nbytes == 50
@@ -283,3 +335,93 @@ def test_a_queued_turn_keeps_its_pin_past_the_ttl():
     assert pins.expire(now=float("inf"), waiting={"a"}) == 1 and set(pins.pins) == {"a"}
     assert pins.expire(now=float("inf")) == 1 and not pins.pins
     assert tree.pinned_bytes() == 0
+
+
+def test_the_bench_counts_as_re_prefilled_only_tokens_computed_before():
+    """``new_prompt_tokens``: a prompt's tokens past the longest prefix an earlier request held (its prompt and
+    its reply bar the last token, which is sampled and never computed); the rest of the prefill was computed
+    before (re-prefilled)."""
+    from parallm_bench.agents import new_prompt_tokens
+
+    turns = [([1, 2, 3, 4], [5, 6]),  # all new
+             ([1, 2, 3, 9], [7]),  # another agent on the same 3-token system prompt: 1 new
+             ([1, 2, 3, 4, 5, 6, 8], [0]),  # the first agent's next turn: its reply's last token (6) and 8 are new
+             ([1, 2, 3, 9, 8], [])]  # the second one's: its 1-token reply was never computed
+    assert new_prompt_tokens(turns) == [4, 1, 2, 1]
+    assert new_prompt_tokens([]) == []
+
+
+def test_the_agents_bench_reports_re_prefilled_tokens(model_dir):
+    """One agent, three turns: with the prefix cache every prefilled token is new (re-prefilled 0); without it
+    every earlier turn's context is prefilled again, and the bench says how much."""
+    from parallm_bench.agents import AgentSizes, build_trace, run_parallm_agents
+
+    sz = AgentSizes(agents=1, min_turns=3, max_turns=3, system_tokens=80, tool_min=20, tool_max=30,
+                    reply_tokens=12, rate=0.0)
+    runs = {}
+    for cache in (True, False):
+        eng = Engine(str(model_dir), kv_disk=0, enable_prefix_cache=cache)
+        try:
+            trace = build_trace(lambda s: eng.encode(s, add_special_tokens=False), sz)
+            runs[cache] = run_parallm_agents(eng, trace)
+        finally:
+            eng.shutdown()
+    first = len(trace.system) + len(trace.questions[0])
+    new = first + sum(len(t) + 1 for t in trace.tools[0])  # each tool result and the reply's last token
+    for out in runs.values():
+        assert out["requests"] == 3 and out["new_tokens"] == new
+        assert out["reprefilled_tokens"] == out["prefill_tokens"] - new
+    assert runs[True]["reprefilled_tokens"] == 0 and runs[True]["prefill_tokens"] == new
+    assert runs[False]["prefill_tokens"] == runs[False]["prompt_tokens"]
+    assert runs[False]["reprefilled_tokens"] == runs[False]["prompt_tokens"] - new > 0
+    assert runs[True]["outputs_digest"] == runs[False]["outputs_digest"]
+
+
+def test_a_kept_turn_that_fits_goes_ahead_of_one_that_does_not(model_dir):
+    """A session's turn whose context its pin holds needs only its new tokens: when the request at the head of
+    the queue does not fit, it is admitted ahead of it (else its pin holds memory for a turn stuck behind a
+    larger one), at most ``MAX_PASSES`` times per waiting request; without sessions the queue stays FIFO."""
+    from parallm_engine.core.request import Channel, Request
+    from parallm_engine.core.scheduler import MAX_PASSES, Scheduler, SchedulerConfig
+    from parallm_engine.core.stats import EngineStats
+    from parallm_engine.sampling.sampling_params import SamplingParams
+
+    vocab = 49152
+    eng = Engine(str(model_dir), kv_disk=0)
+    try:
+        per_token = eng.model_info.kv_bytes_per_token()
+
+        def scheduler(ttl):
+            config = SchedulerConfig(max_batch_size=16, kv_budget_bytes=600 * per_token, radix_budget_bytes=600 * per_token,
+                                     decode_lanes=1, cpu_kernels=eng.backend.cpu_kernels, step_time_target_s=0.0,
+                                     session_ttl_s=ttl, session_share=0.5)
+            return Scheduler(eng.model, eng.tokenizer, eng.model_info, config, EngineStats())
+
+        def request(ids, max_tokens, session=None):
+            req = Request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), Channel())
+            req.session = session
+            return req
+
+        for ttl in (60.0, 0.0):
+            sched = scheduler(ttl)
+            first = prompt_ids(100, vocab, seed=70)
+            turn = request(first, 4, "s")
+            sched.add(turn)
+            while sched.has_work():
+                sched.step()
+            second = first + turn.sequences[0].output_ids + prompt_ids(10, vocab, seed=71)
+            sched.add(request(prompt_ids(250, vocab, seed=72), 200))  # a long row keeps running
+            while not sched.running:
+                sched.step()
+            head = request(prompt_ids(330, vocab, seed=73), 2)  # does not fit beside it
+            later = [request(second, 2, "s" if ttl else None) for _ in range(MAX_PASSES + 1)]
+            for req in [head] + later:
+                sched.add(req)
+            admitted = [s.request for s in sched.schedule().admitted]
+            if not ttl:  # FIFO: everything waits behind the head
+                assert admitted == [] and head.sequences[0].passed == 0
+                continue
+            assert head not in admitted and admitted == later[:MAX_PASSES]  # ... then the queue waits for it
+            assert head.sequences[0].passed == MAX_PASSES
+    finally:
+        eng.shutdown()

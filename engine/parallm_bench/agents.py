@@ -27,8 +27,10 @@ Each entry: ``goodput_runs_per_min`` (completed agent runs / the time from the f
 last completion x 60), ``makespan_s``, ``agent_latency_p50_s`` / ``_p99_s`` (arrival to last token),
 ``ttft_p50_s`` / ``_p99_s`` (each turn, from its request to its first token), ``itl_p50_s`` /
 ``_p99_s``, ``prefix_hit_rate`` (prompt tokens served from a cache / prompt tokens), ``prompt_tokens``,
-``prefill_tokens``, ``tokens``, ``requests``, ``peak_mem_mb`` (MLX, in-process systems), ``ttfts_s`` (every
-turn's TTFT, in completion order: the TTFT CDF of ``parallm bench --plot``).
+``prefill_tokens`` (prompt tokens not served from a cache), ``new_tokens`` (prompt tokens no earlier request
+had computed: :func:`new_prompt_tokens`), ``reprefilled_tokens`` (``prefill_tokens - new_tokens``: computed
+again although computed before), ``tokens``, ``requests``, ``peak_mem_mb`` (MLX, in-process systems),
+``ttfts_s`` (every turn's TTFT, in completion order: the TTFT CDF of ``parallm bench --plot``).
 """
 
 from __future__ import annotations
@@ -158,6 +160,23 @@ def build_trace(encode, sz: AgentSizes) -> AgentTrace:
 
 # -- results ---------------------------------------------------------------------------------------
 
+def new_prompt_tokens(turns) -> list[int]:
+    """Per request, how many of its prompt tokens no earlier request had computed: what no cache could have
+    served. ``turns``: ``(prompt, reply)`` token ids in the order the requests were sent. A request computes
+    the KV of its prompt and of its reply bar the last token (sampled, never fed back), so an earlier request
+    held ``prompt + reply[:-1]``; a prompt is new past the longest prefix any earlier request held (an agent's
+    previous turn; the shared system prompt after its first prefill)."""
+    from parallm_engine.kv.radix_cache import common_prefix_len
+
+    held: list[list[int]] = []
+    out = []
+    for prompt, reply in turns:
+        seen = max((common_prefix_len(prompt, h) for h in held), default=0)
+        out.append(len(prompt) - seen)
+        held.append(list(prompt) + list(reply[:-1]))
+    return out
+
+
 class _Recorder:
     """Per-request and per-agent timings of one system's run of the trace."""
 
@@ -171,9 +190,12 @@ class _Recorder:
         self.requests = 0
         self.done: dict[int, float] = {}
         self.replies: dict[tuple[int, int], list[int]] = {}
+        self.sent: list[tuple[float, list[int], list[int]]] = []  # (when, prompt, reply) where prompts are given
 
     def turn(self, agent: int, k: int, prompt_len: int, ready: float, times: list[float], ids: list[int],
-             cached: int, tokens: int | None = None) -> None:
+             cached: int, tokens: int | None = None, prompt: list[int] | None = None) -> None:
+        if prompt is not None:
+            self.sent.append((ready, prompt, ids))
         self.requests += 1
         self.prompt_tokens += prompt_len
         self.cached_tokens += cached
@@ -188,6 +210,12 @@ class _Recorder:
         latencies = [self.done[a] - arrivals[a] for a in sorted(self.done)]
         makespan = max(self.done.values()) - arrivals[0] if self.done else 0.0
         digest = hashlib.sha256(json.dumps(sorted((list(k), v) for k, v in self.replies.items())).encode())
+        prefill = self.prompt_tokens - self.cached_tokens
+        new = {}
+        if self.sent and len(self.sent) == self.requests:
+            sent = sorted(self.sent, key=lambda x: x[0])
+            new["new_tokens"] = sum(new_prompt_tokens([(p, r) for _, p, r in sent]))
+            new["reprefilled_tokens"] = prefill - new["new_tokens"]
         return {
             "agents": len(self.trace.arrivals), "completed_runs": len(self.done), "requests": self.requests,
             "makespan_s": round(makespan, 3),
@@ -197,7 +225,7 @@ class _Recorder:
             "ttft_p50_s": round(_pct(self.ttfts, 0.5), 4), "ttft_p99_s": round(_pct(self.ttfts, 0.99), 4),
             "itl_p50_s": round(_pct(self.itls, 0.5), 4), "itl_p99_s": round(_pct(self.itls, 0.99), 4),
             "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-            "prefill_tokens": self.prompt_tokens - self.cached_tokens,
+            "prefill_tokens": prefill, **new,
             "prefix_hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0,
             "peak_mem_mb": round(peak_mem / 2**20, 1), "outputs_digest": digest.hexdigest()[:16],
             "ttfts_s": [round(t, 4) for t in self.ttfts],  # every turn's, for the TTFT CDF (--plot)
@@ -229,7 +257,7 @@ def run_parallm_agents(engine, trace: AgentTrace, sessions: bool = False, delay=
                     ids += d.token_ids
                 if d.usage is not None:
                     cached = d.usage.cached_tokens
-            rec.turn(a, k, len(prompt), ready, times, ids, cached)
+            rec.turn(a, k, len(prompt), ready, times, ids, cached, prompt=prompt)
             if k < len(trace.tools[a]):
                 prompt = prompt + ids + trace.tools[a][k]
                 wait = delay(a, k) if delay is not None else sz.tool_delay_s
@@ -243,7 +271,10 @@ def run_parallm_agents(engine, trace: AgentTrace, sessions: bool = False, delay=
         return t0
 
     t0 = asyncio.run(main())
-    return rec.summary(t0, mx.get_peak_memory())
+    out = rec.summary(t0, mx.get_peak_memory())
+    # The engine serves from its cache only what it computed: a prompt's cached tokens never include a new one.
+    assert out["reprefilled_tokens"] >= 0, (out["prefill_tokens"], out["new_tokens"])
+    return out
 
 
 # -- mlx-lm: BatchGenerator + LRUPromptCache, as mlx_lm.server drives them ------------------------

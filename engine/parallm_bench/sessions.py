@@ -6,19 +6,22 @@ prompt once, plus every agent's longest conversation): while an agent waits for 
 prompts fill the prefix cache and, with plain LRU, evict its conversation. Two runs on fresh engines of that
 budget: ``lru`` (no session named) and ``sessions`` (each agent's turns name its session, so its context
 stays pinned between turns: ``kv/session_pins.py``); and the same two with the engine's default budget
-(no pressure: sessions must change nothing). Reported per run: re-prefilled tokens (prompt tokens not
-served from the cache), TTFT p50 / p99, goodput; and the ratios lru / sessions. The default budget's
-re-prefill is what no cache can avoid (every turn's new tokens: its tool result, the reply's last token), so
-``tight.best_prefill_ratio`` (lru on the tight budget / the default budget's) is the most any retention policy
-could reach on this trace, and ``tight.avoidable_saved`` the share of the re-prefill eviction caused that
-sessions saved.
+(no pressure: sessions must change nothing). Reported per run: ``prefill_tokens`` (prompt tokens not
+served from the cache), ``new_tokens`` (prompt tokens no earlier request had computed: the system prompt's
+first prefill, each turn's tool result and question, the last token of the reply before it:
+``agents.new_prompt_tokens``; the same in every run of the trace), ``reprefilled_tokens`` (``prefill_tokens -
+new_tokens``: computed again although the engine had computed them before: what retention can save), TTFT p50 /
+p99, goodput, and what the engine saw (preemptions, prefix-cache evictions, pins kept / expired / displaced).
+Per budget: ``reprefill_ratio`` (lru / sessions on re-prefilled tokens: the must-show figure; None where
+sessions re-prefilled none), the raw
+``prefill_ratio`` beside it, and ``ttft_p50_ratio``.
 
 JSON::
 
     {"trace": {...}, "kv_budget_bytes", "working_set_bytes",
-     "tight": {"lru": {...}, "sessions": {...}, "prefill_ratio", "ttft_p50_ratio", "best_prefill_ratio",
-               "avoidable_saved"},
-     "roomy": {"lru": {...}, "sessions": {...}, "prefill_ratio", "ttft_p50_ratio"}}
+     "tight": {"lru": {...}, "sessions": {...}, "reprefill_ratio", "prefill_ratio", "ttft_p50_ratio",
+               "same_outputs"},
+     "roomy": {...the same}}
 """
 
 from __future__ import annotations
@@ -35,12 +38,24 @@ FULL_SESSIONS = (FULL_AGENTS, (2.0, 10.0))
 QUICK_SESSIONS = (replace(QUICK_AGENTS, agents=8, min_turns=3, max_turns=4, rate=2.0), (1.0, 3.0))
 
 
+# What the engine saw in a run (``Engine.stats()``'s memory and prefix-cache figures): this run's counts.
+_COUNTERS = ("preemptions", "evicted_tokens", "sessions_kept", "sessions_expired", "sessions_displaced")
+
+
+def _engine_counts(eng) -> dict:
+    eng.run_on_engine_thread(lambda: None)  # the stats of the step that retired the last turn
+    s = eng.stats()
+    both = {**s.get("prefix_cache", {}), **s["memory"]}
+    return {k: both.get(k, 0) for k in _COUNTERS}
+
+
 def _run(engine_for, trace, sessions: bool, delays) -> dict:
     eng = engine_for()
     try:
         eng.generate([trace.system[:8]], max_tokens=2, temperature=0)  # warm-up
+        before = _engine_counts(eng)
         out = run_parallm_agents(eng, trace, sessions=sessions, delay=lambda a, k: delays[a][k])
-        out["sessions_kept"] = eng.stats()["memory"].get("sessions_kept", 0)
+        out["engine"] = {k: v - before[k] for k, v in _engine_counts(eng).items()}
         return {k: v for k, v in out.items() if k != "ttfts_s"}
     finally:
         eng.shutdown()
@@ -71,14 +86,11 @@ def run_sessions(engine, sizes=FULL_SESSIONS, tick=None) -> dict:
             row[mode] = _run(lambda: Engine(model, backend=backend, kv_disk=0, session_ttl=ttl, **kw), trace,
                              mode == "sessions", delays)
         row["same_outputs"] = row["lru"]["outputs_digest"] == row["sessions"]["outputs_digest"]
+        lru, kept = row["lru"]["reprefilled_tokens"], row["sessions"]["reprefilled_tokens"]
+        row["reprefill_ratio"] = round(lru / kept, 2) if kept else None  # (None: sessions re-prefilled nothing)
         row["prefill_ratio"] = round(row["lru"]["prefill_tokens"] / max(1, row["sessions"]["prefill_tokens"]), 2)
         row["ttft_p50_ratio"] = round(row["lru"]["ttft_p50_s"] / max(row["sessions"]["ttft_p50_s"], 1e-6), 2)
         out[name] = row
-    floor, tight = out["roomy"]["lru"]["prefill_tokens"], out["tight"]
-    tight["best_prefill_ratio"] = round(tight["lru"]["prefill_tokens"] / max(1, floor), 2)
-    avoidable = tight["lru"]["prefill_tokens"] - floor
-    tight["avoidable_saved"] = round((tight["lru"]["prefill_tokens"] - tight["sessions"]["prefill_tokens"])
-                                     / avoidable, 3) if avoidable > 0 else 0.0
     return out
 
 
@@ -91,12 +103,15 @@ def format_lines(r: dict) -> list[str]:
         row = r[name]
         for mode in ("lru", "sessions"):
             s = row[mode]
-            lines.append(f"  {name:5} {mode:8}: re-prefilled {s['prefill_tokens']:7d} of {s['prompt_tokens']} prompt "
-                         f"tokens, TTFT p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} s, goodput "
-                         f"{s['goodput_runs_per_min']} runs/min")
-        lines.append(f"  {name:5}: re-prefilled lru / sessions {row['prefill_ratio']}x, TTFT p50 "
-                     f"{row['ttft_p50_ratio']}x; same outputs: {row['same_outputs']}")
-    if "best_prefill_ratio" in r["tight"]:
-        lines.append(f"  tight: at best (no eviction at all) lru / {r['tight']['best_prefill_ratio']}x; sessions saved "
-                     f"{100 * r['tight']['avoidable_saved']:.0f}% of the re-prefill eviction caused")
+            e = s.get("engine", {})
+            lines.append(f"  {name:5} {mode:8}: re-prefilled {s['reprefilled_tokens']:7d} (prefilled "
+                         f"{s['prefill_tokens']}, new {s['new_tokens']}, of {s['prompt_tokens']} prompt tokens), "
+                         f"TTFT p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} s, goodput "
+                         f"{s['goodput_runs_per_min']} runs/min; preemptions {e.get('preemptions', 0)}, evicted "
+                         f"{e.get('evicted_tokens', 0)} tokens, pins kept {e.get('sessions_kept', 0)} "
+                         f"expired {e.get('sessions_expired', 0)} displaced {e.get('sessions_displaced', 0)}")
+        ratio = f"{row['reprefill_ratio']}x" if row["reprefill_ratio"] is not None else \
+            f"- ({row['lru']['reprefilled_tokens']} / 0)"
+        lines.append(f"  {name:5}: re-prefilled lru / sessions {ratio} (prefilled "
+                     f"{row['prefill_ratio']}x), TTFT p50 {row['ttft_p50_ratio']}x; same outputs: {row['same_outputs']}")
     return lines

@@ -40,6 +40,10 @@ from parallm_engine.core.sequence import Sequence
 from parallm_engine.core.stats import EngineStats, step_trace
 from parallm_engine.runner.step_plan import StepOutput, StepPlan
 
+#: How many sessions' turns (cheap: their context is pinned) may go ahead of a waiting request that does not fit.
+MAX_PASSES = 8
+
+
 @dataclass
 class SchedulerConfig:
     max_batch_size: int = 64  # sequences decoding at once
@@ -184,12 +188,11 @@ class Scheduler(PrefillPlanner):
     # -- memory ---------------------------------------------------------------------------------
     def _make_room(self, preempted: list) -> None:
         """The prefix cache gives way to the running rows first (``memory_budget.KVBudget``), what sessions keep
-        pinned next (``kv/session_pins.py``); then the least urgent
+        pinned next where that is enough (``kv/session_pins.py``); then the least urgent
         running sequences are preempted while the rows, grown by the watermark, would still exceed the
         budget (never the last one: a single sequence always runs)."""
         self.kv.fit_cache()
-        while self.kv.rows_over_budget() and self.kv.yield_session(None):  # sessions give way before rows
-            self.kv.fit_cache()
+        self.kv.yield_sessions_to_rows()  # sessions give way before rows, where that spares them all
         if len(self.running) <= 1 or not self.kv.rows_over_budget():
             return
         self.runner.flush()  # tokens of the step in flight belong to the rows about to leave
@@ -307,11 +310,14 @@ class Scheduler(PrefillPlanner):
                 # Kept sessions give way only to a request that would otherwise wait on nothing: while rows run,
                 # it waits for them (the pins are bounded by their share, so the rows' share of the budget frees
                 # up as they finish) rather than costing a waiting agent its context (kv/session_pins.py).
-                if not active and self.kv.yield_session(seq.request.session):
+                if not active and self.kv.yield_session(seq.request.session, need - room):
                     room = self.kv.admission_room() - sum(self.kv.context_bytes(s) for s in self.prefilling)
                     continue
                 if active:
-                    break
+                    seq = self._kept_turn_that_fits(seq, room)
+                    if seq is None:
+                        break
+                    need = self.kv.context_bytes(seq)
                 # Always admit when idle, so one oversized request still runs rather than waiting forever.
             self.waiting.remove(seq)
             self.prefilling.append(seq)
@@ -320,6 +326,22 @@ class Scheduler(PrefillPlanner):
             active += 1
             room -= need
         self.kv.fit_cache(reserved=sum(self.kv.context_bytes(s) for s in self.prefilling))
+
+    def _kept_turn_that_fits(self, head: Sequence, room: int) -> Sequence | None:
+        """A session's turn whose context its pin holds (it needs only its new tokens) that fits in ``room``
+        goes ahead of ``head``, which does not fit (at the same priority): otherwise the pin holds memory for a
+        turn that waits behind a larger one, and gives way before it runs (kv/session_pins.py). ``head`` is
+        passed at most ``MAX_PASSES`` times, then the queue waits for it: it cannot starve."""
+        if not self.config.session_ttl_s or head.passed >= MAX_PASSES:
+            return None
+        for s in self.waiting:
+            if s.request.priority != head.request.priority:
+                break
+            if s is not head and s.request.session is not None and self.kv.held_prefix_tokens(s) > 0 \
+                    and self.kv.context_bytes(s) <= room:
+                head.passed += 1
+                return s
+        return None
 
     def _next_fair(self, groups: dict) -> Sequence:
         """The next sequence to admit: the most urgent priority first; within it, round-robin over

@@ -98,9 +98,13 @@ class KVCacheManager(KVBudget):
         """Sessions whose time is up let go of what they kept, except those in ``waiting`` (a turn of theirs
         is queued)."""
 
-    def yield_session(self, keep: str | None) -> bool:
-        """Memory is short: the kept session expiring soonest (other than ``keep``) lets go; False if none."""
+    def yield_session(self, keep: str | None, nbytes: int = 0) -> bool:
+        """Memory is short (by ``nbytes``; 0: unknown): a kept session (other than ``keep``) gives way; False if
+        none could."""
         return False
+
+    def yield_sessions_to_rows(self) -> None:
+        """The running rows are over budget: kept sessions give way, where that spares every preemption."""
 
     def release_session(self, session: str | None) -> int:
         """``session`` (None: every session) lets go of what it kept; returns how many let go."""

@@ -120,11 +120,27 @@ class PagedKVManager(KVCacheManager):
         self.radix.evict_to_budget()
         return released
 
-    def yield_session(self, keep: str | None) -> bool:
-        if self.sessions is None or not self.sessions.give_way(keep):
+    def yield_session(self, keep: str | None, nbytes: int = 0) -> bool:
+        if self.sessions is None or not self.sessions.give_way(keep, nbytes):
             return False
         self.radix.evict_to_budget()
         return True
+
+    def yield_sessions_to_rows(self) -> None:
+        """Kept sessions give way (kept last first) until the rows fit, only where the rows fit once all of
+        them have: otherwise rows are preempted anyway, and pins let go as well would only cost their agents'
+        next turns their context (and, the last one gone, every agent its shared system prompt)."""
+        if self.sessions is None or not self.sessions.pins or not self.rows_over_budget():
+            return
+        undo = self.sessions.let_go_all()
+        spares = not self.rows_over_budget()
+        undo()
+        # (each by what the rows lack: a row grown past its watermark should not cost an agent all its context)
+        while spares and self.rows_over_budget() and self.yield_session(None, self._rows_lack()):
+            self.fit_cache()
+
+    def _rows_lack(self) -> int:
+        return self.rows_bytes(self.config.watermark_tokens) + self.pinned_cache_bytes() - self.budget
 
     # -- the disk tier --------------------------------------------------------------------------
     def prefetch(self, seq, prefill_rate: float | None) -> None:

@@ -8,14 +8,22 @@ session=)``; LangChain's ``thread_id``; the server's ``user``, ``x-session-id`` 
 entries are never evicted, so the next turn finds them. The next turn's own finish moves the pin to its
 longer context; :meth:`release` (``Engine.release_session``) or the TTL frees it, after which the entry is an
 ordinary one (evicted least recently used). Pins are bounded: they hold at most ``max_bytes`` (a share of the
-KV budget), so the running rows always keep the rest; they give way when the running rows need the room (before
-any row is preempted) and when a request waits with nothing running to make room for it: sessions never
-starve admission.
+KV budget), so the running rows always keep the rest; they give way when the running rows need the room, before
+any row is preempted where that spares every preemption (``PagedKVManager.yield_sessions_to_rows``), and when a
+request waits with nothing running to make room for it: sessions never starve admission. A pin gives way only
+where that frees memory now (one over pages a running row holds frees nothing).
 
 Which pin gives way: the one kept last. A tool call takes a bounded time, so the agent that has waited longest
 is the likeliest to come back next; dropping the oldest pin (as least-recently-used eviction would) drops the
 context just before it pays. So a pin, once kept, lasts until its next turn, its TTL or its release, and a
-turn that ends when the pins are full is not kept (its context stays an ordinary cache entry).
+turn that ends when the pins are full keeps at most its shared prefix (below; the rest of its context stays an
+ordinary cache entry).
+
+A pin that gives way first falls back to the part of its context other contexts share (the system prompt and
+tool schemas every agent sends: the deepest node above it where the tree branched when its turn ended), and
+lets go of that only when every full pin has given way. Under pressure the shared prefix is what every turn
+of every agent reads: when the last pin over it let go, least-recently-used eviction took it with the rest
+(the agents' later turns, arriving after a burst of others' tokens, recomputed the system prompt).
 
 A session names a pin only: sessions of different callers never see each other's data (the prefix cache is
 shared by content anyway); a name reused by two conversations keeps the later one warm.
@@ -25,6 +33,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+from parallm_engine.kv.page_pool import PAGE
 
 #: Seconds a finished turn's context stays pinned where sessions are turned on (``Engine(session_ttl=)``): a
 #: tool call's time. The engine's default is 0 (off).
@@ -39,6 +49,27 @@ DEFAULT_SHARE = 0.5
 class _Pin:
     node: object  # the radix node at the end of the context (pinned with its path)
     expires: float
+    shared_only: bool = False  # it gave way once: it pins only the prefix other contexts share
+    shared: object = None  # that prefix's node (where the tree branched when the turn ended), or None
+
+
+def _shared_ancestor(node):
+    """The deepest node above ``node`` where the tree branches (a prefix other contexts continue too), or None."""
+    up = node.parent
+    while up is not None and up.parent is not None:
+        if len(up.children) > 1:
+            return up
+        up = up.parent
+    return None
+
+
+def _depth(node) -> int:
+    """Tokens from the root to the end of ``node``."""
+    n = 0
+    while node is not None and node.parent is not None:
+        n += len(node.tokens)
+        node = node.parent
+    return n
 
 
 def _is_ancestor(node, of) -> bool:
@@ -81,36 +112,98 @@ class SessionPins:
         old = self.pins.pop(session, None)
         expires = time.monotonic() + self.ttl_s
         if match.length:
+            # The shared prefix is found now, while the other agents' contexts branch off it (later they may
+            # have been evicted, leaving this one a single path).
+            shared = _shared_ancestor(match.node)
+            if shared is None and old is not None and old.shared is not None and _is_ancestor(old.shared, match.node):
+                shared = old.shared
             self.radix.pin(match.node)
-            self.pins[session] = _Pin(match.node, expires)
+            self.pins[session] = _Pin(match.node, expires, shared=shared)
             self.kept += 1
         if old is not None:
-            if match.length and self.nbytes > self.max_bytes and _is_ancestor(old.node, match.node):
-                # No room for the longer context: the session keeps the one it had (its next turn then
-                # recomputes only what this turn added), rather than letting go of all of it.
-                self.radix.unpin(match.node)
-                self.pins[session] = _Pin(old.node, expires)
-            else:
-                self.radix.unpin(old.node)
+            self.radix.unpin(old.node)
+        # No room for all of it: the pin kept last (this one) keeps what fits (at least the context it had, if
+        # that fitted: its next turn recomputes only the rest), rather than letting go of all of it.
         self.bound()
 
     def bound(self) -> None:
-        """Within ``max_bytes``: the pins kept last let go first (see the module docstring)."""
-        for session, _ in sorted(self.pins.items(), key=lambda kv: -kv[1].expires):
-            if self.nbytes <= self.max_bytes:
-                break
-            self._drop(session)
+        """Within ``max_bytes``: the pins kept last give up the end of their context first (see the module
+        docstring)."""
+        while self.nbytes > self.max_bytes and self.pins:
+            self._shrink(self._order()[0], -(-(self.nbytes - self.max_bytes) // max(1, self.bytes_per_token)))
             self.displaced += 1
 
-    def give_way(self, keep: str | None = None) -> bool:
-        """Memory is short (rows to run, a request to admit): the pin kept last, other than ``keep``'s, lets
-        go. False when there is none."""
-        others = [(p.expires, s) for s, p in self.pins.items() if s != keep]
-        if not others:
-            return False
-        self._drop(max(others)[1])
-        self.displaced += 1
-        return True
+    def give_way(self, keep: str | None = None, nbytes: int = 0) -> bool:
+        """Memory is short by ``nbytes`` (rows to run, a request to admit; 0: unknown): the pin kept last, other
+        than ``keep``'s, whose giving way frees memory now gives up the end of its context, about ``nbytes``
+        of it (a page more: pages are whole), or all but the prefix it shares with other contexts, or (it had
+        only that) all of it (:meth:`_shrink`); fallen-back pins go after every full one. A pin over pages
+        running rows hold frees nothing: it stays (dropping it would only expose the prefix to eviction once
+        the rows leave). False when no pin frees anything."""
+        before = self.radix.pinned_bytes()
+        tokens = -(-nbytes // max(1, self.bytes_per_token)) + PAGE if nbytes > 0 else None
+        for session in self._order(keep):
+            undo = self._shrink(session, tokens)
+            if self.radix.pinned_bytes() < before:
+                self.displaced += 1
+                return True
+            undo()
+        return False
+
+    def _order(self, keep: str | None = None) -> list[str]:
+        """Who gives way first: full pins before fallen-back ones, the one kept last first."""
+        ranked = sorted(((not p.shared_only, p.expires, s) for s, p in self.pins.items() if s != keep), reverse=True)
+        return [s for _, _, s in ranked]
+
+    def _shrink(self, session: str, tokens: int | None):
+        """``session``'s pin lets go of its last ``tokens`` (None: all) down to the prefix its context shares
+        with others; one pinning only that lets go entirely (with every other fallen-back pin over the same
+        prefix: one alone frees nothing). Returns the undo."""
+        pin = self.pins[session]
+        if pin.shared_only:
+            group = {s: p for s, p in self.pins.items() if s == session or (p.shared_only and p.node is pin.node)}
+            for s in group:
+                self._drop(s)
+
+            def undo_drop():
+                for s, p in group.items():
+                    self.radix.pin(p.node)
+                    self.pins[s] = p
+            return undo_drop
+        end = _depth(pin.node)
+        floor = _depth(pin.shared) if pin.shared is not None and pin.shared is not pin.node else 0
+        if tokens is None or end - tokens <= floor:
+            if floor:  # down to the shared prefix
+                to = _Pin(pin.shared, pin.expires, shared_only=True, shared=pin.shared)
+            else:  # nothing shared: all of it
+                self._drop(session)
+                return lambda: (self.radix.pin(pin.node), self.pins.__setitem__(session, pin))
+        else:  # the end of its context: the next turn recomputes only that
+            ns, nodes = self.radix.path(pin.node)
+            ids = [t for nd in nodes for t in nd.tokens]
+            node = self.radix.match(ids[: end - tokens], record=False, ns=ns).node
+            to = _Pin(node, pin.expires, shared=pin.shared)
+        self.radix.pin(to.node)
+        self.radix.unpin(pin.node)
+        self.pins[session] = to
+
+        def undo():
+            self.radix.pin(pin.node)
+            self.radix.unpin(to.node)
+            self.pins[session] = pin
+        return undo
+
+    def let_go_all(self):
+        """Every pin lets go (nothing counted); returns the undo (the scheduler asks what that would free)."""
+        pins, self.pins = self.pins, {}
+        for pin in pins.values():
+            self.radix.unpin(pin.node)
+
+        def undo():
+            for pin in pins.values():
+                self.radix.pin(pin.node)
+            self.pins = pins
+        return undo
 
     def expire(self, now: float | None = None, waiting=()) -> int:
         """Let go of the pins whose time is up, but not those of the sessions in ``waiting`` (their next turn

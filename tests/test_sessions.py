@@ -382,7 +382,8 @@ def test_a_kept_turn_that_fits_goes_ahead_of_one_that_does_not(model_dir):
     the queue does not fit, it is admitted ahead of it (else its pin holds memory for a turn stuck behind a
     larger one), at most ``MAX_PASSES`` times per waiting request; without sessions the queue stays FIFO."""
     from parallm_engine.core.request import Channel, Request
-    from parallm_engine.core.scheduler import MAX_PASSES, Scheduler, SchedulerConfig
+    from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
+    from parallm_engine.kv.session_pins import MAX_PASSES
     from parallm_engine.core.stats import EngineStats
     from parallm_engine.sampling.sampling_params import SamplingParams
 

@@ -30,7 +30,7 @@ from parallm_engine.core import memory_recovery
 from parallm_engine.errors import RequestCancelledError
 from parallm_engine.runner.family_adapters import adapter_for
 from parallm_engine.kv.kv_layouts import make_kv_cache_manager
-from parallm_engine.kv.session_pins import DEFAULT_SHARE
+from parallm_engine.kv.session_pins import DEFAULT_SHARE, kept_turn_that_fits
 from parallm_engine.kv.memory_budget import mlx_memory
 from parallm_engine.runner.model_runner import ModelRunner
 from parallm_engine.core.output_processor import OutputProcessor
@@ -39,9 +39,6 @@ from parallm_engine.core.request import Request
 from parallm_engine.core.sequence import Sequence
 from parallm_engine.core.stats import EngineStats, step_trace
 from parallm_engine.runner.step_plan import StepOutput, StepPlan
-
-#: How many sessions' turns (cheap: their context is pinned) may go ahead of a waiting request that does not fit.
-MAX_PASSES = 8
 
 
 @dataclass
@@ -314,7 +311,8 @@ class Scheduler(PrefillPlanner):
                     room = self.kv.admission_room() - sum(self.kv.context_bytes(s) for s in self.prefilling)
                     continue
                 if active:
-                    seq = self._kept_turn_that_fits(seq, room)
+                    seq = kept_turn_that_fits(self.waiting, seq, room, self.kv) if self.config.session_ttl_s \
+                        else None
                     if seq is None:
                         break
                     need = self.kv.context_bytes(seq)
@@ -326,22 +324,6 @@ class Scheduler(PrefillPlanner):
             active += 1
             room -= need
         self.kv.fit_cache(reserved=sum(self.kv.context_bytes(s) for s in self.prefilling))
-
-    def _kept_turn_that_fits(self, head: Sequence, room: int) -> Sequence | None:
-        """A session's turn whose context its pin holds (it needs only its new tokens) that fits in ``room``
-        goes ahead of ``head``, which does not fit (at the same priority): otherwise the pin holds memory for a
-        turn that waits behind a larger one, and gives way before it runs (kv/session_pins.py). ``head`` is
-        passed at most ``MAX_PASSES`` times, then the queue waits for it: it cannot starve."""
-        if not self.config.session_ttl_s or head.passed >= MAX_PASSES:
-            return None
-        for s in self.waiting:
-            if s.request.priority != head.request.priority:
-                break
-            if s is not head and s.request.session is not None and self.kv.held_prefix_tokens(s) > 0 \
-                    and self.kv.context_bytes(s) <= room:
-                head.passed += 1
-                return s
-        return None
 
     def _next_fair(self, groups: dict) -> Sequence:
         """The next sequence to admit: the most urgent priority first; within it, round-robin over

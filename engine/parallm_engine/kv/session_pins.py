@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 from parallm_engine.kv.page_pool import PAGE
 
+#: How many sessions' turns (cheap: their context is pinned) may go ahead of a waiting request that does not fit.
+MAX_PASSES = 8
 #: Seconds a finished turn's context stays pinned where sessions are turned on (``Engine(session_ttl=)``): a
 #: tool call's time. The engine's default is 0 (off).
 DEFAULT_TTL_S = 30.0
@@ -232,3 +234,21 @@ class SessionPins:
         return {"sessions_pinned": len(self.pins), "sessions_pinned_bytes": self.nbytes,
                 "sessions_kept": self.kept, "sessions_expired": self.expired,
                 "sessions_released": self.released, "sessions_displaced": self.displaced}
+
+
+def kept_turn_that_fits(waiting, head, room: int, kv):
+    """The scheduler's admission, where ``head`` (the next waiting sequence) does not fit in ``room`` bytes: a
+    session's turn whose context its pin holds (it needs only its new tokens) that fits goes ahead of it (at
+    the same priority), or None. Otherwise the pin holds memory for a turn that waits behind a larger one, and
+    gives way before it runs. ``head`` is passed at most ``MAX_PASSES`` times, then the queue waits for it: it
+    cannot starve."""
+    if head.passed >= MAX_PASSES:
+        return None
+    for s in waiting:
+        if s.request.priority != head.request.priority:
+            break
+        if s is not head and s.request.session is not None and kv.held_prefix_tokens(s) > 0 \
+                and kv.context_bytes(s) <= room:
+            head.passed += 1
+            return s
+    return None

@@ -28,9 +28,9 @@ from parallm_engine.runner.step_plan import PrefillWork
 #: Embedding tokens a step prefills beside decoding rows however slow the machine (a prompt's floor,
 #: ``min_prefill_tokens``, is larger: a stream waits behind it; nobody streams an embedding).
 EMBEDDING_MIN_TOKENS = 16
-#: An embedding group's forward is one right-padded rectangle (rows x its longest text): a text joins only
-#: while at least this share of the rectangle is real tokens. Texts of other lengths wait for a group of
-#: their own (on a CPU the padding's attention and MLP cost more than a bigger batch saves).
+#: An embedding group's forward is one right-padded rectangle (rows x its longest text): where nothing decodes,
+#: a text joins only while at least this share of the rectangle is real tokens. Texts of other lengths wait for
+#: a group of their own (on a CPU the padding's attention and MLP cost more than a bigger batch saves).
 EMBEDDING_FILL = 0.8
 
 
@@ -168,9 +168,11 @@ class PrefillPlanner:
                 left = len(seq.prefill_ids) - cached
                 if left == 0 or used + left > min(chunk, budget):
                     continue
-                if head.embedding and seq.embedding and \
+                if head.embedding and seq.embedding and not self.running and \
                         used + left < EMBEDDING_FILL * (len(group) + 1) * max(widest, left):
-                    continue  # mostly padding: a text of another length waits for texts like it
+                    # mostly padding: a text of another length waits for texts like it (not beside decoding
+                    # rows: there the texts' capped budget would chunk the texts left out into more forwards)
+                    continue
                 if not self._joins(seq, group, cached, step):
                     continue
                 widest = max(widest, left)

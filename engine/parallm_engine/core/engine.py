@@ -517,8 +517,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
             snap["distributed"] = self.dist.describe()
             stage = getattr(self.model, "stage_outputs", None)
             if stage is not None:  # a pipeline: its micro-batches (lanes), and the most that ran in one step
-                snap["distributed"]["micro_batches"] = {"lanes": self.config.decode_lanes if self.config.micro_batches
-                                                        else 1, "most_in_one_step": stage.most}
+                snap["distributed"]["micro_batches"] = {"lanes": self.config.decode_lanes,
+                                                        "most_in_one_step": stage.most}
         return snap
 
     def reset_peaks(self) -> None:

@@ -266,6 +266,33 @@ def test_the_pin_kept_last_gives_way_first():
     assert tree.pinned_bytes() == 0 == tree.computed_pinned_bytes()
 
 
+def test_an_overdue_pin_gives_way_first():
+    """The gaps between a session's turn and its next one are measured (when the next turn is queued); a pin
+    older than 1.5x the longest gap seen whose agent has not come back (it most likely finished: its last pin
+    would hold its share for the whole TTL) gives way before the pins kept last, the most overdue first. Too
+    few gaps seen, or its turn came back: the order is as before."""
+    from parallm_engine.kv.session_pins import OVERDUE_FACTOR
+
+    system = list(range(1000, 1010))
+    ctx = {s: system + [i] * 20 for i, s in enumerate(["a", "b", "c", "d"])}
+    tree, pins = _tree_with(ctx)
+    pins.max_bytes = 1000
+    for s in ("a", "b", "c", "d"):
+        pins.keep(s, ctx[s], None)
+    now = pins.pins["d"].kept_at
+    assert pins.overdue_after() is None and pins._order(now=now + 100)[0] == "d"  # no gap seen: kept last first
+    for s in ("b", "c", "d"):  # their next turns arrive 2 s after they were kept
+        pins.expire(now=pins.pins[s].kept_at + 2.0, waiting={s})
+    assert list(pins.gaps) == [2.0, 2.0, 2.0] and pins.overdue_after() == OVERDUE_FACTOR * 2.0
+    assert pins._order(now=now + 3.5)[0] == "a"  # oldest, not back: it gives way first once overdue ...
+    assert pins._order(now=now + 2.9)[-1] == "a"  # ... but not before (kept first: it gives way last)
+    pins.gaps.clear()  # (give_way reads the clock: make "a" overdue now)
+    pins.gaps.extend([0.0] * 3)
+    assert pins.give_way() and pins.pins["a"].shared_only  # (it falls back to the system prompt, as any pin)
+    assert tree.pinned_prefix(ctx["a"]) == 10 and tree.pinned_prefix(ctx["d"]) == 30
+    assert tree.pinned_bytes() == tree.computed_pinned_bytes()
+
+
 def test_a_pin_over_pages_a_running_row_holds_does_not_give_way():
     """Letting go of a pin that frees nothing (a running row holds the same prefix) only exposes it to eviction
     once the row leaves: it stays, and the pin that does free memory gives way instead."""
@@ -424,5 +451,42 @@ def test_a_kept_turn_that_fits_goes_ahead_of_one_that_does_not(model_dir):
                 continue
             assert head not in admitted and admitted == later[:MAX_PASSES]  # ... then the queue waits for it
             assert head.sequences[0].passed == MAX_PASSES
+    finally:
+        eng.shutdown()
+
+
+def test_a_kept_turn_goes_first_even_where_the_head_fits(model_dir):
+    """Under memory pressure every turn that waits lets its pin be displaced and pays its context again: a
+    session's turn whose own context its pin holds is admitted first (it computes only what is new) also where
+    the head of the queue would fit; without sessions the queue is FIFO."""
+    from parallm_engine.core.request import Channel, Request
+    from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
+    from parallm_engine.core.stats import EngineStats
+    from parallm_engine.sampling.sampling_params import SamplingParams
+
+    vocab = 49152
+    eng = Engine(str(model_dir), kv_disk=0)
+    try:
+        per_token = eng.model_info.kv_bytes_per_token()
+        for ttl in (60.0, 0.0):
+            config = SchedulerConfig(max_batch_size=16, kv_budget_bytes=2000 * per_token,
+                                     radix_budget_bytes=2000 * per_token, decode_lanes=1,
+                                     cpu_kernels=eng.backend.cpu_kernels, step_time_target_s=0.0, session_ttl_s=ttl)
+            sched = Scheduler(eng.model, eng.tokenizer, eng.model_info, config, EngineStats())
+            first = prompt_ids(100, vocab, seed=80)
+            turn = Request(first, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), Channel())
+            turn.session = "s"
+            sched.add(turn)
+            while sched.has_work():
+                sched.step()
+            head = Request(prompt_ids(50, vocab, seed=81), SamplingParams(max_tokens=2, temperature=0.0), Channel())
+            later = Request(first + turn.sequences[0].output_ids + prompt_ids(10, vocab, seed=82),
+                            SamplingParams(max_tokens=2, temperature=0.0), Channel())
+            later.session = "s" if ttl else None
+            sched.add(head)
+            sched.add(later)
+            admitted = [s.request for s in sched.schedule().admitted]
+            assert admitted == ([later, head] if ttl else [head, later])
+            assert head.sequences[0].passed == (1 if ttl else 0)
     finally:
         eng.shutdown()

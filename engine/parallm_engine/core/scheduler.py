@@ -302,6 +302,8 @@ class Scheduler(PrefillPlanner):
             groups[s.request.group] = groups.get(s.request.group, 0) + 1
         while self.waiting and active < self.config.max_batch_size:
             seq = self._next_fair(groups)
+            if self.config.session_ttl_s:  # a turn whose context its pin holds goes first (kv/session_pins.py)
+                seq = kept_turn_that_fits(self.waiting, seq, room, self.kv) or seq
             need = self.kv.context_bytes(seq)
             if need > room:
                 # Kept sessions give way only to a request that would otherwise wait on nothing: while rows run,
@@ -311,11 +313,7 @@ class Scheduler(PrefillPlanner):
                     room = self.kv.admission_room() - sum(self.kv.context_bytes(s) for s in self.prefilling)
                     continue
                 if active:
-                    seq = kept_turn_that_fits(self.waiting, seq, room, self.kv) if self.config.session_ttl_s \
-                        else None
-                    if seq is None:
-                        break
-                    need = self.kv.context_bytes(seq)
+                    break
                 # Always admit when idle, so one oversized request still runs rather than waiting forever.
             self.waiting.remove(seq)
             self.prefilling.append(seq)

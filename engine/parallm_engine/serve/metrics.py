@@ -204,6 +204,8 @@ _MEMORY_METRICS = (
     ("sessions_pinned_bytes", "sessions_pinned_bytes", "gauge", "KV bytes the kept sessions pin (shared nodes once)."),
     ("sessions_displaced", "sessions_displaced_total", "counter",
      "Kept sessions let go early: memory was needed by running or waiting requests."),
+    ("sessions_overdue_after_s", "sessions_overdue_after_seconds", "gauge",
+     "Age at which a kept session not yet back gives way first (1.5x the longest recent gap between turns)."),
 )
 
 _PREFIX_CACHE_METRICS = (

@@ -221,7 +221,8 @@ def run_beside_generation(engine, texts: list[str], sizes: dict) -> dict:
     worker.start()
     times = _arrivals(chats)
     worker.join()
-    during, during_mean = _itl_p50(times, window["start"], window["end"]), _itl_mean(times, window["start"], window["end"])
+    span = (window["start"], window["end"])
+    during, during_mean = _itl_p50(times, *span), _itl_mean(times, *span)
     wall = window["end"] - window["start"]
     return {"texts": len(burst), "wall_s": round(wall, 3), "texts_per_s": round(len(burst) / wall, 2),
             "streams": sizes["streams"], "itl_p50_alone_ms": round(alone * 1e3, 2),

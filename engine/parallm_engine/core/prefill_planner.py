@@ -134,9 +134,10 @@ class PrefillPlanner:
                 break
             head = self.prefilling[0]
             if head.embedding and not embed_capped:
-                # What is left is embedding texts (they come last): while rows decode they get at most what
-                # the rest of the step takes, so a corpus being embedded at most doubles the streams' step.
-                # A text longer than that is prefilled over steps (its pooled state accumulates per chunk).
+                # What is left is embedding texts (they come last): while rows decode they get what their token
+                # bucket holds (_embedding_budget), so a corpus being embedded at most doubles the streams'
+                # steps on average. A text longer than a chunk is prefilled over steps (its pooled state
+                # accumulates per chunk).
                 budget, embed_capped = min(budget, self._embedding_budget(head, chunk)), True
                 if budget <= 0:
                     break

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from parallm_engine.kv.page_pool import PAGE
 
-#: How many sessions' turns (cheap: their context is pinned) may go ahead of a waiting request that does not fit.
+#: How many sessions' turns (cheap: their context is pinned) may go ahead of one waiting request (kept_turn_that_fits).
 MAX_PASSES = 8
 #: Seconds a finished turn's context stays pinned where sessions are turned on (``Engine(session_ttl=)``): a
 #: tool call's time. The engine's default is 0 (off).

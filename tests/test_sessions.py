@@ -490,3 +490,27 @@ def test_a_kept_turn_goes_first_even_where_the_head_fits(model_dir):
             assert head.sequences[0].passed == (1 if ttl else 0)
     finally:
         eng.shutdown()
+
+
+def test_sessions_on_a_mixed_layout_family_serve_as_without(tmp_path):
+    """A family whose KV is not paged under the radix tree (gemma3_text's sliding window: the snapshot KV
+    manager) keeps no pins: a session named on it changes nothing, and admission (which asks whether a turn's
+    context is kept) does not fail on it."""
+    from .model_zoo import build, default_tokenizer
+
+    tok_dir, vocab = default_tokenizer()
+    path = build("gemma3_text", tmp_path / "g3", tok_dir, vocab, verify=False)
+    outputs = {}
+    for ttl in (30.0, 0.0):
+        eng = Engine(str(path), max_batch_size=8, decode_lanes=1, kv_disk=0, session_ttl=ttl)
+        try:
+            assert eng._scheduler.layout == "mixed"
+            got = []
+            for extra in ([], [5, 6, 7]):  # two turns of three sessions, all queued at once
+                handles = [eng.submit(prompt_ids(40, vocab, seed=i) + extra, max_tokens=3, temperature=0,
+                                      session=f"s{i}") for i in range(3)]
+                got.append([eng._collect(h).token_ids for h in handles])
+            outputs[ttl] = got
+        finally:
+            eng.shutdown()
+    assert outputs[30.0] == outputs[0.0] and all(len(ids) == 3 for turn in outputs[0.0] for ids in turn)

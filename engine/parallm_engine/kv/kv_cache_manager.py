@@ -103,6 +103,10 @@ class KVCacheManager(KVBudget):
         none could."""
         return False
 
+    def holds_kept_context(self, seq) -> bool:
+        """A kept session holds ``seq``'s own context (its pin, not only the prefix it shares with others)."""
+        return False
+
     def yield_sessions_to_rows(self) -> None:
         """The running rows are over budget: kept sessions give way, where that spares every preemption."""
 

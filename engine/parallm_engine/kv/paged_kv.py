@@ -126,6 +126,10 @@ class PagedKVManager(KVCacheManager):
         self.radix.evict_to_budget()
         return True
 
+    def holds_kept_context(self, seq) -> bool:
+        return self.sessions is not None and self.sessions.holds_own(seq.request.session) \
+            and self.held_prefix_tokens(seq) > 0
+
     def yield_sessions_to_rows(self) -> None:
         """Kept sessions give way (kept last first) until the rows fit, only where the rows fit once all of
         them have: otherwise rows are preempted anyway, and pins let go as well would only cost their agents'

@@ -15,8 +15,7 @@ model's tokenizer. Texts are ``texts`` passages of 20-120 words. Measured on one
 - ``beside_generation``: a burst of ``burst`` texts in one ``embed`` call (what ``embed_documents`` sends)
   while ``streams`` chat streams decode on the same engine: the streams' inter-token latency p50 during the
   burst and alone (``itl_ratio``: the burst should at most double it), the mean beside it
-  (``itl_mean_ratio``: texts run whole every few steps, a token bucket, so the mean shows what they cost the
-  streams on average; that too at most doubles), and the burst's texts/s.
+  (``itl_mean_ratio``: what the texts cost the streams on average), and the burst's texts/s.
 
 Numbers from a shared machine vary: compare ratios within one run.
 """

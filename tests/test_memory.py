@@ -289,9 +289,11 @@ def test_prefill_is_cut_to_the_step_time_target(tiny_model_dir):
 
 
 def test_an_embedding_burst_beside_decoding_rows_is_paced_and_chat_goes_first(tiny_model_dir):
-    """Embedding texts (bulk work: a corpus being indexed) beside decoding rows get at most what the rest of
-    the step takes at the measured rate, not a whole chunk a step (a burst of them took the streams' step
-    from milliseconds to the step-time target); a chat prompt that arrives behind them is prefilled first."""
+    """Embedding texts (bulk work: a corpus being indexed) beside decoding rows get what they earn, a share
+    of the rest of the step at the measured rate, not a whole chunk a step (a burst of them took the streams'
+    step from milliseconds to the step-time target): a token bucket, a text run whole once its credit holds
+    it (one forward of its own, not a small chunk every step, each a forward's cost); a chat prompt that
+    arrives behind them is prefilled first."""
     from parallm_engine import Engine
 
     eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=512)
@@ -301,25 +303,63 @@ def test_an_embedding_burst_beside_decoding_rows_is_paced_and_chat_goes_first(ti
         running = eng.submit(prompt_ids(8, vocab, seed=6), max_tokens=2000, temperature=0, ignore_eos=True)
         assert _wait(lambda: eng.stats()["running"] == 1)
 
-        def slow():  # held: no step re-measures it; 10 tokens of rate x 0.05 s: the 16-token minimum
+        def slow():  # held: no step re-measures the rate; 200 tokens/s earns the 16-token minimum a step
             sched._observe_prefill = lambda rate: None
             sched._prefill_rate, sched._other_step_s = 200.0, 0.05
 
         eng.run_on_engine_thread(slow)
-        forwards = eng.stats()["prefill_forwards"]
+        forwards, steps = eng.stats()["prefill_forwards"], eng.stats()["steps"]
         texts = [prompt_ids(40, vocab, seed=100 + i) for i in range(12)]  # 480 tokens: 30 paced steps
         handles = [eng.submit_embedding(t, pooling="mean") for t in texts]
         chat = eng.submit(prompt_ids(12, vocab, seed=7), max_tokens=2, temperature=0)
         vectors = [h.result().embedding for h in handles]
         assert eng._collect(chat).token_ids
-        # a whole chunk a step would be one forward; paced, 16 tokens a step, each text over three steps
-        assert eng.stats()["prefill_forwards"] - forwards >= 480 // 16
+        # a whole chunk a step would be one step; paced, 16 tokens earned a step: at least 30 steps; a group
+        # holds at most four steps' earning (64 tokens: one text), each whole in a forward of its own
+        assert eng.stats()["steps"] - steps >= 480 // 16
+        assert eng.stats()["prefill_forwards"] - forwards <= len(texts) + 1  # (+ the chat prompt's)
         first_token = chat.request.first_token_time
         assert first_token < max(h.request.finish_time for h in handles)  # not behind the whole burst
         running.abort()
         assert _wait(lambda: eng.stats()["running"] == 0)
-        whole = eng.embed(texts, pooling="mean")  # idle: each text in one forward
-        np.testing.assert_allclose(vectors, whole, rtol=0, atol=2e-5)  # chunked pooling: the same vectors
+        whole = eng.embed(texts, pooling="mean")  # idle: the texts in one forward
+        np.testing.assert_allclose(vectors, whole, rtol=0, atol=2e-5)  # one at a time: the same vectors
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_embedding_texts_beside_decoding_rows_run_in_groups(tiny_model_dir, backend):
+    """Where a step earns less than a text but a few steps earn several, the texts beside decoding rows wait
+    for the credit of a group and run together (one forward for several texts): a bucket that ran each text
+    as soon as it could afford it ran 64 texts in 64 forwards. The streams' tokens are unchanged."""
+    from parallm_engine import Engine
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=512, backend=backend)
+    try:
+        sched = eng._scheduler
+        vocab = eng.model_info.vocab_size
+        opts = dict(max_tokens=400, temperature=0, ignore_eos=True)
+        alone = eng.generate([prompt_ids(8, vocab, seed=6)], **opts)[0].token_ids
+        running = eng.submit(prompt_ids(8, vocab, seed=6), **opts)
+        assert _wait(lambda: eng.stats()["running"] == 1)
+
+        def held():  # 30 tokens earned a step (0.6 x 0.05 s x 1,000/s): a 40-token text takes two steps
+            sched._observe_prefill = lambda rate: None
+            sched._prefill_rate = 1000.0
+            # this scheduler only: its steps' measured time is held at 50 ms
+            held_step = property(lambda self: 0.05, lambda self, value: None)
+            sched.__class__ = type("HeldScheduler", (type(sched),), {"_other_step_s": held_step})
+
+        eng.run_on_engine_thread(held)
+        forwards = eng.stats()["prefill_forwards"]
+        texts = [prompt_ids(40, vocab, seed=200 + i) for i in range(12)]
+        vectors = [h.result().embedding for h in [eng.submit_embedding(t, pooling="mean") for t in texts]]
+        # four steps earn 120 tokens: groups of three texts
+        assert eng.stats()["prefill_forwards"] - forwards <= len(texts) // 3
+        assert eng._collect(running).token_ids == alone
+        whole = eng.embed(texts, pooling="mean")
+        np.testing.assert_allclose(vectors, whole, rtol=0, atol=2e-5)
     finally:
         eng.shutdown()
 

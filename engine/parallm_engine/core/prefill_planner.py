@@ -25,9 +25,17 @@ from parallm_engine.core.sequence import Sequence
 from parallm_engine.kv.radix_cache import shared_context_len
 from parallm_engine.runner.step_plan import PrefillWork
 
-#: Embedding tokens a step prefills beside decoding rows however slow the machine (a prompt's floor,
+#: Embedding tokens a step earns beside decoding rows however slow the machine (a prompt's floor,
 #: ``min_prefill_tokens``, is larger: a stream waits behind it; nobody streams an embedding).
 EMBEDDING_MIN_TOKENS = 16
+#: The share of the rest of the step's time the texts beside decoding rows take on average: under 1 because
+#: the rate is an average and their forward is a second one. (Spent a few tokens every step, as it once was,
+#: the texts ran in 16-token chunks through the paged path, each chunk's forward costing more than the decode
+#: step: the streams' inter-token latency came out 2.1x alone on the pure-MLX path.)
+EMBEDDING_STEP_SHARE = 0.6
+#: The texts beside decoding rows run as a group once their credit holds it: at most what this many steps earn
+#: (and at most a chunk), so one step in a few takes them and the group's spike stays a few steps' worth.
+EMBEDDING_GROUP_STEPS = 4
 #: An embedding group's forward is one right-padded rectangle (rows x its longest text): where nothing decodes,
 #: a text joins only while at least this share of the rectangle is real tokens. Texts of other lengths wait for
 #: a group of their own (on a CPU the padding's attention and MLP cost more than a bigger batch saves).
@@ -37,6 +45,8 @@ EMBEDDING_FILL = 0.8
 class PrefillPlanner:
     """Mixed into ``Scheduler``: uses its queues (``waiting``, ``prefilling``, ``running``), ``config``,
     ``kv`` (the KV cache manager), ``out`` and ``stats``."""
+
+    _embed_credit: float = 0.0  # embedding tokens earned beside decoding rows, not yet spent (_embedding_budget)
 
     def _start_prefill(self, seq: Sequence) -> None:
         """Look the context up in the prefix cache and pin what matched until the prefill is done."""
@@ -107,6 +117,7 @@ class PrefillPlanner:
             budget, deadline = max(budget, idle_burst), None
         step = _PlannedStep(decoding=bool(self.running))
         embed_capped = not self.running  # embedding texts beside decoding rows: capped once reached
+        texts_from = None  # the texts' budget beside decoding rows, once they got one
         if self.running and prompts and len(prompts) < len(self.prefilling):
             # Prompts with a stream behind them go before embedding texts (bulk work) queued ahead of them.
             texts = [s for s in self.prefilling if s.embedding]
@@ -126,13 +137,13 @@ class PrefillPlanner:
                 break
             head = self.prefilling[0]
             if head.embedding and not embed_capped:
-                # What is left is embedding texts (they come last): while rows decode they get at most what
-                # the rest of the step takes, so a corpus being embedded at most doubles the streams' step.
-                # A text longer than that is prefilled over steps (its pooled state accumulates per chunk).
-                budget, embed_capped = min(budget, self._embedding_budget()), True
+                # What is left is embedding texts (they come last): while rows decode they get what they
+                # have earned (_embedding_budget), so a corpus being embedded does not double the streams'
+                # steps. A text longer than a group is prefilled over steps (its pooled state accumulates).
+                budget, embed_capped = min(budget, self._embedding_budget(chunk)), True
                 if budget <= 0:
                     break
-                chunk = min(chunk, budget)
+                chunk, texts_from = min(chunk, budget), budget
             if not head.started:
                 if self._uncached_overlap(head, step.computing, self.kv.peek(head)):
                     break  # it would recompute what this step computes: next step, from the tree
@@ -184,15 +195,36 @@ class PrefillPlanner:
                                finishes=tuple(group))
             step.add(replace(work, fused=self._fuses(work, budget, step)))
             budget -= used
+        if texts_from is not None:  # what the texts planned comes out of their credit
+            self._embed_credit = max(0.0, self._embed_credit - (texts_from - max(budget, 0)))
         return tuple(step.items), deadline
 
-    def _embedding_budget(self) -> int:
-        """Prefill tokens of embedding texts a step may spend beside decoding rows: as long as the rest of
-        the step takes, at the measured rate, so the streams' step at most doubles (at least
-        ``EMBEDDING_MIN_TOKENS``: texts advance every step, chunk by chunk)."""
+    def _embedding_budget(self, chunk: int) -> int:
+        """Prefill tokens of embedding texts this step may spend beside decoding rows, from a token bucket:
+        each step earns ``EMBEDDING_STEP_SHARE`` of what the rest of the step takes at the measured rate (at
+        least ``EMBEDDING_MIN_TOKENS``), and the texts run once the credit holds the next group of them whole
+        (``_next_text_group``): one forward without KV (``runner/forward.texts``) in one step of a few,
+        rather than a small chunk every step, each costing a forward's fixed overhead. The credit never
+        exceeds that group (or one step's earning): no burst after a quiet spell. 0: not this step."""
         if self._prefill_rate is None:
-            return EMBEDDING_MIN_TOKENS
-        return max(EMBEDDING_MIN_TOKENS, int(self._other_step_s * self._prefill_rate))
+            return EMBEDDING_MIN_TOKENS  # not measured yet: a small chunk, then the rate is known
+        earned = max(EMBEDDING_MIN_TOKENS, EMBEDDING_STEP_SHARE * self._other_step_s * self._prefill_rate)
+        need = self._next_text_group(min(chunk, int(EMBEDDING_GROUP_STEPS * earned)))
+        self._embed_credit = min(self._embed_credit + earned, max(need, earned))
+        return int(self._embed_credit) if self._embed_credit >= need else 0
+
+    def _next_text_group(self, cap: int) -> int:
+        """The prefill tokens of the embedding texts next in the queue that fit whole in ``cap`` tokens (at
+        most ``max_batch_size`` of them), or ``cap`` where the first is longer (it runs in chunks of that)."""
+        need = n = 0
+        for seq in self.prefilling:
+            if not seq.embedding:
+                continue
+            left = len(seq.prefill_ids) - seq.computed
+            if need + left > cap or n >= self.config.max_batch_size:
+                break
+            need, n = need + left, n + 1
+        return need or max(cap, 1)
 
     def _idle_burst_tokens(self, whole: int) -> int:
         """Where no row decodes and nothing is in flight: the uncached tokens of the prefilling prompts

@@ -133,17 +133,17 @@ class PrefillPlanner:
                 self.prefilling.remove(owed)
                 self.prefilling.appendleft(owed)
                 budget, owed = max(budget, self.config.min_prefill_tokens), None
-            elif budget <= 0:
-                break
+            elif budget <= 0 and (embed_capped or not self.prefilling[0].embedding):
+                break  # (embedding texts beside decoding rows spend their own credit, below)
             head = self.prefilling[0]
             if head.embedding and not embed_capped:
                 # What is left is embedding texts (they come last): while rows decode they get what they
                 # have earned (_embedding_budget), so a corpus being embedded does not double the streams'
                 # steps. A text longer than a group is prefilled over steps (its pooled state accumulates).
-                budget, embed_capped = min(budget, self._embedding_budget(chunk)), True
+                budget, embed_capped = self._embedding_budget(), True
                 if budget <= 0:
                     break
-                chunk, texts_from = min(chunk, budget), budget
+                chunk, texts_from = min(self.config.prefill_chunk, budget), budget
             if not head.started:
                 if self._uncached_overlap(head, step.computing, self.kv.peek(head)):
                     break  # it would recompute what this step computes: next step, from the tree
@@ -199,17 +199,19 @@ class PrefillPlanner:
             self._embed_credit = max(0.0, self._embed_credit - (texts_from - max(budget, 0)))
         return tuple(step.items), deadline
 
-    def _embedding_budget(self, chunk: int) -> int:
+    def _embedding_budget(self) -> int:
         """Prefill tokens of embedding texts this step may spend beside decoding rows, from a token bucket:
         each step earns ``EMBEDDING_STEP_SHARE`` of what the rest of the step takes at the measured rate (at
         least ``EMBEDDING_MIN_TOKENS``), and the texts run once the credit holds the next group of them whole
-        (``_next_text_group``): one forward without KV (``runner/forward.texts``) in one step of a few,
-        rather than a small chunk every step, each costing a forward's fixed overhead. The credit never
-        exceeds that group (or one step's earning): no burst after a quiet spell. 0: not this step."""
+        (``_next_text_group``): one forward without KV (``runner/forward.texts``) in one step of a few, rather
+        than a small chunk every step, each costing a forward's fixed overhead. What they spend is what they
+        earned, also where chat prompts finished before them took the step's paced budget (not slivers of what
+        the prompts left). The credit never exceeds that group (or one step's earning): no burst after a quiet
+        spell. 0: not this step."""
         if self._prefill_rate is None:
             return EMBEDDING_MIN_TOKENS  # not measured yet: a small chunk, then the rate is known
         earned = max(EMBEDDING_MIN_TOKENS, EMBEDDING_STEP_SHARE * self._other_step_s * self._prefill_rate)
-        need = self._next_text_group(min(chunk, int(EMBEDDING_GROUP_STEPS * earned)))
+        need = self._next_text_group(min(self.config.prefill_chunk, int(EMBEDDING_GROUP_STEPS * earned)))
         self._embed_credit = min(self._embed_credit + earned, max(need, earned))
         return int(self._embed_credit) if self._embed_credit >= need else 0
 

@@ -31,7 +31,7 @@ EMBEDDING_MIN_TOKENS = 16
 #: The share of the rest of the step's time the texts beside decoding rows take on average: under 1 because
 #: the rate is an average and their forward is a second one. (Spent a few tokens every step, as it once was,
 #: the texts ran in 16-token chunks through the paged path, each chunk's forward costing more than the decode
-#: step: the streams' inter-token latency came out 2.1x alone on the pure-MLX path.)
+#: step: the streams' inter-token latency more than doubled; docs/embeddings.md, "The grouped bucket".)
 EMBEDDING_STEP_SHARE = 0.6
 #: The texts beside decoding rows run as a group once their credit holds it: at most what this many steps earn
 #: (and at most a chunk), so one step in a few takes them and the group's spike stays a few steps' worth.

@@ -277,8 +277,8 @@ def kept_turn_that_fits(waiting, head, room: int, kv):
     tokens; a pin fallen back to the shared prefix does not count) that fits in ``room`` bytes goes ahead of
     ``head`` (the next waiting sequence, at the same priority), or None (``head`` is such a turn itself, or
     none fits). Under memory pressure every turn that waits behind others lets its pin be displaced and pays
-    its context again: served first, the pinned turns compute only what is new (on the full agents trace
-    re-prefilled tokens 43.5k -> 28.3k, TTFT p50 19.2 -> 14.0 s, the makespan 288 -> 253 s). ``head`` is
+    its context again: served first, the pinned turns compute only what is new (its effect on the full agents
+    trace: docs/benchmarks.md, "Sessions"). ``head`` is
     passed at most ``MAX_PASSES`` times, then the queue waits for it: it cannot starve."""
     if head.passed >= MAX_PASSES or kv.holds_kept_context(head):
         return None

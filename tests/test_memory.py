@@ -329,6 +329,41 @@ def test_an_embedding_burst_beside_decoding_rows_is_paced_and_chat_goes_first(ti
 
 
 @pytest.mark.parametrize("backend", [None, "cpu-mlx"])
+def test_embedding_texts_advance_beside_a_long_prompt_that_takes_every_step(tiny_model_dir, backend):
+    """Chat prompts go before embedding texts, but the texts spend what they earn whatever the prompts take of
+    a step's budget: behind a long prompt prefilled in chunks over many steps (each step's whole budget) they
+    do not wait for all of it; the prompt's tokens are as alone."""
+    from parallm_engine import Engine
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, prefill_chunk=64, backend=backend)
+    try:
+        sched = eng._scheduler
+        vocab = eng.model_info.vocab_size
+        opts = dict(max_tokens=4, temperature=0)
+        long_ids = prompt_ids(450, vocab, seed=8)
+        running = eng.submit(prompt_ids(8, vocab, seed=6), max_tokens=2000, temperature=0, ignore_eos=True)
+        assert _wait(lambda: eng.stats()["running"] == 1)
+
+        def slow():  # held: 200 tokens/s, a step's paced budget is the 64-token minimum, the texts earn 16
+            sched._observe_prefill = lambda rate: None
+            sched._prefill_rate = 200.0
+
+        eng.run_on_engine_thread(slow)
+        long = eng.submit(long_ids, **opts)  # about 7 steps of 64 tokens
+        texts = [eng.submit_embedding(prompt_ids(20, vocab, seed=300 + i), pooling="mean") for i in range(2)]
+        vectors = [h.result().embedding for h in texts]
+        tokens = eng._collect(long).token_ids
+        assert max(h.request.finish_time for h in texts) < long.request.first_token_time
+        running.abort()
+        assert _wait(lambda: eng.stats()["running"] == 0)
+        assert eng.generate([long_ids], **opts)[0].token_ids == tokens  # alone (a cache hit: the same tokens)
+        whole = eng.embed([prompt_ids(20, vocab, seed=300 + i) for i in range(2)], pooling="mean")
+        np.testing.assert_allclose(vectors, whole, rtol=0, atol=2e-5)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-mlx"])
 def test_embedding_texts_beside_decoding_rows_run_in_groups(tiny_model_dir, backend):
     """Where a step earns less than a text but a few steps earn several, the texts beside decoding rows wait
     for the credit of a group and run together (one forward for several texts): a bucket that ran each text

@@ -13,6 +13,9 @@ radix tree (in-flight dedup). While rows decode, every item the runner can compu
 the decode forward computes it (``kv.fused_step``), and the prompts it finishes join the decode rows of that
 same forward; a fused chunk that leaves its prompt unfinished is the step's last item. Where the runner has
 several prefill streams (a multi-core CPU on MLX's ops), only the step's last item is fused (``_fuses``).
+Embedding texts beside decoding rows come after the chat prompts and spend a credit of their own
+(``_embedding_budget``): where the chat prompts used the step's budget before reaching them, a second pass
+plans the texts alone.
 """
 
 from __future__ import annotations
@@ -123,78 +126,91 @@ class PrefillPlanner:
             texts = [s for s in self.prefilling if s.embedding]
             self.prefilling.clear()
             self.prefilling.extend(prompts + texts)
-        while self.prefilling:
-            if owed is not None and owed not in self.prefilling:
-                owed = None  # a short prompts' group took its last tokens
-            if owed is not None and (budget <= 0 or self.prefilling[0] is owed):
-                # The short prompts went ahead of it, not instead of it: it gets what they left of the
-                # step's budget and at least the minimum progress, so a stream of short prompts never
-                # starves it (its full paced share on top of theirs would double the running streams' step).
-                self.prefilling.remove(owed)
-                self.prefilling.appendleft(owed)
-                budget, owed = max(budget, self.config.min_prefill_tokens), None
-            elif budget <= 0 and (embed_capped or not self.prefilling[0].embedding):
-                break  # (embedding texts beside decoding rows spend their own credit, below)
-            head = self.prefilling[0]
-            if head.embedding and not embed_capped:
-                # What is left is embedding texts (they come last): while rows decode they get what they
-                # have earned (_embedding_budget), so a corpus being embedded does not double the streams'
-                # steps. A text longer than a group is prefilled over steps (its pooled state accumulates).
-                budget, embed_capped = self._embedding_budget(), True
-                if budget <= 0:
-                    break
-                chunk, texts_from = min(self.config.prefill_chunk, budget), budget
-            if not head.started:
-                if self._uncached_overlap(head, step.computing, self.kv.peek(head)):
-                    break  # it would recompute what this step computes: next step, from the tree
-                self._start_prefill(head)
-            remaining = len(head.prefill_ids) - step.pos(head)
-            if remaining == 0 and not step.opened(head):
-                self.prefilling.popleft()
-                step.add(PrefillWork("cached", (head,), (0,), finishes=(head,)))
-                continue
-            if self.kv.prefills_alone or step.opened(head) or remaining > chunk:
-                seqs = [head, *self._parallel_chunks(head, chunk, step)]
-                per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
-                new = tuple(self._chunk_len(s, step.pos(s), per) for s in seqs)
-                finishes = tuple(s for s, n in zip(seqs, new) if step.pos(s) + n == len(s.prefill_ids))
-                work = PrefillWork("chunk", tuple(seqs), new, finishes=finishes)
-                work = replace(work, fused=self._fuses(work, budget, step))
-                step.add(work)
-                for s in finishes:
-                    self.prefilling.remove(s)
-                if work.fused and len(finishes) < len(seqs):
-                    break  # a prompt runs once a step: its next chunk is the next step's
-                if any(s.split and step.pos(s) == s.split for s in seqs):
-                    break  # a shared prefix's snapshot is taken after the step (Scheduler.update)
-                budget -= work.n_tokens
-                continue
-            group, used, widest = [head], remaining, remaining
-            for seq in list(self.prefilling)[1:]:
-                if len(group) >= self.config.max_batch_size:
-                    break
-                if step.opened(seq) or (seq.embedding and not embed_capped and not head.embedding):
-                    continue  # (embedding texts beside decoding rows: their own, capped budget below)
-                cached = seq.computed if seq.started else self.kv.peek(seq)
-                left = len(seq.prefill_ids) - cached
-                if left == 0 or used + left > min(chunk, budget):
+        texts_pass = False  # a second pass for embedding texts the chat prompts ahead of them left unplanned
+        while True:
+            while self.prefilling:
+                if owed is not None and owed not in self.prefilling:
+                    owed = None  # a short prompts' group took its last tokens
+                if owed is not None and (budget <= 0 or self.prefilling[0] is owed):
+                    # The short prompts went ahead of it, not instead of it: it gets what they left of the
+                    # step's budget and at least the minimum progress, so a stream of short prompts never
+                    # starves it (its full paced share on top of theirs would double the running streams' step).
+                    self.prefilling.remove(owed)
+                    self.prefilling.appendleft(owed)
+                    budget, owed = max(budget, self.config.min_prefill_tokens), None
+                elif budget <= 0 and (embed_capped or not self.prefilling[0].embedding):
+                    break  # (embedding texts beside decoding rows spend their own credit, below)
+                head = self.prefilling[0]
+                if texts_pass and not head.embedding:
+                    break  # the texts pass ends at the chat prompts
+                if head.embedding and not embed_capped:
+                    # What is left is embedding texts (they come last): while rows decode they get what they
+                    # have earned (_embedding_budget), so a corpus being embedded does not double the streams'
+                    # steps. A text longer than a group is prefilled over steps (its pooled state accumulates).
+                    budget, embed_capped = self._embedding_budget(), True
+                    if budget <= 0:
+                        break
+                    chunk, texts_from = min(self.config.prefill_chunk, budget), budget
+                if not head.started:
+                    if self._uncached_overlap(head, step.computing, self.kv.peek(head)):
+                        break  # it would recompute what this step computes: next step, from the tree
+                    self._start_prefill(head)
+                remaining = len(head.prefill_ids) - step.pos(head)
+                if remaining == 0 and not step.opened(head):
+                    self.prefilling.popleft()
+                    step.add(PrefillWork("cached", (head,), (0,), finishes=(head,)))
                     continue
-                if head.embedding and seq.embedding and not self.running and \
-                        used + left < EMBEDDING_FILL * (len(group) + 1) * max(widest, left):
-                    # mostly padding: a text of another length waits for texts like it (not beside decoding
-                    # rows: there the texts' capped budget would chunk the texts left out into more forwards)
+                if self.kv.prefills_alone or step.opened(head) or remaining > chunk:
+                    seqs = [head, *self._parallel_chunks(head, chunk, step)]
+                    per = max(1, min(chunk, budget // len(seqs)))  # budget > 0: one sequence gets min(chunk, budget)
+                    new = tuple(self._chunk_len(s, step.pos(s), per) for s in seqs)
+                    finishes = tuple(s for s, n in zip(seqs, new) if step.pos(s) + n == len(s.prefill_ids))
+                    work = PrefillWork("chunk", tuple(seqs), new, finishes=finishes)
+                    work = replace(work, fused=self._fuses(work, budget, step))
+                    step.add(work)
+                    for s in finishes:
+                        self.prefilling.remove(s)
+                    if work.fused and len(finishes) < len(seqs):
+                        break  # a prompt runs once a step: its next chunk is the next step's
+                    if any(s.split and step.pos(s) == s.split for s in seqs):
+                        break  # a shared prefix's snapshot is taken after the step (Scheduler.update)
+                    budget -= work.n_tokens
                     continue
-                if not self._joins(seq, group, cached, step):
-                    continue
-                widest = max(widest, left)
-                group.append(seq)
-                used += len(seq.prefill_ids) - seq.computed
-            for seq in group:
-                self.prefilling.remove(seq)
-            work = PrefillWork("group", tuple(group), tuple(len(s.prefill_ids) - s.computed for s in group),
-                               finishes=tuple(group))
-            step.add(replace(work, fused=self._fuses(work, budget, step)))
-            budget -= used
+                group, used, widest = [head], remaining, remaining
+                for seq in list(self.prefilling)[1:]:
+                    if len(group) >= self.config.max_batch_size:
+                        break
+                    if step.opened(seq) or (seq.embedding and not embed_capped and not head.embedding) or \
+                            (texts_pass and not seq.embedding):
+                        continue  # (embedding texts beside decoding rows: their own budget, their own pass)
+                    cached = seq.computed if seq.started else self.kv.peek(seq)
+                    left = len(seq.prefill_ids) - cached
+                    if left == 0 or used + left > min(chunk, budget):
+                        continue
+                    if head.embedding and seq.embedding and not self.running and \
+                            used + left < EMBEDDING_FILL * (len(group) + 1) * max(widest, left):
+                        # mostly padding: a text of another length waits for texts like it (not beside decoding
+                        # rows: there the texts' capped budget would chunk the texts left out into more forwards)
+                        continue
+                    if not self._joins(seq, group, cached, step):
+                        continue
+                    widest = max(widest, left)
+                    group.append(seq)
+                    used += len(seq.prefill_ids) - seq.computed
+                for seq in group:
+                    self.prefilling.remove(seq)
+                work = PrefillWork("group", tuple(group), tuple(len(s.prefill_ids) - s.computed for s in group),
+                                   finishes=tuple(group))
+                step.add(replace(work, fused=self._fuses(work, budget, step)))
+                budget -= used
+            if texts_pass or not self._texts_left_unplanned(embed_capped, step):
+                break
+            # Beside decoding rows the texts spend their own credit: a long chat prompt that takes every
+            # step's budget (prefilled in chunks over many steps) does not hold them back until it is done.
+            texts_pass, owed = True, None
+            self._texts_to_front()
+        if texts_pass:
+            self._texts_to_front(back=True)
         if texts_from is not None:  # what the texts planned comes out of their credit
             self._embed_credit = max(0.0, self._embed_credit - (texts_from - max(budget, 0)))
         return tuple(step.items), deadline
@@ -214,6 +230,19 @@ class PrefillPlanner:
         need = self._next_text_group(min(self.config.prefill_chunk, int(EMBEDDING_GROUP_STEPS * earned)))
         self._embed_credit = min(self._embed_credit + earned, max(need, earned))
         return int(self._embed_credit) if self._embed_credit >= need else 0
+
+    def _texts_left_unplanned(self, embed_capped: bool, step: "_PlannedStep") -> bool:
+        """Rows decode, embedding texts wait, and the step's prefill stopped at a chat prompt before them."""
+        return bool(self.running) and not embed_capped and any(s.embedding and not step.planned(s)
+                                                              for s in self.prefilling)
+
+    def _texts_to_front(self, back: bool = False) -> None:
+        """The embedding texts first in ``prefilling`` (``back``: last again, after the chat prompts), each
+        group in its order."""
+        texts = [s for s in self.prefilling if s.embedding]
+        prompts = [s for s in self.prefilling if not s.embedding]
+        self.prefilling.clear()
+        self.prefilling.extend(prompts + texts if back else texts + prompts)
 
     def _next_text_group(self, cap: int) -> int:
         """The prefill tokens of the embedding texts next in the queue that fit whole in ``cap`` tokens (at
@@ -305,8 +334,8 @@ class PrefillPlanner:
         prefilling in chunks already, and waiting ones longer than a chunk whose uncached prefix no chosen
         one is computing (that one waits for the radix tree, as in a group)."""
         streams = self.runner.prefill_streams
-        if streams <= 1 or self.kv.prefills_alone:
-            return []
+        if streams <= 1 or self.kv.prefills_alone or head.embedding:
+            return []  # (an embedding text's chunk runs alone: the chat prompts behind it have their own pass)
         chosen: list[Sequence] = []
         for seq in list(self.prefilling)[1:]:
             if len(chosen) + 1 >= streams:
@@ -363,6 +392,10 @@ class _PlannedStep:
 
     def pos(self, seq: Sequence) -> int:
         return self._at.get(id(seq), seq.computed)
+
+    def planned(self, seq: Sequence) -> bool:
+        """An item of this step computes ``seq``'s context."""
+        return id(seq) in self._at
 
     def opened(self, seq: Sequence) -> bool:
         """``seq`` has its prefill row (or caches): from an earlier step, or a chunk planned in this one."""

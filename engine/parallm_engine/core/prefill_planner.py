@@ -123,9 +123,7 @@ class PrefillPlanner:
         texts_from = None  # the texts' budget beside decoding rows, once they got one
         if self.running and prompts and len(prompts) < len(self.prefilling):
             # Prompts with a stream behind them go before embedding texts (bulk work) queued ahead of them.
-            texts = [s for s in self.prefilling if s.embedding]
-            self.prefilling.clear()
-            self.prefilling.extend(prompts + texts)
+            self._texts_to_front(back=True)
         texts_pass = False  # a second pass for embedding texts the chat prompts ahead of them left unplanned
         while True:
             while self.prefilling:
@@ -203,7 +201,7 @@ class PrefillPlanner:
                                    finishes=tuple(group))
                 step.add(replace(work, fused=self._fuses(work, budget, step)))
                 budget -= used
-            if texts_pass or not self._texts_left_unplanned(embed_capped, step):
+            if texts_pass or not self._texts_left_unplanned(embed_capped):
                 break
             # Beside decoding rows the texts spend their own credit: a long chat prompt that takes every
             # step's budget (prefilled in chunks over many steps) does not hold them back until it is done.
@@ -231,10 +229,10 @@ class PrefillPlanner:
         self._embed_credit = min(self._embed_credit + earned, max(need, earned))
         return int(self._embed_credit) if self._embed_credit >= need else 0
 
-    def _texts_left_unplanned(self, embed_capped: bool, step: "_PlannedStep") -> bool:
-        """Rows decode, embedding texts wait, and the step's prefill stopped at a chat prompt before them."""
-        return bool(self.running) and not embed_capped and any(s.embedding and not step.planned(s)
-                                                              for s in self.prefilling)
+    def _texts_left_unplanned(self, embed_capped: bool) -> bool:
+        """Rows decode, embedding texts wait, and the step's prefill stopped at a chat prompt before them
+        (beside decoding rows no text is planned before ``embed_capped``: none rides in a chat prompt's item)."""
+        return bool(self.running) and not embed_capped and any(s.embedding for s in self.prefilling)
 
     def _texts_to_front(self, back: bool = False) -> None:
         """The embedding texts first in ``prefilling`` (``back``: last again, after the chat prompts), each
@@ -392,10 +390,6 @@ class _PlannedStep:
 
     def pos(self, seq: Sequence) -> int:
         return self._at.get(id(seq), seq.computed)
-
-    def planned(self, seq: Sequence) -> bool:
-        """An item of this step computes ``seq``'s context."""
-        return id(seq) in self._at
 
     def opened(self, seq: Sequence) -> bool:
         """``seq`` has its prefill row (or caches): from an earlier step, or a chunk planned in this one."""

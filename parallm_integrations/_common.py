@@ -40,6 +40,7 @@ from ._request import (  # noqa: F401  (re-exported)
     build_request,
     check_priority,
     check_sampling,
+    thread_kwargs,
 )
 from .backends import Backend, PickedBackend, backend_for, same_model
 
@@ -131,8 +132,14 @@ class ParaLLMParams(BaseModel):
     session: str | None = None
     """The conversation these calls are turns of: after each call its context stays cached (pinned) for the
     engine's ``session_ttl`` (default 30 s), so the next turn finds it however busy the engine is. None: the
-    LangGraph ``thread_id`` of the run the call is part of, if any. A per-call ``session=`` overrides it; with
-    ``base_url`` it is sent as OpenAI's ``user`` field. ``Engine.release_session`` lets go early."""
+    ``thread_id`` of the call's config (``invoke(..., config={"configurable": {"thread_id": ...}})``) or of the
+    LangGraph run the call is part of, if any. A per-call ``session=`` overrides it; with ``base_url`` it is
+    sent as OpenAI's ``user`` field. ``Engine.release_session`` lets go early."""
+
+    program: str | None = None
+    """The agent run these calls belong to (the engine orders admission by program: a program that has been
+    served least goes first, and ``Engine.stats()["programs"]`` reports each). None: the session. A per-call
+    ``program=`` overrides it; with ``base_url`` it is sent as the ``program`` extension field."""
 
     adapter: str | None = None
     """LoRA adapter the requests run under: a name the engine knows (``engine_kwargs={"adapters": {name:
@@ -162,6 +169,19 @@ class ParaLLMParams(BaseModel):
 
     _engine: Any = PrivateAttr(default=None)
     _picked: PickedBackend = PrivateAttr(default_factory=PickedBackend)  # backends.backend_for
+
+    # -- the thread of a call's own config (a bare invoke sets no run context: _request.thread_kwargs) --------
+    def invoke(self, input, config=None, *, stop=None, **kwargs):
+        return super().invoke(input, config, stop=stop, **thread_kwargs(config, kwargs))
+
+    async def ainvoke(self, input, config=None, *, stop=None, **kwargs):
+        return await super().ainvoke(input, config, stop=stop, **thread_kwargs(config, kwargs))
+
+    def stream(self, input, config=None, *, stop=None, **kwargs):
+        return super().stream(input, config, stop=stop, **thread_kwargs(config, kwargs))
+
+    def astream(self, input, config=None, *, stop=None, **kwargs):
+        return super().astream(input, config, stop=stop, **thread_kwargs(config, kwargs))
 
     @model_validator(mode="after")
     def _check_sampling(self):

@@ -94,6 +94,17 @@ class ToolRules:
 
 
 _UNSET = object()
+#: The call kwarg by which a model's ``invoke`` / ``stream`` hands :func:`build_request` the ``thread_id`` of the
+#: config it was called with (:func:`thread_kwargs`): a bare ``invoke(..., config=)`` sets no run context.
+RUN_THREAD_KWARG = "_parallm_thread"
+
+
+def thread_kwargs(config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` plus the ``thread_id`` of a call's own ``config`` (``{"configurable": {"thread_id": ...}}``),
+    if it names one: LangChain passes a bare ``invoke``'s config to callbacks only, so the model would not see
+    the thread (inside a LangGraph node :func:`_graph_thread` finds it in the run context)."""
+    thread = ((config or {}).get("configurable") or {}).get("thread_id") if isinstance(config, dict) else None
+    return {**kwargs, RUN_THREAD_KWARG: str(thread)} if thread is not None else kwargs
 
 
 def _graph_thread():
@@ -126,8 +137,9 @@ def build_request(
     * ``stop``: the ``stop`` argument when given, else a ``stop`` kwarg (None: no stop strings), else
       ``owner.stop``.
     * ``owner.priority`` / ``owner.adapter`` when set; a per-call ``priority`` must be an integer.
-    * ``session``: a per-call ``session``, else ``owner.session``, else the LangGraph thread the call runs
-      in (``thread_id``): the conversation whose context the engine keeps between turns.
+    * ``session``: a per-call ``session``, else ``owner.session``, else the ``thread_id`` of the call's config
+      or of the LangGraph run it is part of: the conversation whose context the engine keeps between turns.
+      ``program``: a per-call ``program``, else ``owner.program`` (the engine's default: the session).
     * ``tools`` through ``tool_rules`` (OpenAI dicts shown to the model, closed schemas for decoding;
       ``tool_choice="none"`` shows none); without ``tool_rules`` they are left as given for the caller to
       refuse. ``response_format`` through ``response_format`` when given.
@@ -150,9 +162,13 @@ def build_request(
         sampling["priority"] = owner.priority
     if owner.adapter is not None:
         sampling["adapter"] = owner.adapter
-    session = kw.pop("session", None) or getattr(owner, "session", None) or _graph_thread()
+    run_thread = kw.pop(RUN_THREAD_KWARG, None)
+    session = kw.pop("session", None) or getattr(owner, "session", None) or run_thread or _graph_thread()
     if session is not None:
         sampling["session"] = str(session)
+    program = kw.pop("program", None) or getattr(owner, "program", None)
+    if program is not None:
+        sampling["program"] = str(program)
     check_priority(kw.get("priority"))
     stop_kwarg = kw.pop("stop", _UNSET)
     if stop is None:
@@ -189,4 +205,4 @@ def _add_tools(req: EngineRequest, rules: ToolRules, tools, tool_choice, paralle
     req.parallel_tool_calls = parallel
 
 
-__all__ = ["SAMPLING_FIELDS", "EngineRequest", "ToolRules", "build_request", "check_priority", "check_sampling"]
+__all__ = ["RUN_THREAD_KWARG", "SAMPLING_FIELDS", "EngineRequest", "ToolRules", "build_request", "check_priority", "check_sampling", "thread_kwargs"]

@@ -221,13 +221,17 @@ def test_kept_sessions_give_way_to_a_request_that_needs_the_room(model_dir):
     assert held[0] == TURN and held[1] < TURN
 
 
-def test_sessions_are_off_by_default(model_dir):
-    eng = Engine(str(model_dir), kv_disk=0)
-    try:
-        eng.generate([prompt_ids(TURN, 49152, seed=60)], max_tokens=2, temperature=0, session="s")
-        assert settled_stats(eng)["memory"]["sessions_pinned"] == 0
-    finally:
-        eng.shutdown()
+def test_sessions_are_on_by_default_and_session_ttl_0_turns_them_off(model_dir):
+    from parallm_engine.kv.session_pins import DEFAULT_TTL_S
+
+    for ttl, pinned in ((None, 1), (0, 0)):
+        eng = Engine(str(model_dir), kv_disk=0, **({} if ttl is None else {"session_ttl": ttl}))
+        try:
+            assert eng.config.session_ttl_s == (DEFAULT_TTL_S if ttl is None else 0.0) and DEFAULT_TTL_S == 30.0
+            eng.generate([prompt_ids(TURN, 49152, seed=60)], max_tokens=2, temperature=0, session="s")
+            assert settled_stats(eng)["memory"]["sessions_pinned"] == pinned
+        finally:
+            eng.shutdown()
 
 
 def _tree_with(contexts: dict[str, list[int]]):
@@ -410,7 +414,7 @@ def test_a_kept_turn_that_fits_goes_ahead_of_one_that_does_not(model_dir):
     larger one), at most ``MAX_PASSES`` times per waiting request; without sessions the queue stays FIFO."""
     from parallm_engine.core.request import Channel, Request
     from parallm_engine.core.scheduler import Scheduler, SchedulerConfig
-    from parallm_engine.kv.session_pins import MAX_PASSES
+    from parallm_engine.core.admission_order import MAX_PASSES
     from parallm_engine.core.stats import EngineStats
     from parallm_engine.sampling.sampling_params import SamplingParams
 

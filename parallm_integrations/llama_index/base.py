@@ -198,6 +198,12 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
         "(pinned) for the engine's session_ttl (default 30 s), so the next turn finds it. A per-call session= "
         "overrides it; with base_url it is sent as OpenAI's user field.",
     )
+    program: str | None = Field(
+        default=None,
+        description="The agent run these calls belong to: the engine orders admission by program (the least "
+        "served first) and Engine.stats()['programs'] reports each. None: the session. A per-call program= "
+        "overrides it.",
+    )
     adapter: str | None = Field(
         default=None,
         description="LoRA adapter the requests run under: a name the engine knows (engine_kwargs={'adapters': "

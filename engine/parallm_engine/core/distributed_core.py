@@ -59,7 +59,7 @@ def describe_request(req: Request) -> dict:
         grammar = ("llguidance", grammar.source) if hasattr(grammar, "source") else ("object", grammar)
     return {"id": req.id, "prompt_ids": list(req.prompt_ids), "params": req.params, "grammar": grammar,
             "tools": req.tools, "priority": req.priority, "group": _group_key(req.group, req.id),
-            "session": req.session, "cycle_guard": req.cycle_guard, "arrival": req.arrival,
+            "session": req.session, "program": req.program, "cycle_guard": req.cycle_guard, "arrival": req.arrival,
             "embedding": req.embedding}
 
 
@@ -74,6 +74,7 @@ def rebuild_request(d: dict, tokenizer, vocab_size: int) -> Request:
     req = Request(d["prompt_ids"], d["params"], _Nowhere(), grammar=grammar, request_id=d["id"],
                   priority=d["priority"], tools=d["tools"], group=d["group"])
     req.session = d["session"]
+    req.program = d["program"]
     req.cycle_guard = d["cycle_guard"]
     req.arrival = d["arrival"]  # waiting order is by arrival: rank 0's clock, not this one's
     req.embedding = d["embedding"]

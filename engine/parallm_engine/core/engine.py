@@ -171,8 +171,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         this process or the next. Its size cap in bytes or as "8GiB"; 0 turns it off; None:
         ``PARALLM_KV_DISK``, else 16 GiB or a tenth of the disk's free space. ``parallm cache`` lists and
         clears it. ``session_ttl``: seconds a request's context stays pinned in the prefix cache after its
-        turn when it names a ``session`` (``kv/session_pins.py``; e.g. 30: a tool call's time). Default 0: off
-        (experimental: docs/memory.md, "Sessions", says what it measured). ``kv_events``: publish what the
+        turn when it names a ``session`` (``kv/session_pins.py``). Default 30 (a tool call's time); 0 turns
+        sessions off; the distributed mode runs without them (docs/memory.md, "Sessions"). ``kv_events``: publish what the
         prefix cache holds as vLLM-format KV events on a ZMQ endpoint (``"tcp://*:5557"``, or a dict with
         ``endpoint``, ``replay_endpoint``, ``topic``, ``block_size``: ``kv/kv_events.py``) for prefix-aware
         routers (llm-d, Dynamo); None: off. ``distributed``: ``"pipeline"`` or ``"tensor"``, one model over the
@@ -300,6 +300,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         cfg = self.config
         cfg.step_time_target_s = 0.0
         cfg.kv_disk = None
+        cfg.session_ttl_s = 0.0  # pins would expire by each rank's own clock
         # One decode lane, or for a pipeline one per stage, its micro-batches (runner/forward.micro_batched)
         cfg.micro_batches = self.dist.mode == "pipeline" and settings.pipeline_micro_batches()
         cfg.decode_lanes = self.dist.size if cfg.micro_batches else 1
@@ -363,6 +364,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         group=None,
         adapter: str | os.PathLike | None = None,
         session: str | None = None,
+        program: str | None = None,
         **sampling: Any,
     ) -> RequestHandle:
         """Queue one request; returns a handle to iterate (sync, or async when ``loop`` is given).
@@ -394,14 +396,17 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         ``session``: the conversation this request is a turn of (an agent, a LangGraph thread): when it
         finishes, its context stays pinned in the prefix cache for ``session_ttl`` seconds, so the next turn
         finds it however busy the engine is (``kv/session_pins.py``); :meth:`release_session` lets it go.
+        ``program``: the agent run it is a call of (default: its ``session``): admission orders calls by their
+        programs (``core/admission_order.py``) and ``stats()["programs"]`` reports each (``core/programs.py``).
         """
         if self.core.dead is not None:
             raise EngineDeadError(f"engine is not running: {self.core.dead}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
-        if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 256):
-            raise InvalidRequestError("session must be a non-empty string of at most 256 characters",
-                                      param="session")
+        for name, value in (("session", session), ("program", program)):
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
+                raise InvalidRequestError(f"{name} must be a non-empty string of at most 256 characters",
+                                          param=name)
         given = sampling.pop("params", None)
         # A request that sets no max_tokens is stopped if it starts cycling (repetition_guard.py).
         guard_cycles = given is None and sampling.get("max_tokens") is None
@@ -437,6 +442,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
                       tools=list(tools) if tools else None, priority=priority, group=group)
         req.adapter = lora_adapter
         req.session = session
+        req.program = program if program is not None else session
         req.cycle_guard = guard_cycles
         if isinstance(prompt, VisionPrompt):
             req.vision = prompt

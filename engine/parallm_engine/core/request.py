@@ -217,10 +217,13 @@ class Request:
         self.grammar = grammar  # compiled constraint factory, or None
         self.tools = tools  # OpenAI tool dicts: tool calls are parsed from the output
         self.priority = priority
-        # Admission is fair across groups (one HTTP request, one caller's batch): see Scheduler._next_fair.
+        # Admission is fair across groups (one HTTP request, one caller's batch): see core/admission_order.py.
         self.group = group if group is not None else self.id
         self.session: str | None = None  # its context stays pinned between turns (kv/session_pins.py)
+        # The agent run it is a call of (core/programs.py; default its session); None: a program of its own.
+        self.program: str | None = None
         self.arrival = time.monotonic()
+        self.admitted_at: float | None = None  # its first admission (the end of its queue time)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.finished = False

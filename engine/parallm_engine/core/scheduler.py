@@ -27,10 +27,11 @@ from parallm_engine import settings
 from parallm_engine.embed import embedding
 
 from parallm_engine.core import memory_recovery
+from parallm_engine.core.admission_order import next_to_admit
 from parallm_engine.errors import RequestCancelledError
 from parallm_engine.runner.family_adapters import adapter_for
 from parallm_engine.kv.kv_layouts import make_kv_cache_manager
-from parallm_engine.kv.session_pins import DEFAULT_SHARE, kept_turn_that_fits
+from parallm_engine.kv.session_pins import DEFAULT_SHARE, DEFAULT_TTL_S
 from parallm_engine.kv.memory_budget import mlx_memory
 from parallm_engine.runner.model_runner import ModelRunner
 from parallm_engine.core.output_processor import OutputProcessor
@@ -72,9 +73,8 @@ class SchedulerConfig:
     # Lanes keep their decode working sets between plain steps (kv/decode_working_set.py).
     decode_working_set: bool = field(default_factory=settings.decode_working_set)
     kv_disk: object = None  # the prefix cache's disk tier (kv/disk_tier.DiskTierConfig), or None: off
-    # A session's context stays pinned this long after its turn; 0 (the default): sessions off, until they
-    # pay on the agents trace (docs/memory.md, "Sessions").
-    session_ttl_s: float = 0.0
+    # A session's context stays pinned this long after its turn (a tool call's time); 0: sessions off.
+    session_ttl_s: float = DEFAULT_TTL_S
     session_share: float = DEFAULT_SHARE  # of the KV budget, the most sessions may pin
     kv_events: object = None  # block events for outside routers (kv/kv_events.KVEventsConfig), or None: off
 
@@ -301,9 +301,7 @@ class Scheduler(PrefillPlanner):
         for s in list(self.running) + list(self.prefilling):
             groups[s.request.group] = groups.get(s.request.group, 0) + 1
         while self.waiting and active < self.config.max_batch_size:
-            seq = self._next_fair(groups)
-            if self.config.session_ttl_s:  # a turn whose context its pin holds goes first (kv/session_pins.py)
-                seq = kept_turn_that_fits(self.waiting, seq, room, self.kv) or seq
+            seq = next_to_admit(self.waiting, groups, room, self.kv, self.stats.programs)  # admission_order.py
             need = self.kv.context_bytes(seq)
             if need > room:
                 # Kept sessions give way only to a request that would otherwise wait on nothing: while rows run,
@@ -318,27 +316,11 @@ class Scheduler(PrefillPlanner):
             self.waiting.remove(seq)
             self.prefilling.append(seq)
             admitted.append(seq)
+            self.stats.on_admit(seq.request)
             groups[seq.request.group] = groups.get(seq.request.group, 0) + 1
             active += 1
             room -= need
         self.kv.fit_cache(reserved=sum(self.kv.context_bytes(s) for s in self.prefilling))
-
-    def _next_fair(self, groups: dict) -> Sequence:
-        """The next sequence to admit: the most urgent priority first; within it, round-robin over
-        groups (one HTTP request, or one caller's batch): the waiting sequence whose group has the
-        fewest sequences admitted, the earliest first. A 1,000-prompt request cannot lock out a
-        2-prompt one that arrives after it."""
-        best_priority = self.waiting[0].request.priority
-        best, best_count = None, None
-        for s in self.waiting:
-            if s.request.priority != best_priority:
-                break
-            n = groups.get(s.request.group, 0)
-            if best is None or n < best_count:
-                best, best_count = s, n
-                if n == 0:
-                    break
-        return best
 
     # -- introspection (engine thread) ----------------------------------------------------------
     def memory_stats(self) -> dict:

@@ -16,7 +16,7 @@ class Sequence:
 
     embedding = False  # an embedding row (embedding.EmbeddingSequence) is prefilled, never decoded
     reasoning = None  # its reasoning span's tracker (reasoning_budget.py): counts, and closes at a budget
-    passed = 0  # waiting, how often a session's turn went ahead of it (session_pins.kept_turn_that_fits)
+    passed = 0  # waiting, how many later calls were admitted before it (core/admission_order.py)
 
     def __init__(self, request: Request, index: int, tokenizer, eos_ids: set[int]):
         p = request.params

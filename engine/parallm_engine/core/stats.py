@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 from parallm_engine import settings
+from parallm_engine.core.programs import ProgramTable
 
 
 def _percentile(values, q: float) -> float:
@@ -114,6 +115,9 @@ class EngineStats:
         #: Gauges only the engine thread may read from the live structures (its queues, the prefix tree):
         #: it publishes them between steps (:meth:`publish`) and ``Engine.stats()`` reads this snapshot.
         self.published: dict = {"waiting": 0, "prefilling": 0}
+        #: Per program: its calls, tokens and time queued / running / paused, and its attained service, which
+        #: admission orders by (``programs.py``, ``admission_order.py``).
+        self.programs = ProgramTable()
 
     # -- hooks called by the scheduler ---------------------------------------------------------
     def on_submit(self, req) -> None:
@@ -122,6 +126,14 @@ class EngineStats:
             self.prompt_tokens += len(req.prompt_ids)
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self.programs.arrive(req)
+
+    def on_admit(self, req) -> None:
+        """The scheduler admitted ``req``'s first sequence (its queue time ends)."""
+        if req.admitted_at is None:
+            req.admitted_at = time.monotonic()
+            with self._lock:
+                self.programs.admit(req, req.admitted_at)
 
     def on_prompt_done(self, req, cached: int | None) -> None:
         if cached is not None:
@@ -143,12 +155,14 @@ class EngineStats:
         with self._lock:
             self.requests_finished += 1
             self.in_flight -= 1
+            self.programs.end(req, aborted=False)
         self._last_token.pop(req.id, None)
 
     def on_abort(self, req) -> None:
         with self._lock:
             self.requests_aborted += 1
             self.in_flight -= 1
+            self.programs.end(req, aborted=True)
         self._last_token.pop(req.id, None)
 
     def on_step(self, running: int, kv_bytes: int, kv_bytes_held: int | None = None) -> None:
@@ -232,4 +246,9 @@ class EngineStats:
             "ttft_p95_s": _percentile(ttft, 0.95),
             "itl_p50_s": _percentile(itl, 0.5),
             "itl_p95_s": _percentile(itl, 0.95),
+            "programs": self.programs_snapshot(),
         }
+
+    def programs_snapshot(self) -> dict:
+        with self._lock:
+            return self.programs.snapshot()

@@ -40,10 +40,8 @@ from dataclasses import dataclass, replace
 
 from parallm_engine.kv.page_pool import PAGE
 
-#: How many sessions' turns (cheap: their context is pinned) may go ahead of one waiting request (kept_turn_that_fits).
-MAX_PASSES = 8
-#: Seconds a finished turn's context stays pinned where sessions are turned on (``Engine(session_ttl=)``): a
-#: tool call's time. The engine's default is 0 (off).
+#: Seconds a finished turn's context stays pinned (``Engine(session_ttl=)``, the default): a tool call's
+#: time. 0 turns sessions off.
 DEFAULT_TTL_S = 30.0
 #: The share of the KV budget sessions may pin (the running rows keep the rest: preemption and admission
 #: count pinned bytes as taken). Half: under memory pressure the rows keep room for a few turns at once (on
@@ -270,22 +268,3 @@ class SessionPins:
                 "sessions_kept": self.kept, "sessions_expired": self.expired,
                 "sessions_released": self.released, "sessions_displaced": self.displaced,
                 "sessions_overdue_after_s": round(self.overdue_after() or 0.0, 3)}
-
-
-def kept_turn_that_fits(waiting, head, room: int, kv):
-    """The scheduler's admission: a session's turn whose own context its pin holds (it needs only its new
-    tokens; a pin fallen back to the shared prefix does not count) that fits in ``room`` bytes goes ahead of
-    ``head`` (the next waiting sequence, at the same priority), or None (``head`` is such a turn itself, or
-    none fits). Under memory pressure every turn that waits behind others lets its pin be displaced and pays
-    its context again: served first, the pinned turns compute only what is new (its effect on the full agents
-    trace: docs/benchmarks.md, "Sessions"). ``head`` is
-    passed at most ``MAX_PASSES`` times, then the queue waits for it: it cannot starve."""
-    if head.passed >= MAX_PASSES or kv.holds_kept_context(head):
-        return None
-    for s in waiting:
-        if s.request.priority != head.request.priority:
-            break
-        if s is not head and kv.holds_kept_context(s) and kv.context_bytes(s) <= room:
-            head.passed += 1
-            return s
-    return None

@@ -122,6 +122,8 @@ class _Sampling(_Model):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # ParaLLM extension: the agent run the request is a call of (core/programs.py; default: its session)
+    program: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM extensions
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)

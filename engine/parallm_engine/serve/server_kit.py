@@ -221,6 +221,8 @@ class ServerKit:
         kwargs["adapter"] = self.state.adapter_for(req.model)
         if getattr(req, "user", None):
             kwargs["session"] = req.user[:256]
+        if getattr(req, "program", None):
+            kwargs["program"] = req.program
         response_format = req.response_format.to_engine() if req.response_format else None
         if response_format is not None:  # "text" is no constraint
             kwargs["response_format"] = response_format
@@ -266,6 +268,9 @@ class ServerKit:
         session = request.headers.get("x-session-id")
         if session:  # the header names the session for any API (and wins over the body's user)
             p.kwargs["session"] = session[:256]
+        program = request.headers.get("x-parallm-program")
+        if program:  # likewise the program (core/programs.py)
+            p.kwargs["program"] = program[:256]
         timing = Timing(self.state.metrics)
         lease = self.reserve(request, p.kwargs.get("n", 1), endpoint, "n")
         try:

@@ -1,7 +1,7 @@
 """Programs: every call carries the agent run it belongs to; admission orders calls by program (a returning turn
-whose context is held first, least attained service next, fair groups, first come) under a stated bound (no
-call is passed by more than ``MAX_PASSES`` later ones); stats report each program; a thread's context stays
-cached between its turns by default."""
+whose context is held first, fair groups, then the program that started first) under a stated bound (no call
+is passed by more than ``MAX_PASSES`` later ones); stats report each program; a thread's context stays cached
+between its turns by default, and closing a run lets it go at once."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .conftest import settled_stats
 class _Req:
     def __init__(self, i, priority, program, group):
         self.id, self.priority, self.program, self.group = i, priority, program, group
+        self.arrival = float(i)
 
 
 class _Seq:
@@ -43,20 +44,28 @@ class _Held:
         return self.sizes[seq.request.id]
 
 
+def _table(started: dict) -> ProgramTable:
+    """A program table whose programs started at these times (seconds)."""
+    from parallm_engine.core.programs import ProgramRecord
+
+    programs = ProgramTable()
+    for name, t in started.items():
+        programs.records[name] = ProgramRecord(name, first_arrival=t, last_event=t, calls=1)
+    return programs
+
+
 _calls = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([None, "a", "b", "c"]), st.integers(0, 3),
                             st.booleans(), st.integers(1, 100), st.integers(0, 3)), min_size=1, max_size=120)
 
 
 @settings(max_examples=150, deadline=None)
-@given(calls=_calls, service=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(0, 10_000)),
+@given(calls=_calls, started=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.floats(-100, 200)),
        room=st.integers(1, 150))
-def test_admission_order_holds_priority_and_the_starvation_bound(calls, service, room):
+def test_admission_order_holds_priority_and_the_starvation_bound(calls, started, room):
     """Over any arrival sequence (calls arrive, then some are admitted, repeatedly): the admitted call always has
     the most urgent waiting priority, and no call is admitted after more than MAX_PASSES calls of its priority
     that arrived after it (its worst case is what the bound says)."""
-    programs = ProgramTable()
-    for name, tokens in service.items():
-        programs.records[name] = type("R", (), {"service": tokens, "calls": 2})()
+    programs = _table(started)
     waiting, held, sizes, groups, order = [], set(), {}, {}, []
     for i, (priority, program, group, is_held, size, admit_after) in enumerate(calls):
         req = _Req(i, priority, program, group)
@@ -96,55 +105,55 @@ def test_without_programs_admission_is_fifo_with_fair_groups():
     assert order == [0, 8, 9, 1, 2, 3, 4, 5, 6, 7]
 
 
-def test_the_program_served_least_goes_first_and_a_held_turn_before_it():
-    programs = ProgramTable()
-    programs.records["long"] = type("R", (), {"service": 5000, "calls": 9})()
-    programs.records["short"] = type("R", (), {"service": 40, "calls": 2})()
-    waiting = [_Seq(_Req(0, 0, "long", 0)), _Seq(_Req(1, 0, "short", 1)), _Seq(_Req(2, 0, "long", 2))]
-    assert next_to_admit(list(waiting), {}, 100, _Held(set(), {0: 1, 1: 1, 2: 1}), programs).request.id == 1
-    assert waiting[0].passed == 1
+def test_the_program_that_started_first_goes_first_and_a_held_turn_before_it():
+    programs = _table({"old": -50.0, "new": 1.5})
+    waiting = [_Seq(_Req(0, 0, "new", 0)), _Seq(_Req(1, 0, None, 1)), _Seq(_Req(2, 0, "old", 2))]
+    assert next_to_admit(list(waiting), {}, 100, _Held(set(), {0: 1, 1: 1, 2: 1}), programs).request.id == 2
+    assert waiting[0].passed == waiting[1].passed == 1
+    # A call of no program started when it arrived: before a program that started later.
+    assert next_to_admit(list(waiting[:2]), {}, 100, _Held(set(), {0: 1, 1: 1}), programs).request.id == 1
     # A returning turn whose own context a pin holds needs only its new tokens: it goes first where it fits.
-    assert next_to_admit(list(waiting), {}, 100, _Held({2}, {0: 1, 1: 1, 2: 1}), programs).request.id == 2
-    assert next_to_admit(list(waiting), {}, 100, _Held({2}, {0: 1, 1: 1, 2: 500}), programs).request.id == 1
-    # A call passed MAX_PASSES times goes first, whatever its program has cost.
-    waiting[0].passed = MAX_PASSES
-    assert next_to_admit(list(waiting), {}, 100, _Held({2}, {0: 1, 1: 1, 2: 1}), programs).request.id == 0
+    assert next_to_admit(list(waiting), {}, 100, _Held({0}, {0: 1, 1: 1, 2: 1}), programs).request.id == 0
+    assert next_to_admit(list(waiting), {}, 100, _Held({0}, {0: 500, 1: 1, 2: 1}), programs).request.id == 2
+    # A call passed MAX_PASSES times goes first, whenever its program started.
+    waiting[1].passed = MAX_PASSES
+    assert next_to_admit(list(waiting), {}, 100, _Held({0}, {0: 1, 1: 1, 2: 1}), programs).request.id == 1
 
 
 def test_the_window_bounds_the_work_per_admission():
-    programs = ProgramTable()
-    programs.records["busy"] = type("R", (), {"service": 10, "calls": 2})()
-    waiting = [_Seq(_Req(i, 0, "busy", i)) for i in range(WINDOW)] + [_Seq(_Req(WINDOW, 0, None, "x"))]
+    programs = _table({"busy": 10.0, "early": -10.0})
+    waiting = [_Seq(_Req(i, 0, "busy", i)) for i in range(WINDOW)] + [_Seq(_Req(WINDOW, 0, "early", "x"))]
     chosen = next_to_admit(waiting, {}, 100, _Held(set(), {i: 1 for i in range(WINDOW + 1)}), programs)
-    assert chosen.request.id == 0  # the idle program beyond the window is not looked at
+    assert chosen.request.id == 0  # the program that started first, beyond the window, is not looked at
 
 
 # -- the real engine ------------------------------------------------------------------------------------------
-def test_stats_report_each_program_and_admission_prefers_the_least_served(tiny_model_dir):
-    """Two programs on one row: the one that has been served least is admitted first although its call arrived
-    later; stats report each program's calls, tokens and times."""
+def test_stats_report_each_program_and_a_running_programs_turn_goes_first(tiny_model_dir):
+    """On one row: a program under way has its next turn admitted ahead of a new program's call that arrived
+    before it (program-level first come); stats report each program's calls, tokens and times."""
     from parallm_engine import Engine
 
     eng = Engine(str(tiny_model_dir), max_batch_size=1, decode_lanes=1, kv_disk=0)
     try:
         rng = random.Random(5)
         prompt = lambda n: [rng.randrange(100, 40000) for _ in range(n)]  # noqa: E731
-        eng.generate([prompt(200)], max_tokens=40, temperature=0, ignore_eos=True, program="long")
+        eng.generate([prompt(200)], max_tokens=40, temperature=0, ignore_eos=True, program="agent")
         blocker = eng.submit(prompt(20), max_tokens=30, temperature=0, ignore_eos=True)  # holds the one row
         eng.run_on_engine_thread(lambda: None)
-        long_turn = eng.submit(prompt(20), max_tokens=2, temperature=0, ignore_eos=True, program="long")
-        short_turn = eng.submit(prompt(20), max_tokens=2, temperature=0, program="short")
-        for h in (blocker, long_turn, short_turn):
+        newcomer = eng.submit(prompt(20), max_tokens=2, temperature=0, ignore_eos=True, program="newcomer")
+        next_turn = eng.submit(prompt(20), max_tokens=2, temperature=0, ignore_eos=True, program="agent")
+        for h in (blocker, newcomer, next_turn):
             list(h)
-        assert short_turn.request.admitted_at < long_turn.request.admitted_at
+        assert next_turn.request.admitted_at < newcomer.request.admitted_at
+        assert newcomer.request.sequences[0].passed == 1
         programs = settled_stats(eng)["programs"]
-        assert set(programs) == {"long", "short"}
-        long, short = programs["long"], programs["short"]
-        assert long["calls"] == long["calls_finished"] == 2 and short["calls"] == 1
-        assert long["prompt_tokens"] == 220 and long["generated_tokens"] == 42
-        assert long["attained_service"] == 220 - long["cached_tokens"] + 42
-        assert long["queued_s"] > 0 and long["running_s"] > 0 and long["in_flight"] == 0
-        assert abs(long["job_completion_s"] - (long["queued_s"] + long["running_s"] + long["paused_s"])) < 1e-3
+        assert set(programs) == {"agent", "newcomer"}
+        agent, newcomer = programs["agent"], programs["newcomer"]
+        assert agent["calls"] == agent["calls_finished"] == 2 and newcomer["calls"] == 1
+        assert agent["prompt_tokens"] == 220 and agent["generated_tokens"] == 42
+        assert agent["attained_service"] == 220 - agent["cached_tokens"] + 42
+        assert agent["queued_s"] > 0 and agent["running_s"] > 0 and agent["in_flight"] == 0
+        assert abs(agent["job_completion_s"] - (agent["queued_s"] + agent["running_s"] + agent["paused_s"])) < 1e-3
     finally:
         eng.shutdown()
 
@@ -228,3 +237,42 @@ def test_a_threads_second_turn_finds_its_first_cached_under_other_traffic(tmp_pa
     assert found["none"] < 0.5, found
     programs = settled_stats(llm._engine)["programs"]
     assert programs["t-bare"]["calls"] == 2 and programs["t-graph"]["calls"] == 2
+
+
+def test_close_lets_a_sessions_pin_go_at_once_in_process_and_over_http(tiny_model_dir):
+    """``Engine.close_session`` and SGLang's ``POST /close_session`` free a run's pinned context now (not at its
+    TTL) and drop its program's figures; bad bodies get 400, never a 5xx. A server request names its program
+    with the ``program`` field or the ``x-parallm-program`` header."""
+    import httpx
+    import pytest
+
+    from parallm_engine import Engine
+    from parallm_engine.errors import InvalidRequestError
+    from parallm_engine.serve.server import ServerThread
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, kv_disk=0)
+    try:
+        eng.generate([list(range(300, 340))], max_tokens=2, temperature=0, session="run-1")
+        assert settled_stats(eng)["memory"]["sessions_pinned"] == 1
+        assert eng.close_session("run-1") == {"released": 1, "program": True}
+        stats = settled_stats(eng)
+        assert stats["memory"]["sessions_pinned"] == 0 and "run-1" not in stats["programs"]
+        with pytest.raises(InvalidRequestError, match="session"):
+            eng.close_session("")
+        with ServerThread(engine=eng) as srv:
+            chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2, "user": "agent-9"}
+            assert httpx.post(f"{srv.base_url}/chat/completions", json={**chat, "program": "job-1"}).status_code == 200
+            assert httpx.post(f"{srv.base_url}/chat/completions", json=chat,
+                              headers={"x-parallm-program": "job-2"}).status_code == 200
+            programs = settled_stats(eng)["programs"]
+            assert programs["job-1"]["calls"] == 1 and programs["job-2"]["calls"] == 1
+            assert settled_stats(eng)["memory"]["sessions_pinned"] == 1  # agent-9's context
+            r = httpx.post(f"{srv.url}/close_session", json={"session_id": "agent-9"})
+            assert r.status_code == 200 and r.json() == {"released": 1, "program": False}
+            assert settled_stats(eng)["memory"]["sessions_pinned"] == 0
+            for bad in ({}, {"session_id": ""}, {"session_id": 5}, {"session_id": "x" * 300}):
+                assert httpx.post(f"{srv.url}/close_session", json=bad).status_code == 400
+            bad_program = httpx.post(f"{srv.base_url}/chat/completions", json={**chat, "program": ""})
+            assert bad_program.status_code == 400
+    finally:
+        eng.shutdown()

@@ -130,19 +130,24 @@ def _tool_schema(name: str, rng: random.Random) -> dict:
         "parameters": {"type": "object", "properties": params, "required": list(params)[:1]}}}
 
 
-def build_trace(encode, sz: AgentSizes) -> AgentTrace:
-    """The whole trace from ``sz.seed``; ``encode(text) -> ids`` (special tokens parsed, no BOS)."""
-    rng = random.Random(sz.seed)
+def system_prompt_ids(encode, rng: random.Random, tokens: int) -> list[int]:
+    """A ChatML system message of exactly ``tokens`` ids: an agent's instructions and JSON tool schemas."""
     head = encode("<|im_start|>system\nYou are a helpful agent. Think step by step, call one tool at a time "
                   "with a JSON object, read its result, and answer when you are done. Tools:\n")
     tail = encode("<|im_end|>\n")
     body: list[int] = []
     i = 0
-    while len(head) + len(body) + len(tail) < sz.system_tokens:
+    while len(head) + len(body) + len(tail) < tokens:
         name = _TOOLS[i % len(_TOOLS)] + (f"_{i // len(_TOOLS)}" if i >= len(_TOOLS) else "")
         body += encode(json.dumps(_tool_schema(name, rng)) + "\n")
         i += 1
-    system = head + body[: max(0, sz.system_tokens - len(head) - len(tail))] + tail
+    return head + body[: max(0, tokens - len(head) - len(tail))] + tail
+
+
+def build_trace(encode, sz: AgentSizes) -> AgentTrace:
+    """The whole trace from ``sz.seed``; ``encode(text) -> ids`` (special tokens parsed, no BOS)."""
+    rng = random.Random(sz.seed)
+    system = system_prompt_ids(encode, rng, sz.system_tokens)
     open_tool, close_tool = encode("<|im_end|>\n<|im_start|>tool\n"), encode("<|im_end|>\n<|im_start|>assistant\n")
     arrivals, t = [], 0.0
     questions, tools = [], []

@@ -42,6 +42,10 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
               100 / 1,000 / 8,000-token prefixes with the rule's pick (``restart``).
 - sessions:   the agents trace with 2-10 s tool calls under a KV budget a third of its working set, with and
               without sessions (and with the default budget): re-prefilled tokens, TTFT (``sessions``).
+- programs:   agent runs (coding agents, BFCL-like runs with parallel tool calls, Send fan-outs) arriving as a
+              Poisson process, with call-level FIFO and no retention vs the defaults (programs and sessions),
+              under a third of the working set and with room, and mlx-lm's BatchGenerator: job completion
+              time, re-prefilled tokens, the admission bound (``programs``).
 
 ``--shape qwen3-4b|llama3-8b|gemma3-4b`` runs the workloads on a random-weight model of that architecture
 (layers cut to a budget; ``bench_shapes``); ``--plot DIR`` writes matplotlib PNGs (``bench_plot``).
@@ -108,7 +112,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
                  "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "rerank", "lora", "restart",
-                 "sessions")
+                 "sessions", "programs")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -537,6 +541,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
         result["workloads"]["sessions"] = bss.run_sessions(engine, bss.QUICK_SESSIONS if quick else bss.FULL_SESSIONS,
                                                            tick)
+    if "programs" in workloads:  # fresh engines of the same model, FIFO vs programs; mlx-lm on the loaded weights
+        from parallm_bench import programs as bpr
+
+        result["workloads"]["programs"] = bpr.run_programs(
+            engine, bpr.QUICK_PROGRAMS if quick else bpr.FULL_PROGRAMS, tick, lambda f: _on_engine(engine, f))
     if "lora" in workloads:  # 4 random adapters on the loaded model, mixed in one batch vs base-only
         from parallm_bench import lora as bench_lora
 
@@ -604,7 +613,8 @@ def _cpu_model() -> str:
 _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "agents_ray": "ray_agents", "longctx": "longctx",
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
                "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
-               "restart": "restart", "sessions": "sessions", "rerank": "rerank"}
+               "restart": "restart", "sessions": "sessions", "rerank": "rerank",
+               "programs": "programs"}
 
 
 def format_table(result: dict) -> str:

@@ -12,15 +12,18 @@ sequences of that priority:
    (``kv/session_pins.py``) needs only its new tokens: it goes first where it fits in the room left (else
    its pin holds memory for a turn stuck behind a larger one, and under memory pressure every turn that waits
    lets its pin be displaced and pays its context again).
-3. **Least attained service first** (Autellix's PLAS, ``programs.py``): the sequence whose program has cost
-   the engine the fewest tokens so far, so a short agent run is not stuck behind a long one; calls that name
-   no program are programs of their own, with nothing attained.
-4. **Fair across groups, then first come.** Among equals, the sequence whose group (one HTTP request, one
-   caller's batch) has the fewest sequences admitted, the earliest first: a 1,000-prompt batch cannot lock
-   out a 2-prompt call that arrives after it.
+3. **Fair across groups** (one HTTP request, one caller's batch): the sequence whose group has the fewest
+   sequences admitted: a 1,000-prompt batch cannot lock out a 2-prompt call that arrives after it.
+4. **First come, by program** (Continuum's program-level FCFS): among equals, the call of the program that
+   started first (its first call's arrival; a call naming no program is a program of its own, started when it
+   arrived). A running agent's next turn goes ahead of programs that started after it, so the programs under
+   way finish instead of all of them advancing together and each finishing late.
 
-Where no call names a program or a session, rules 2 and 3 are ties and the order is today's FIFO with fair
-groups, bounded by rule 1.
+Why not least attained service first (Autellix's PLAS, which ``programs.py`` reports): under memory
+pressure it starts every new program ahead of the runs under way, which interleaves them all; on the programs
+trace (``parallm bench --workloads programs``) program-level FCFS gave the lower job completion times
+(docs/programs.md). Where no call names a program or a session, rules 2 and 4 reduce to the queue's order
+and admission is FIFO with fair groups, bounded by rule 1.
 """
 
 from __future__ import annotations
@@ -46,9 +49,15 @@ def next_to_admit(waiting, groups: dict, room: int, kv, programs):
     if chosen is None:
         chosen = next((s for s in window if kv.holds_kept_context(s) and kv.context_bytes(s) <= room), None)
     if chosen is None:
-        chosen = min(window, key=lambda s: (programs.service(s.request.program), groups.get(s.request.group, 0)))
+        chosen = min(window, key=lambda s: (groups.get(s.request.group, 0), _started(s, programs)))
     for s in window:
         if s is chosen:
             break
         s.passed += 1
     return chosen
+
+
+def _started(seq, programs) -> float:
+    """When ``seq``'s program started: its first call's arrival (a call of no program: its own arrival)."""
+    t = programs.started(seq.request.program)
+    return seq.request.arrival if t is None else t

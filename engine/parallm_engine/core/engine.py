@@ -562,6 +562,21 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         return self.core.call(lambda: self._scheduler.kv.release_session(session),
                               mirror=("release_session", (session,)))
 
+    def close_session(self, session: str) -> dict:
+        """The agent run named ``session`` (a session or a program) is over: its pinned context is let go now
+        (it stays cached as any prefix does) and its program's figures leave ``stats()["programs"]``. Returns
+        what was closed: ``{"released": pins let go, "program": whether figures were dropped}``."""
+        if not isinstance(session, str) or not 0 < len(session) <= 256:
+            raise InvalidRequestError("session must be a non-empty string of at most 256 characters",
+                                      param="session")
+
+        def close():
+            released = self._scheduler.kv.release_session(session)
+            with self._stats._lock:
+                dropped = self._stats.programs.forget(session)
+            return {"released": released, "program": dropped}
+        return self.core.call(close, mirror=("release_session", (session,)))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.core.shutdown(timeout)
         if getattr(self.model, "vision", None) is not None:

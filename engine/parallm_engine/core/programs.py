@@ -11,9 +11,9 @@ time went: *queued* (a call waits and none runs), *running* (at least one call i
 and end, so the buckets are exact: each event adds the time since the last one to the bucket of the state
 before it. A program's job completion time is its last call's end minus its first call's arrival.
 
-Attained service (Autellix's PLAS) is the tokens the program's finished calls cost the engine (prompt tokens
-computed plus tokens generated): admission prefers the calls of programs that have been served least
-(``admission_order.py``), so a short agent run is not stuck behind a long one.
+Admission orders calls by when their program started (``admission_order.py``). The table also reports each
+program's attained service (Autellix's PLAS): the tokens its ended calls cost the engine (prompt tokens
+computed plus tokens generated).
 
 Bounded: the table keeps at most ``MAX_PROGRAMS`` programs, dropping the one idle longest (never one with a
 call in flight). Engine thread only, except :meth:`snapshot` (under the stats lock).
@@ -82,6 +82,11 @@ class ProgramTable:
         """Tokens the program's ended calls cost (0 for a program not seen, or none: a call of its own)."""
         rec = self.records.get(program) if program is not None else None
         return rec.service if rec is not None else 0
+
+    def started(self, program: str | None) -> float | None:
+        """When the program's first call arrived (None for a program not seen, or none)."""
+        rec = self.records.get(program) if program is not None else None
+        return rec.first_arrival if rec is not None else None
 
     def returning(self, program: str | None) -> bool:
         """The program has had a call before (this is a later turn of a run that is under way)."""

@@ -417,3 +417,9 @@ class HealthResponse(_Model):
     status: str
     model: str | None = None
 
+
+
+class CloseSessionRequest(_Model):
+    """SGLang's ``/close_session`` body: the session (or program) whose run is over."""
+
+    session_id: str = Field(min_length=1, max_length=256)

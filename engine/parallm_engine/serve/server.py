@@ -64,7 +64,7 @@ from parallm_engine.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from parallm_engine.serve.metrics import ServerMetrics, render as render_metrics
 from parallm_engine.serve.openai_format import APIError, api_error_from
 from parallm_engine.serve.openai_routes import openai_router
-from parallm_engine.serve.protocol import HealthResponse, now
+from parallm_engine.serve.protocol import CloseSessionRequest, HealthResponse, now
 from parallm_engine.serve.queue_shares import DEFAULT_KEY_SHARE, DEFAULT_REQUEST_SHARE, QueueShares
 from parallm_engine.serve.responses_routes import responses_router
 from parallm_engine.serve.server_embeddings import add_embedding_routes
@@ -376,6 +376,12 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         engine = state.engine_or_503()
         freed = await asyncio.to_thread(engine.clear_prefix_cache)
         return {"freed_bytes": freed}
+
+    @app.post("/close_session", dependencies=auth, responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401]})
+    async def close_session(body: CloseSessionRequest):
+        """SGLang's route: the agent run ``session_id`` names is over; its pinned context is let go at once."""
+        engine = state.engine_or_503()
+        return await asyncio.to_thread(engine.close_session, body.session_id)
 
     # -- the APIs: OpenAI's, embeddings, Anthropic's Messages, OpenAI's Responses, on one request path -----
     kit = ServerKit(state, checked, auth)

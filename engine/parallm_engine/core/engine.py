@@ -521,6 +521,13 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
                                                         "most_in_one_step": stage.most}
         return snap
 
+    def timeline(self, since: float = 0.0) -> dict:
+        """What the engine did (JSON-able, any thread): each recent request's lifecycle (arrival, admission,
+        first token, finish and its reason, tokens, preemptions) and each recent step (times, prefill tokens,
+        decode rows), those active at or after ``since``; times in ``time.monotonic()`` seconds, plus
+        ``wall_offset`` to convert to Unix time (``timeline.py``)."""
+        return self._stats.timeline.snapshot(since)
+
     def reset_peaks(self) -> None:
         self._stats.reset_peaks()
 

@@ -149,7 +149,7 @@ class OutputProcessor:
             usage=req.usage,
             prompt_token_ids=req.prompt_ids,
             metrics={"ttft": req.ttft() or 0.0, "latency": req.finish_time - req.arrival,
-                     **req.usage.timings_dict()},
+                     **req.usage.timings_dict(), "cached_tokens": req.usage.cached_tokens},
         )
         req.channel.put(_Done())
         self.requests.pop(req.id, None)

@@ -42,12 +42,12 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             **({"speculative": self.speculative_dict()} if self.spec_proposed_tokens else {}),
+            **({"timings": self.timings_dict()} if self.queue_s or self.prefill_s or self.decode_s else {}),
         }
 
     def timings_dict(self) -> dict:
-        """ParaLLM's timings of the request (seconds per phase) and its cached prompt tokens."""
-        return {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-                "cached_tokens": self.cached_tokens}
+        """ParaLLM's ``usage`` extension: the request's seconds queued, prefilling and decoding."""
+        return {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
 
     def speculative_dict(self) -> dict:
         """ParaLLM's ``usage`` extension: speculative decoding's drafted / accepted tokens."""

@@ -528,6 +528,13 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         ``wall_offset`` to convert to Unix time (``timeline.py``)."""
         return self._stats.timeline.snapshot(since)
 
+    def trace(self, path: str | os.PathLike):
+        """Record a Chrome / Perfetto trace of the engine's steps and requests from now into ``path``
+        (``trace_file.py``): ``with engine.trace("run.json"): ...``, or keep the recording and ``stop()`` it."""
+        from parallm_engine.core.trace_file import TraceRecording
+
+        return TraceRecording(self._stats.timeline, path)
+
     def reset_peaks(self) -> None:
         self._stats.reset_peaks()
 

@@ -28,6 +28,7 @@ from parallm_engine.errors import (
     InvalidRequestError,
 )
 from parallm_engine.sampling.constrained import compile_constraint
+from parallm_engine.core.tracing import request_span
 from parallm_engine.core.request import Channel, Request, RequestHandle
 from parallm_engine.sampling.sampler import SamplingParams
 from parallm_engine.sampling.sampling_params import apply_model_defaults
@@ -438,6 +439,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         req.adapter = lora_adapter
         req.session = session
         req.cycle_guard = guard_cycles
+        req.span = request_span(req, self.model_name)  # None unless OpenTelemetry tracing is on (tracing.py)
         if isinstance(prompt, VisionPrompt):
             req.vision = prompt
             if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first

@@ -108,7 +108,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
                  "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "rerank", "lora", "restart",
-                 "sessions")
+                 "sessions", "curve")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -537,6 +537,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
         result["workloads"]["sessions"] = bss.run_sessions(engine, bss.QUICK_SESSIONS if quick else bss.FULL_SESSIONS,
                                                            tick)
+    if "curve" in workloads:  # TPOT vs aggregate tok/s at concurrency 1..64, ParaLLM (both paths) and mlx-lm
+        from parallm_bench import curve as bench_curve
+
+        sizes = bench_curve.QUICK_CURVE if quick else bench_curve.FULL_CURVE
+        result["workloads"]["curve"] = bench_curve.run_curve(engine, sizes, tick)
     if "lora" in workloads:  # 4 random adapters on the loaded model, mixed in one batch vs base-only
         from parallm_bench import lora as bench_lora
 
@@ -604,7 +609,7 @@ def _cpu_model() -> str:
 _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "agents_ray": "ray_agents", "longctx": "longctx",
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
                "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
-               "restart": "restart", "sessions": "sessions", "rerank": "rerank"}
+               "restart": "restart", "sessions": "sessions", "rerank": "rerank", "curve": "curve"}
 
 
 def format_table(result: dict) -> str:

@@ -25,7 +25,7 @@ class Usage:
     spec_proposed_tokens: int = 0  # speculative decoding: drafted tokens verified
     spec_accepted_tokens: int = 0  # ... and accepted (each saved a decode step)
     # Seconds in each phase (timeline.request_timings), set when the request ends: queued, prefilling (to the
-    # first token), decoding. Not in ``as_dict`` (OpenAI's usage has no such fields).
+    # first token), decoding. In ``as_dict`` as ParaLLM's ``timings`` extension.
     queue_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0

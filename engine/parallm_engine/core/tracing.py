@@ -16,10 +16,13 @@ processors on the engine thread: export with a ``BatchSpanProcessor`` (what expo
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
 from parallm_engine import settings
+
+logger = logging.getLogger("parallm_engine")
 
 PROVIDER = "parallm"
 _cached: tuple = (None, None)  # (provider, its tracer)
@@ -76,7 +79,14 @@ class RequestSpan:
         return int(t * 1e9) + self._offset_ns
 
     def end(self, rec) -> None:
-        """The request ended (``rec``: its ``timeline.RequestRecord``): its phases as children, then it."""
+        """The request ended (``rec``: its ``timeline.RequestRecord``): its phases as children, then it. On the
+        engine thread: whatever the span processors raise is logged, never the engine's."""
+        try:
+            self._end(rec)
+        except Exception:  # noqa: BLE001
+            logger.warning("could not end the OpenTelemetry span of request %s", rec.id, exc_info=True)
+
+    def _end(self, rec) -> None:
         from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
         span, req, self._req = self.span, self._req, None
@@ -92,8 +102,8 @@ class RequestSpan:
                                           "parallm.prefill.computed_tokens": computed}),
             ("decode", first, rec.finish, {"gen_ai.usage.output_tokens": rec.output_tokens}),
         ):
-            if rec.admitted is None and name != "queue":
-                break  # it never left the queue
+            if (rec.admitted is None and name != "queue") or (rec.first_token is None and name == "decode"):
+                break  # it never left the queue, or never had a token
             child = self._tracer.start_span(name, context=parent, start_time=self._ns(t0), attributes=attrs)
             child.end(end_time=self._ns(max(t1, t0)))
         for t in rec.preemptions:

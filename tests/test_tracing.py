@@ -180,3 +180,28 @@ def test_the_server_continues_a_valid_traceparent_and_ignores_a_bad_one(engine, 
         time.sleep(0.02)
     (span,) = _request_spans(spans, int(trace_id, 16))
     assert span.parent.span_id == int(parent_id, 16) and span.parent.is_remote
+
+
+def test_a_span_processor_that_raises_hurts_no_request(engine, spans, caplog):
+    """Spans end on the engine thread: a processor failing there is logged, and the request and the engine
+    go on (the next request is served and traced)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    failing: set = set()
+
+    class Failing(SpanProcessor):
+        def on_end(self, span):
+            if span.context.trace_id in failing and span.parent is not None:  # the engine's, not the caller's
+                raise RuntimeError("exporter down")
+
+    trace.get_tracer_provider().add_span_processor(Failing())
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("doomed export") as bad:
+        failing.add(bad.context.trace_id)
+        result = engine.generate(["Hello"], max_tokens=3, temperature=0)[0]
+    assert result.finish_reason in ("length", "stop") and result.usage.completion_tokens >= 1
+    assert any("could not end the OpenTelemetry span" in r.getMessage() for r in caplog.records)
+    with tracer.start_as_current_span("after") as good:
+        engine.generate(["Hello again"], max_tokens=2, temperature=0)
+    assert len(_request_spans(spans, good.context.trace_id)) == 1

@@ -83,3 +83,18 @@ def test_the_server_sends_timings_in_usage(engine, server):
                                           max_tokens=3)
     timings = resp.usage.model_dump()["timings"]
     assert set(timings) == {"queue_s", "prefill_s", "decode_s"} and timings["decode_s"] > 0
+
+
+def test_anthropic_and_responses_usage_carry_the_timings(engine, server):
+    import anthropic
+    import openai
+
+    root = server.base_url.removesuffix("/v1")
+    msg = anthropic.Anthropic(base_url=root, api_key=KEY, max_retries=0).messages.create(
+        model="default", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+    timings = msg.usage.model_dump()["timings"]
+    assert set(timings) == {"queue_s", "prefill_s", "decode_s"} and timings["prefill_s"] > 0
+    resp = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0).responses.create(
+        model="default", input="Hi", max_output_tokens=3)
+    timings = resp.usage.model_dump()["timings"]
+    assert set(timings) == {"queue_s", "prefill_s", "decode_s"} and timings["prefill_s"] > 0

@@ -42,12 +42,16 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             **({"speculative": self.speculative_dict()} if self.spec_proposed_tokens else {}),
-            **({"timings": self.timings_dict()} if self.queue_s or self.prefill_s or self.decode_s else {}),
+            **self.timings_extension(),
         }
 
     def timings_dict(self) -> dict:
         """ParaLLM's ``usage`` extension: the request's seconds queued, prefilling and decoding."""
         return {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+    def timings_extension(self) -> dict:
+        """``{"timings": ...}`` for a server's usage once the request has ended; {} before (nothing measured)."""
+        return {"timings": self.timings_dict()} if self.queue_s or self.prefill_s or self.decode_s else {}
 
     def speculative_dict(self) -> dict:
         """ParaLLM's ``usage`` extension: speculative decoding's drafted / accepted tokens."""

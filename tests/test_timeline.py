@@ -33,6 +33,7 @@ def test_a_fan_out_is_recorded_request_by_request_and_step_by_step(tiny_engine):
         assert r["program"] == r["session"] == h.request.session
         assert start <= r["arrival"] <= r["admitted"] <= r["first_token"] <= r["finish"] <= snap["now"]
         assert r["finish_reason"] == "length" and not r["aborted"] and r["preemptions"] == []
+        assert r["phase"] == "finished"
         assert r["prompt_tokens"] == 44 and r["output_tokens"] == 6
         assert r["cached_tokens"] == res.usage.cached_tokens
         assert res.metrics["cached_tokens"] == res.usage.cached_tokens
@@ -59,6 +60,7 @@ def test_an_aborted_request_ends_as_aborted(tiny_engine):
     next(stream)  # it has its first token
     live, _ = _records(tiny_engine, {handle.id})
     assert live[handle.id]["finish"] is None and live[handle.id]["output_tokens"] >= 1
+    assert live[handle.id]["phase"] == "decode"
     handle.abort()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -66,7 +68,7 @@ def test_an_aborted_request_ends_as_aborted(tiny_engine):
         if records[handle.id]["finish"] is not None:
             break
     r = records[handle.id]
-    assert r["aborted"] and r["finish_reason"] == "abort"
+    assert r["aborted"] and r["finish_reason"] == "abort" and r["phase"] == "aborted"
     assert r["first_token"] <= r["finish"] and 1 <= r["output_tokens"] < 400
     assert r["program"] is None  # no session, no program
 
@@ -94,3 +96,23 @@ def test_preempted_requests_record_each_preemption(tiny_engine, tiny_model_dir):
         assert len(snap["steps"]) == small.stats()["steps"]
     finally:
         small.shutdown()
+
+
+def test_the_rings_bound_what_is_kept():
+    """Real requests and step records through a recorder with small rings: the oldest go, the newest stay."""
+    from parallm_engine.core.request import Channel, Request
+    from parallm_engine.core.timeline import Timeline
+    from parallm_engine.runner.step_plan import StepOutput, StepPlan
+    from parallm_engine.sampling.sampler import SamplingParams
+
+    tl = Timeline(max_requests=3, max_steps=5)
+    reqs = [Request([1, 2, 3], SamplingParams(max_tokens=2), Channel()) for _ in range(5)]
+    for r in reqs:
+        tl.queued(r)
+    for i in range(8):
+        tl.planned(StepPlan(started=time.perf_counter()))
+        tl.stepped(StepOutput(prefill_tokens=i))
+    snap = tl.snapshot()
+    assert [r["id"] for r in snap["requests"]] == [r.id for r in reqs[2:]]
+    assert [s["prefill_tokens"] for s in snap["steps"]] == [3, 4, 5, 6, 7]
+    assert all(r["phase"] == "queued" for r in snap["requests"])

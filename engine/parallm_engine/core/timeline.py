@@ -54,11 +54,20 @@ class RequestRecord:
         output = self.output_tokens
         if req is not None:  # still running: what its choices hold now
             output = sum(len(getattr(s, "output_ids", ())) for s in list(req.sequences))
-        return {"id": self.id, "program": self.program, "session": self.session, "arrival": self.arrival,
+        return {"id": self.id, "phase": self.phase(), "program": self.program, "session": self.session,
+                "arrival": self.arrival,
                 "admitted": self.admitted, "first_token": self.first_token, "finish": self.finish,
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "output_tokens": output,
                 "preemptions": list(self.preemptions), "aborted": self.aborted}
+
+
+    def phase(self) -> str:
+        """Where it is: "queued", "prefill" (admitted, no token yet), "decode", "finished" or "aborted" (a
+        preempted request waiting to resume stays "decode": it has its tokens)."""
+        if self.finish is not None:
+            return "aborted" if self.aborted else "finished"
+        return "queued" if self.admitted is None else "prefill" if self.first_token is None else "decode"
 
 
 class Timeline:

@@ -144,7 +144,7 @@ def test_stats_report_each_program_and_a_running_programs_turn_goes_first(tiny_m
         next_turn = eng.submit(prompt(20), max_tokens=2, temperature=0, ignore_eos=True, program="agent")
         for h in (blocker, newcomer, next_turn):
             list(h)
-        assert next_turn.request.admitted_at < newcomer.request.admitted_at
+        assert next_turn.request.admitted_time < newcomer.request.admitted_time
         assert newcomer.request.sequences[0].passed == 1
         programs = settled_stats(eng)["programs"]
         assert set(programs) == {"agent", "newcomer"}
@@ -276,3 +276,33 @@ def test_close_lets_a_sessions_pin_go_at_once_in_process_and_over_http(tiny_mode
             assert bad_program.status_code == 400
     finally:
         eng.shutdown()
+
+
+def test_the_programs_bench_runs_every_system_on_one_trace(tiny_model_dir):
+    """``parallm bench --workloads programs`` on a small trace: FIFO without retention and the defaults serve
+    the same tokens (same outputs digest) with and without memory pressure; every program completes on every
+    system (mlx-lm's BatchGenerator too); re-prefilled tokens are never negative; no call was passed more
+    often than the bound; the summary prints."""
+    from parallm_bench import programs as bpr
+    from parallm_engine import Engine
+    from parallm_engine.core.admission_order import MAX_PASSES
+
+    sizes = bpr.ProgramSizes(coding=1, coding_turns=(3, 3), coding_result=(20, 40), bfcl=1, bfcl_turns=(2, 2),
+                             bfcl_result=(10, 20), fanout=1, fanout_branches=3, system_tokens=60, reply_tokens=4,
+                             pause_median_s=0.05, pause_range_s=(0.01, 0.1), rate=20.0, seed=3)
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, kv_disk=0)
+    try:
+        r = bpr.run_programs(eng, sizes)
+    finally:
+        eng.shutdown()
+    assert r["trace"]["programs"] == {"coding": 1, "bfcl": 1, "fanout": 1} and r["trace"]["calls"] == 3 + 2 + 5
+    for name in ("tight", "roomy"):
+        row = r[name]
+        assert row["same_outputs"], row
+        for mode in ("fifo", "programs"):
+            s = row[mode]
+            assert s["completed"] == 3 and s["calls"] == 10 and s["reprefilled_tokens"] >= 0
+            assert s["most_passed"] <= MAX_PASSES
+        assert row["fifo"]["most_passed"] == 0  # FIFO passes nobody
+    assert r["mlx_lm_batch"]["completed"] == 3 and r["mlx_lm_batch"]["calls"] == 10
+    assert any(line.startswith("  tight: fifo / programs") for line in bpr.format_lines(r))

@@ -112,7 +112,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
                  "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "rerank", "lora", "restart",
-                 "sessions", "programs")
+                 "sessions", "programs", "curve")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -546,6 +546,11 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
         result["workloads"]["programs"] = bpr.run_programs(
             engine, bpr.QUICK_PROGRAMS if quick else bpr.FULL_PROGRAMS, tick, lambda f: _on_engine(engine, f))
+    if "curve" in workloads:  # TPOT vs aggregate tok/s at concurrency 1..64, ParaLLM (both paths) and mlx-lm
+        from parallm_bench import curve as bench_curve
+
+        sizes = bench_curve.QUICK_CURVE if quick else bench_curve.FULL_CURVE
+        result["workloads"]["curve"] = bench_curve.run_curve(engine, sizes, tick)
     if "lora" in workloads:  # 4 random adapters on the loaded model, mixed in one batch vs base-only
         from parallm_bench import lora as bench_lora
 
@@ -614,7 +619,7 @@ _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "agents_ray": "ray_ag
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
                "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
                "restart": "restart", "sessions": "sessions", "rerank": "rerank",
-               "programs": "programs"}
+               "programs": "programs", "curve": "curve"}
 
 
 def format_table(result: dict) -> str:

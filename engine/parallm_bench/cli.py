@@ -14,7 +14,7 @@ def main(args) -> int:
 
     from parallm_engine.core.registry import get_engine
 
-    if getattr(args, "plot", None):
+    if getattr(args, "plot", None) and (args.workloads or "").strip() != "curve":  # the curve has an SVG without it
         from parallm_bench.plot import check_available
 
         check_available()  # before the run, not after it
@@ -61,7 +61,7 @@ def main(args) -> int:
     steps = sum({"throughput": 3, "fanout": 4, "single": 2 * reps, "peer": 3, "roofline": 1, "llamacpp": 6,
                  "agents": 3, "longctx": 1, "paths": 1, "arrival": 1, "memory": 2, "preempt": 3, "constrained": 1, "vision": 3,
                  "embed": 6, "rerank": 2, "lora": 8, "restart": 8, "sessions": 4,
-                 "programs": 5}.get(w, 0)
+                 "programs": 5, "curve": 9 if args.quick else 21}.get(w, 0)
                 for w in workloads)
     agent_sizes, longctx_sizes = _sizes_from_args(args)
     ray_replicas = getattr(args, "ray_replicas", None)
@@ -72,6 +72,7 @@ def main(args) -> int:
         require_ray()
         workloads.remove("agents")
         steps += 1
+    trace = engine.trace(args.trace) if getattr(args, "trace", None) else None
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def tick(msg):
             bar.set_postfix_str(msg)
@@ -85,6 +86,8 @@ def main(args) -> int:
             from parallm_bench.ray_agents import run_ray_agents_workload
 
             result["workloads"]["agents_ray"] = run_ray_agents_workload(engine, agent_sizes, ray_replicas, tick)
+    if trace is not None:  # the in-process engine's steps and requests (peers and servers run elsewhere)
+        print(f"wrote {trace.stop()}")
     if shape is not None:
         result["env"]["shape"] = shape.as_dict()
     print(format_table(result))

@@ -4,6 +4,8 @@
   rows too): tok/s vs concurrency, one line per system (``<workload>_tok_s.png``).
 - ``agents``: the TTFT CDF of every turn, one curve per system (``agents_ttft_cdf.png``).
 - ``memory``: peak KV and peak RSS per system (``memory.png``).
+- ``curve``: TPOT against aggregate tok/s, one line per system (``curve_latency_throughput.png``), and always
+  ``curve.csv`` / ``curve.svg``, which need no matplotlib (``curve.py``).
 - every other workload with ratios: a bar chart of its ratio lines (``<workload>_ratios.png``), 1.0 marked.
 
 matplotlib is optional (``pip install matplotlib``, or the engine's ``bench`` extra); without it
@@ -136,12 +138,27 @@ def _save(plt, fig, path: Path) -> Path:
 
 def write_plots(result: dict, out_dir) -> list[Path]:
     """Write the PNGs for ``result`` (a bench result dict) into ``out_dir``; returns their paths."""
-    plt = _pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for name, entry in (result.get("workloads") or {}).items():
+    workloads = result.get("workloads") or {}
+    curve = workloads.get("curve")
+    curve_title = _title(result, "latency vs throughput")
+    if isinstance(curve, dict) and "skipped" not in curve:
+        from parallm_bench import curve as bench_curve
+
+        written += bench_curve.write_files(curve, out, curve_title)
+        if set(workloads) == {"curve"}:
+            try:
+                plt = _pyplot()
+            except PlotUnavailableError:
+                return written  # the CSV and the SVG
+    plt = _pyplot()
+    for name, entry in workloads.items():
         if not isinstance(entry, dict) or "skipped" in entry:
+            continue
+        if name == "curve":
+            written.append(bench_curve.plot(plt, entry, out / "curve_latency_throughput.png", curve_title))
             continue
         if not entry.get("levels") and _batch_levels(entry):
             entry = {**entry, "levels": _batch_levels(entry)}

@@ -494,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "constrained (JSON-schema rows vs free rows), preempt (the batch under a KV budget of half its KV), "
                          "vision (8 requests on one image, a random SmolVLM-256M-shaped VLM), "
                          "embed (texts/s at 1/16/64 concurrent vs one at a time, and beside generation), "
+                         "curve (TPOT vs aggregate tok/s at 1-64 concurrent, ParaLLM on both paths and mlx-lm; "
+                         "--plot DIR writes curve.csv / curve.svg, and a PNG with matplotlib), "
                          "soak (alone: a server under mixed traffic and faults for --minutes; bench_soak.py). "
                          "llamacpp (and agents' llama.cpp system) need llama-server: "
                          "python -m parallm_bench.llamacpp build")
@@ -536,6 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--shape: fp32 weight GB a decode step may read, which sets the layers kept (default 3)")
     sp.add_argument("--plot", default=None, metavar="DIR",
                     help="write matplotlib PNGs of the results here (pip install matplotlib)")
+    sp.add_argument("--trace", default=None, metavar="PATH",
+                    help="write a Chrome / Perfetto trace (ui.perfetto.dev) of ParaLLM's in-process engine during "
+                         "the run here: its steps and each request's queue / prefill / decode (docs/tracing.md)")
     from parallm_bench.soak import add_arguments as add_soak_arguments
 
     add_soak_arguments(sp)  # --workloads soak: --minutes, --interval, --soak-target, --soak-kv-memory

@@ -123,7 +123,7 @@ class ProgramTable:
             return
         now = time.monotonic() if now is None else now
         rec._advance(now)
-        if req.admitted_at is not None and rec.running > 0:
+        if req.admitted_time is not None and rec.running > 0:
             rec.running -= 1
         elif rec.queued > 0:
             rec.queued -= 1

@@ -24,6 +24,11 @@ class Usage:
     reasoning_tokens: int = 0  # generated tokens inside reasoning spans (reasoning_budget.py), of completion_tokens
     spec_proposed_tokens: int = 0  # speculative decoding: drafted tokens verified
     spec_accepted_tokens: int = 0  # ... and accepted (each saved a decode step)
+    # Seconds in each phase (timeline.request_timings), set when the request ends: queued, prefilling (to the
+    # first token), decoding. In ``as_dict`` as ParaLLM's ``timings`` extension.
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -37,7 +42,16 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             **({"speculative": self.speculative_dict()} if self.spec_proposed_tokens else {}),
+            **self.timings_extension(),
         }
+
+    def timings_dict(self) -> dict:
+        """ParaLLM's ``usage`` extension: the request's seconds queued, prefilling and decoding."""
+        return {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+    def timings_extension(self) -> dict:
+        """``{"timings": ...}`` for a server's usage once the request has ended; {} before (nothing measured)."""
+        return {"timings": self.timings_dict()} if self.queue_s or self.prefill_s or self.decode_s else {}
 
     def speculative_dict(self) -> dict:
         """ParaLLM's ``usage`` extension: speculative decoding's drafted / accepted tokens."""
@@ -223,7 +237,7 @@ class Request:
         # The agent run it is a call of (core/programs.py; default its session); None: a program of its own.
         self.program: str | None = None
         self.arrival = time.monotonic()
-        self.admitted_at: float | None = None  # its first admission (the end of its queue time)
+        self.admitted_time: float | None = None  # first scheduled for prefill (EngineStats.on_admit)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.finished = False
@@ -232,6 +246,7 @@ class Request:
         self.cycle_guard = False  # stop a looping sequence (repetition_guard.py): set no max_tokens
         self.result: GenerationResult | None = None
         self.sequences: list = []  # its choices' scheduler Sequences (set when the scheduler takes it)
+        self.span = None  # its OpenTelemetry spans while tracing is on (tracing.RequestSpan), ended with it
 
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival

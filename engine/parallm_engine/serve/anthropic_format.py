@@ -300,10 +300,12 @@ def template_kwargs(req: CountTokensRequest) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def anthropic_usage(usage, prompt_tokens: int | None = None) -> dict[str, int]:
+def anthropic_usage(usage, prompt_tokens: int | None = None) -> dict:
+    """Anthropic's usage, with ParaLLM's ``timings`` extension (seconds queued / prefilling / decoding)."""
     prompt = usage.prompt_tokens if prompt_tokens is None else prompt_tokens
     return {"input_tokens": prompt - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens,
+            **usage.timings_extension()}
 
 
 def _stop(finish: str | None, stop_reason: Any, stops: list[str], called: bool) -> tuple[str, str | None]:

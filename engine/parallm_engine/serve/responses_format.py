@@ -227,9 +227,10 @@ def template_kwargs(req: ResponsesRequest) -> dict[str, Any]:
 
 
 def responses_usage(usage) -> dict[str, Any]:
+    """The Responses API's usage, with ParaLLM's ``timings`` extension (seconds queued / prefilling / decoding)."""
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, **usage.timings_extension()}
 
 
 def response_shell(rid: str, req: ResponsesRequest, model_name: str, status: str) -> dict[str, Any]:

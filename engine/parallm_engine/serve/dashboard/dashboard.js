@@ -2,8 +2,9 @@
 // text from the engine goes in with textContent (a prompt may hold markup).
 "use strict";
 
-const WINDOW_S = 60;      // the timeline's width in seconds
-const MAX_LANES = 48;     // the most recent lanes shown
+const MAX_WINDOW_S = 60;  // the timeline's width in seconds at most (at least 10: it fits what it shows)
+const MAX_LANES = 40;     // the most recent lanes shown
+const MAX_CHILDREN = 6;   // a tree node's children shown (the most used first); the rest counted
 const $ = (id) => document.getElementById(id);
 
 function el(tag, cls, text) {
@@ -58,7 +59,7 @@ function renderMemory(e) {
     row.appendChild(el("span", "", note || bytes(value) + (of ? " / " + bytes(of) : "")));
     box.appendChild(row);
   };
-  line("weights", e.weight_bytes, e.weight_bytes);
+  line("weights", e.weight_bytes, 0, bytes(e.weight_bytes));
   line("KV held", e.kv_bytes_held, budget);
   line("running rows", e.kv_bytes_running, budget);
   line("prefix cache", e.prefix_cache_bytes, budget,
@@ -104,11 +105,14 @@ function renderTimeline(records) {
   }
   const recent = [...lanes.entries()]
     .map(([name, rs]) => [name, rs, Math.min(...rs.map((r) => r.finish_ago === null ? 0 : r.finish_ago))])
-    .filter(([, , last]) => last < WINDOW_S)
+    .filter(([, , last]) => last < MAX_WINDOW_S)
     .sort((a, b) => a[2] - b[2] || (a[0] < b[0] ? -1 : 1)).slice(0, MAX_LANES);
+  const oldest = Math.max(0, ...recent.flatMap(([, rs]) => rs.map((r) => r.arrival_ago)));
+  const span = Math.min(MAX_WINDOW_S, Math.max(10, Math.ceil(oldest * 1.1)));
+  $("window-s").textContent = span;
   const box = $("timeline");
   box.replaceChildren();
-  const x = (ago) => Math.max(0, 100 * (1 - ago / WINDOW_S));
+  const x = (ago) => Math.max(0, 100 * (1 - ago / span));
   for (const [name, rs] of recent) {
     const lane = el("div", "lane");
     lane.dataset.lane = name;
@@ -172,14 +176,16 @@ function renderTree(tree) {
     if (!kids.has(k)) kids.set(k, []);
     kids.get(k).push(n);
   }
+  const used = (n) => n.hits * 1000 + n.in_use * 10 + n.program_count;
   const draw = (parent, into) => {
-    for (const n of kids.get(parent) || []) {
+    const all = (kids.get(parent) || []).sort((a, b) => used(b) - used(a));
+    for (const n of all.slice(0, MAX_CHILDREN)) {
       const node = el("div", "tree-node");
       node.dataset.node = n.id;
       node.dataset.hits = n.hits;
       node.dataset.programs = n.program_count;
       const line = el("div", "tree-line");
-      line.appendChild(el("span", "tree-text", n.text));
+      line.appendChild(el("span", "tree-text", n.text.replace(/\n/g, "\u23ce")));
       line.appendChild(el("span", "tree-meta", `${n.tokens} tokens at ${n.start_token}, ${bytes(n.bytes)}`));
       line.appendChild(el("span", "hits", `${n.hits} hits`));
       const progs = n.program_count ? `${n.program_count} programs: ${n.programs.join(", ")}` +
@@ -188,6 +194,11 @@ function renderTree(tree) {
       node.appendChild(line);
       into.appendChild(node);
       draw(n.id, node);
+    }
+    if (all.length > MAX_CHILDREN) {
+      const more = all.slice(MAX_CHILDREN);
+      into.appendChild(el("div", "tree-node tree-meta", `... ${more.length} more branches, ` +
+        `${more.reduce((t, n) => t + n.hits, 0)} hits`));
     }
   };
   draw("root", box);
@@ -224,5 +235,4 @@ function connect() {
   });
 }
 
-$("window-s").textContent = WINDOW_S;
 connect();

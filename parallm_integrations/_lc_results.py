@@ -77,14 +77,16 @@ def response_metadata(finish_reason, model_name: str, request_id: str | None, us
                       system_fingerprint: str | None = None) -> dict[str, Any]:
     """``response_metadata`` as ``ChatOpenAI`` users read it: ``finish_reason``, ``model_name``, the response
     ``id`` (a server's own id with ``base_url``), ``token_usage`` (OpenAI's usage dict) and
-    ``system_fingerprint`` when the server sent one; plus ``model_provider``."""
-    from ._messages import token_usage_dict
+    ``system_fingerprint`` when the server sent one; plus ``model_provider``, and the call's seconds in the
+    engine's queue, prefill and decode (``queue_s``, ``prefill_s``, ``decode_s``) and ``cached_tokens``."""
+    from ._messages import call_timings, token_usage_dict
 
     meta: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": PROVIDER}
     if request_id:
         meta["id"] = request_id
     if usage is not None:
         meta["token_usage"] = token_usage_dict(usage)
+        meta.update(call_timings(usage))
     if system_fingerprint:
         meta["system_fingerprint"] = system_fingerprint
     return meta
@@ -175,13 +177,13 @@ def llm_result(results, model_name: str):
     """Finished text requests (one per prompt, every choice) as a LangChain ``LLMResult``."""
     from langchain_core.outputs import Generation, LLMResult
 
-    from ._messages import logprobs_to_openai
+    from ._messages import call_timings, logprobs_to_openai
 
     generations = []
     for result in results:
         gens = []
         for choice in result.choices:
-            info: dict[str, Any] = {"finish_reason": choice.finish_reason}
+            info: dict[str, Any] = {"finish_reason": choice.finish_reason, **call_timings(result.usage)}
             logprobs = logprobs_to_openai(choice.logprobs)
             if logprobs:
                 info["logprobs"] = logprobs
@@ -205,12 +207,13 @@ def text_chunk(delta):
 
 
 def final_text_chunk(model_name: str, finish_reason: str | None, usage):
-    """A text stream's last chunk: finish reason, model name and usage."""
+    """A text stream's last chunk: finish reason, model name, usage and the call's timings."""
     from langchain_core.outputs import GenerationChunk
 
-    from ._messages import token_usage_dict
+    from ._messages import call_timings, token_usage_dict
 
     info: dict[str, Any] = {"finish_reason": finish_reason, "model_name": model_name, "model_provider": PROVIDER}
     if usage is not None:
         info["token_usage"] = token_usage_dict(usage)
+        info.update(call_timings(usage))
     return GenerationChunk(text="", generation_info=info)

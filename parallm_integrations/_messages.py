@@ -355,6 +355,15 @@ def token_usage_dict(usage: Any) -> dict[str, Any]:
     return out
 
 
+def call_timings(usage: Any) -> dict[str, Any]:
+    """A call's seconds queued / prefilling / decoding in the engine (``queue_s``, ``prefill_s``,
+    ``decode_s``) and its cached prompt tokens (``cached_tokens``); {} without usage."""
+    if usage is None:
+        return {}
+    timings = usage.timings_dict() if hasattr(usage, "timings_dict") else {}
+    return {**timings, "cached_tokens": int(usage.cached_tokens)}
+
+
 def logprobs_to_openai(logprobs: Any) -> dict[str, Any] | None:
     """A result's or delta's logprobs as OpenAI's chat ``{"content": [{"token", "logprob", "bytes",
     "top_logprobs": [...]}, ...]}`` (None when there are none), for metadata.

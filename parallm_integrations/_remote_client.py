@@ -27,6 +27,7 @@ from typing import Any
 
 from ._remote_errors import _raise, _raise_mid_stream
 from ._remote_requests import MAX_SEQUENCES_PER_REQUEST, _chat_kwargs, _completion_kwargs, _prompt_chunks  # noqa: F401
+from ._tracing import trace_headers
 from ._remote_responses import TRUNCATED_CALL, _chat_result, _completion_results, _StreamState  # noqa: F401
 from ._remote_types import (  # noqa: F401  (re-exported: the client's result types)
     RemoteChoice,
@@ -152,7 +153,7 @@ class RemoteClient:
         kwargs = _chat_kwargs(messages, self.resolve_model(model), tools, tool_choice, response_format,
                               parallel_tool_calls, sampling)
         try:
-            resp = self.sync_client.chat.completions.create(**kwargs, **_timeout(timeout))
+            resp = self.sync_client.chat.completions.create(**kwargs, **_call_options(timeout))
         except Exception as exc:
             _raise(exc)
         return _chat_result(resp)
@@ -163,7 +164,7 @@ class RemoteClient:
         kwargs = _chat_kwargs(messages, await self.aresolve_model(model), tools, tool_choice, response_format,
                               parallel_tool_calls, sampling)
         try:
-            resp = await self.async_client.chat.completions.create(**kwargs, **_timeout(timeout))
+            resp = await self.async_client.chat.completions.create(**kwargs, **_call_options(timeout))
         except Exception as exc:
             _raise(exc)
         return _chat_result(resp)
@@ -200,7 +201,7 @@ class RemoteClient:
         def one(chunk: list[str]) -> list[RemoteResult]:
             kwargs = _completion_kwargs(chunk, model_name, response_format, sampling)
             try:
-                resp = self.sync_client.completions.create(**kwargs, **_timeout(timeout))
+                resp = self.sync_client.completions.create(**kwargs, **_call_options(timeout))
             except Exception as exc:
                 _raise(exc)
             return _completion_results(resp, len(chunk), n)
@@ -224,7 +225,7 @@ class RemoteClient:
         async def one(chunk: list[str]) -> list[RemoteResult]:
             kwargs = _completion_kwargs(chunk, model_name, response_format, sampling)
             try:
-                resp = await self.async_client.completions.create(**kwargs, **_timeout(timeout))
+                resp = await self.async_client.completions.create(**kwargs, **_call_options(timeout))
             except Exception as exc:
                 _raise(exc)
             return _completion_results(resp, len(chunk), n)
@@ -250,7 +251,7 @@ class RemoteClient:
     def _stream(self, create, kwargs: dict, timeout, completion: bool) -> Iterator[RemoteDelta]:
         state = _StreamState()
         try:
-            stream = create(**kwargs, stream=True, stream_options={"include_usage": True}, **_timeout(timeout))
+            stream = create(**kwargs, stream=True, stream_options={"include_usage": True}, **_call_options(timeout))
         except Exception as exc:
             _raise(exc)
         try:
@@ -267,7 +268,7 @@ class RemoteClient:
     async def _astream(self, create, kwargs: dict, timeout, completion: bool) -> AsyncIterator[RemoteDelta]:
         state = _StreamState()
         try:
-            stream = await create(**kwargs, stream=True, stream_options={"include_usage": True}, **_timeout(timeout))
+            stream = await create(**kwargs, stream=True, stream_options={"include_usage": True}, **_call_options(timeout))
         except Exception as exc:
             _raise(exc)
         try:
@@ -369,8 +370,13 @@ class RemoteClient:
             raise
 
 
-def _timeout(timeout: float | None) -> dict[str, Any]:
-    return {"timeout": timeout} if timeout is not None else {}
+def _call_options(timeout: float | None) -> dict[str, Any]:
+    """A call's own options: its timeout, and the caller's trace context as headers (``_tracing.py``)."""
+    options: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    headers = trace_headers()
+    if headers:
+        options["extra_headers"] = headers
+    return options
 
 
 _clients: dict[tuple, RemoteClient] = {}

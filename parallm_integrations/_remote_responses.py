@@ -26,11 +26,21 @@ def _usage(u) -> Usage | None:
     spec = getattr(u, "speculative", None) or {}  # openai's types keep unknown fields as attributes
     if not isinstance(spec, dict):
         spec = getattr(spec, "__dict__", {}) or {}
+    timings = _extension(u, "timings")
     out_details = getattr(u, "completion_tokens_details", None)
     reasoning = getattr(out_details, "reasoning_tokens", None) if out_details is not None else None
     return Usage(prompt_tokens=int(u.prompt_tokens or 0), completion_tokens=int(u.completion_tokens or 0),
                  cached_tokens=int(cached or 0), reasoning_tokens=int(reasoning or 0), spec_proposed_tokens=int(spec.get("proposed_tokens") or 0),
-                 spec_accepted_tokens=int(spec.get("accepted_tokens") or 0))
+                 spec_accepted_tokens=int(spec.get("accepted_tokens") or 0),
+                 **{k: float(timings.get(k) or 0.0) for k in ("queue_s", "prefill_s", "decode_s")})
+
+
+def _extension(u, name: str) -> dict:
+    """A ParaLLM ``usage`` extension object (``timings``) as a dict; {} when the server sent none."""
+    value = getattr(u, name, None) or {}  # openai's types keep unknown fields as attributes (or dicts)
+    if not isinstance(value, dict):
+        value = getattr(value, "__dict__", {}) or {}
+    return value if all(isinstance(v, (int, float)) for v in value.values()) else {}
 
 
 #: The error of a call a server sent with finish_reason "length" whose arguments are not whole (as
@@ -116,9 +126,11 @@ def _completion_results(resp, n_prompts: int, n: int) -> list[RemoteResult]:
     usage = _usage(resp.usage) or Usage()
     results = []
     for i, choices in enumerate(groups):
-        # The server reports usage for the whole call: it goes on the first result, so sums stay right.
+        # The server reports usage for the whole call: it goes on the first result, so sums stay right; its
+        # timings (the call's) on every result.
+        rest = Usage(**usage.timings_dict())
         results.append(RemoteResult(request_id=f"{resp.id}-{i}", choices=choices,
-                                    usage=usage if i == 0 else Usage(), model=resp.model))
+                                    usage=usage if i == 0 else rest, model=resp.model))
     return results
 
 

@@ -19,10 +19,18 @@ class Usage:
     reasoning_tokens: int = 0  # completion tokens inside the model's reasoning (completion_tokens_details)
     spec_proposed_tokens: int = 0  # speculative decoding (ParaLLM's ``usage.speculative`` extension)
     spec_accepted_tokens: int = 0
+    # The request's seconds queued / prefilling / decoding (ParaLLM's ``usage.timings`` extension; 0 when the
+    # server does not say).
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def timings_dict(self) -> dict:
+        return {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
 
 
 @dataclass

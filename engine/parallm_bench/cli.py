@@ -71,6 +71,7 @@ def main(args) -> int:
         require_ray()
         workloads.remove("agents")
         steps += 1
+    trace = engine.trace(args.trace) if getattr(args, "trace", None) else None
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def tick(msg):
             bar.set_postfix_str(msg)
@@ -84,6 +85,8 @@ def main(args) -> int:
             from parallm_bench.ray_agents import run_ray_agents_workload
 
             result["workloads"]["agents_ray"] = run_ray_agents_workload(engine, agent_sizes, ray_replicas, tick)
+    if trace is not None:  # the in-process engine's steps and requests (peers and servers run elsewhere)
+        print(f"wrote {trace.stop()}")
     if shape is not None:
         result["env"]["shape"] = shape.as_dict()
     print(format_table(result))

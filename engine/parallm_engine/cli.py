@@ -536,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--shape: fp32 weight GB a decode step may read, which sets the layers kept (default 3)")
     sp.add_argument("--plot", default=None, metavar="DIR",
                     help="write matplotlib PNGs of the results here (pip install matplotlib)")
+    sp.add_argument("--trace", default=None, metavar="PATH",
+                    help="write a Chrome / Perfetto trace (ui.perfetto.dev) of ParaLLM's in-process engine during "
+                         "the run here: its steps and each request's queue / prefill / decode (docs/tracing.md)")
     from parallm_bench.soak import add_arguments as add_soak_arguments
 
     add_soak_arguments(sp)  # --workloads soak: --minutes, --interval, --soak-target, --soak-kv-memory

@@ -43,6 +43,7 @@ VARIABLES = {
     "PARALLM_KV_DISK": "the prefix cache's disk tier: its size cap (e.g. 8GiB), 0 turns it off (default on)",
     "PARALLM_KV_DISK_DIR": "where the disk tier keeps its blocks (default: kv/ in ParaLLM's cache directory)",
     "PARALLM_STEP_TRACE": "a file to append one JSON line per engine step to",
+    "PARALLM_OTEL": "OpenTelemetry spans per request: 1 on, 0 off (default: on when a tracer provider is set)",
     "PARALLM_CACHE_DIR": "ParaLLM's cache directory (default ~/.cache/parallm)",
     "PARALLM_API_KEYS": "the server's API keys, comma-separated",
     "PARALLM_API_KEY": "one more server API key",
@@ -201,6 +202,12 @@ def kv_bits() -> str | None:
 
 def step_trace() -> str | None:
     return text("PARALLM_STEP_TRACE")
+
+
+def otel() -> bool | None:
+    """OpenTelemetry spans per request (core/tracing.py): on (opentelemetry is imported if it was not), off
+    (never), or unset: on when the process has set a tracer provider."""
+    return flag("PARALLM_OTEL", None)
 
 
 def cache_dir() -> str | None:

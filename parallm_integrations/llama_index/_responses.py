@@ -25,7 +25,7 @@ from llama_index.core.base.llms.types import (
     ToolCallBlock,
 )
 
-from parallm_integrations._messages import logprobs_to_openai, token_usage_dict
+from parallm_integrations._messages import call_timings, logprobs_to_openai, token_usage_dict
 
 from ._messages import call_to_openai
 
@@ -41,10 +41,13 @@ def usage_kwargs(usage: Any) -> dict[str, int]:
 
 def raw_dict(request_id: str, model: str, finish_reason: str | None, usage: Any,
              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A response's ``raw``: OpenAI-shaped id, model, finish_reason, usage and tool calls."""
+    """A response's ``raw``: OpenAI-shaped id, model, finish_reason, usage and tool calls, and the call's
+    seconds in the engine's queue, prefill and decode (``queue_s``, ``prefill_s``, ``decode_s``) and
+    ``cached_tokens``."""
     raw: dict[str, Any] = {"id": request_id, "model": model, "finish_reason": finish_reason}
     if usage is not None:
         raw["usage"] = token_usage_dict(usage)
+        raw.update(call_timings(usage))
     if tool_calls:
         raw["tool_calls"] = tool_calls
     return raw
@@ -255,6 +258,7 @@ def chat_chunk(state: ChatStream, delta_text: str, item: Any, model_name: str) -
         raw["finish_reason"] = "tool_calls" if state.calls.items and finish == "stop" else finish
     if usage is not None:
         raw["usage"] = token_usage_dict(usage)
+        raw.update(call_timings(usage))
     extra = {"thinking_delta": state.reasoning_delta} if state.reasoning_delta else {}
     return ChatResponse(
         message=assistant_message(state.content, state.calls, state.reasoning),
@@ -272,6 +276,7 @@ def completion_chunk(text: str, item: Any, model_name: str) -> CompletionRespons
         raw["finish_reason"] = item.finish_reason
     if item.usage is not None:
         raw["usage"] = token_usage_dict(item.usage)
+        raw.update(call_timings(item.usage))
     return CompletionResponse(text=text, delta=item.text, raw=raw, additional_kwargs=usage_kwargs(item.usage),
                               logprobs=logprobs_lists(item.logprobs))
 

@@ -28,6 +28,7 @@ from parallm_engine.errors import (
     InvalidRequestError,
 )
 from parallm_engine.sampling.constrained import compile_constraint
+from parallm_engine.core.tracing import request_span
 from parallm_engine.core.request import Channel, Request, RequestHandle
 from parallm_engine.sampling.sampler import SamplingParams
 from parallm_engine.sampling.sampling_params import apply_model_defaults
@@ -438,6 +439,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         req.adapter = lora_adapter
         req.session = session
         req.cycle_guard = guard_cycles
+        req.span = request_span(req, self.model_name)  # None unless OpenTelemetry tracing is on (tracing.py)
         if isinstance(prompt, VisionPrompt):
             req.vision = prompt
             if submit_after_encoding(self, req):  # a new image: encoded off the engine thread first
@@ -520,6 +522,20 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
                 snap["distributed"]["micro_batches"] = {"lanes": self.config.decode_lanes,
                                                         "most_in_one_step": stage.most}
         return snap
+
+    def timeline(self, since: float = 0.0) -> dict:
+        """What the engine did (JSON-able, any thread): each recent request's lifecycle (arrival, admission,
+        first token, finish and its reason, tokens, preemptions) and each recent step (times, prefill tokens,
+        decode rows), those active at or after ``since``; times in ``time.monotonic()`` seconds, plus
+        ``wall_offset`` to convert to Unix time (``timeline.py``)."""
+        return self._stats.timeline.snapshot(since)
+
+    def trace(self, path: str | os.PathLike):
+        """Record a Chrome / Perfetto trace of the engine's steps and requests from now into ``path``
+        (``trace_file.py``): ``with engine.trace("run.json"): ...``, or keep the recording and ``stop()`` it."""
+        from parallm_engine.core.trace_file import TraceRecording
+
+        return TraceRecording(self._stats.timeline, path)
 
     def reset_peaks(self) -> None:
         self._stats.reset_peaks()

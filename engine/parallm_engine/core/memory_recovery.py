@@ -14,6 +14,7 @@ that request failed, with :class:`~parallm_engine.errors.OutOfMemoryError`.
 from __future__ import annotations
 
 import logging
+import time
 
 import mlx.core as mx
 
@@ -80,6 +81,7 @@ def recover(sched, exc: BaseException) -> None:
         if id(s) in started or s.output_ids:
             s.preemptions += 1
             sched.preemptions += 1
+            sched.stats.timeline.preempted(s.request, time.monotonic())
     sched._enqueue(alive)  # by urgency: they arrived before anyone still waiting at their priority
     sched.stats.preemptions = sched.preemptions
     sched.stats.running = 0

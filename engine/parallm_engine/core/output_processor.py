@@ -17,6 +17,7 @@ import numpy as np
 
 from parallm_engine.formats.chat_format import parser_for
 from parallm_engine.core.request import Choice, GenerationResult, Request, StreamDelta, TokenLogprob, _Done
+from parallm_engine.core.timeline import request_timings
 from parallm_engine.sampling.sampler import top_logprobs_for
 from parallm_engine.formats.typed_output import TypedOutput
 
@@ -127,6 +128,7 @@ class OutputProcessor:
             self._choices[req.id][s.index] = choice
             req.remaining_choices -= 1
             if req.remaining_choices == 0:
+                _stamp_finish(req)  # its timings ride on the last delta's usage
                 delta.usage = req.usage
                 req.channel.put(delta)
                 self.complete(req)
@@ -136,7 +138,8 @@ class OutputProcessor:
     def complete(self, req: Request, result=None) -> None:
         """Finish ``req``: its GenerationResult from the choices, or ``result`` (an embedding's)."""
         req.finished = True
-        req.finish_time = time.monotonic()
+        if req.finish_time is None:
+            _stamp_finish(req)
         self.stats.on_finish(req)
         choices = self._choices.pop(req.id, None)
         self._typed.pop(req.id, None)
@@ -145,7 +148,8 @@ class OutputProcessor:
             choices=choices,
             usage=req.usage,
             prompt_token_ids=req.prompt_ids,
-            metrics={"ttft": req.ttft() or 0.0, "latency": req.finish_time - req.arrival},
+            metrics={"ttft": req.ttft() or 0.0, "latency": req.finish_time - req.arrival,
+                     **req.usage.timings_dict(), "cached_tokens": req.usage.cached_tokens},
         )
         req.channel.put(_Done())
         self.requests.pop(req.id, None)
@@ -159,3 +163,10 @@ class OutputProcessor:
         self._choices.pop(req.id, None)
         self._typed.pop(req.id, None)
         req.channel.put(_Done(error))
+
+
+def _stamp_finish(req: Request) -> None:
+    """``req`` ends now: its finish time, and its seconds per phase in its usage."""
+    req.finish_time = time.monotonic()
+    t = request_timings(req)
+    req.usage.queue_s, req.usage.prefill_s, req.usage.decode_s = t["queue_s"], t["prefill_s"], t["decode_s"]

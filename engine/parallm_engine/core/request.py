@@ -24,6 +24,11 @@ class Usage:
     reasoning_tokens: int = 0  # generated tokens inside reasoning spans (reasoning_budget.py), of completion_tokens
     spec_proposed_tokens: int = 0  # speculative decoding: drafted tokens verified
     spec_accepted_tokens: int = 0  # ... and accepted (each saved a decode step)
+    # Seconds in each phase (timeline.request_timings), set when the request ends: queued, prefilling (to the
+    # first token), decoding. Not in ``as_dict`` (OpenAI's usage has no such fields).
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -37,7 +42,12 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             **({"speculative": self.speculative_dict()} if self.spec_proposed_tokens else {}),
+            **({"timings": self.timings_dict()} if self.queue_s or self.prefill_s or self.decode_s else {}),
         }
+
+    def timings_dict(self) -> dict:
+        """ParaLLM's ``usage`` extension: the request's seconds queued, prefilling and decoding."""
+        return {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
 
     def speculative_dict(self) -> dict:
         """ParaLLM's ``usage`` extension: speculative decoding's drafted / accepted tokens."""
@@ -221,6 +231,7 @@ class Request:
         self.group = group if group is not None else self.id
         self.session: str | None = None  # its context stays pinned between turns (kv/session_pins.py)
         self.arrival = time.monotonic()
+        self.admitted_time: float | None = None  # first scheduled for prefill (timeline.Timeline.planned)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.finished = False
@@ -229,6 +240,7 @@ class Request:
         self.cycle_guard = False  # stop a looping sequence (repetition_guard.py): set no max_tokens
         self.result: GenerationResult | None = None
         self.sequences: list = []  # its choices' scheduler Sequences (set when the scheduler takes it)
+        self.span = None  # its OpenTelemetry spans while tracing is on (tracing.RequestSpan), ended with it
 
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival

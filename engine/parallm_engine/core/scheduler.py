@@ -217,7 +217,7 @@ class Scheduler(PrefillPlanner):
     def step(self, on_plan=None) -> None:
         """One engine step (the engine thread's loop calls it): plan, execute, update. ``on_plan(plan)``
         runs between planning and executing (a distributed engine's ranks agree on the plan there)."""
-        plan = self.schedule()
+        plan = self.stats.on_plan(self.schedule())  # the timeline sees admissions and preemptions
         if on_plan is not None:
             on_plan(plan)
         self.update(plan, self.runner.execute(plan))
@@ -251,7 +251,7 @@ class Scheduler(PrefillPlanner):
                 for s in work.seqs:
                     self.kv.commit_split(s)
         self._prompts_done([s for work in ran for s in work.finishes])
-        self.stats.on_step_times(plan.plan_s, out.prefill_s, out.decode_s)
+        self.stats.on_step_times(plan, out)
         if out.prefill_tokens >= 16 and out.prefill_s > 0:
             self._observe_prefill(out.prefill_tokens / out.prefill_s)
         other = time.perf_counter() - plan.started - out.prefill_s

@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 from parallm_engine import settings
+from parallm_engine.core.timeline import Timeline
 
 
 def _percentile(values, q: float) -> float:
@@ -114,6 +115,7 @@ class EngineStats:
         #: Gauges only the engine thread may read from the live structures (its queues, the prefix tree):
         #: it publishes them between steps (:meth:`publish`) and ``Engine.stats()`` reads this snapshot.
         self.published: dict = {"waiting": 0, "prefilling": 0}
+        self.timeline = Timeline()  # each request's and step's times (Engine.timeline, the trace file, spans)
 
     # -- hooks called by the scheduler ---------------------------------------------------------
     def on_submit(self, req) -> None:
@@ -122,6 +124,7 @@ class EngineStats:
             self.prompt_tokens += len(req.prompt_ids)
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self.timeline.queued(req)
 
     def on_prompt_done(self, req, cached: int | None) -> None:
         if cached is not None:
@@ -132,6 +135,7 @@ class EngineStats:
         ttft = req.ttft()
         if ttft is not None:
             self._ttft.append(ttft)
+        self.timeline.first_token(req)
 
     def on_token(self, req, now: float) -> None:
         last = self._last_token.get(req.id)
@@ -144,12 +148,14 @@ class EngineStats:
             self.requests_finished += 1
             self.in_flight -= 1
         self._last_token.pop(req.id, None)
+        self.timeline.finished(req)
 
     def on_abort(self, req) -> None:
         with self._lock:
             self.requests_aborted += 1
             self.in_flight -= 1
         self._last_token.pop(req.id, None)
+        self.timeline.finished(req, aborted=True)
 
     def on_step(self, running: int, kv_bytes: int, kv_bytes_held: int | None = None) -> None:
         self.steps += 1
@@ -162,10 +168,17 @@ class EngineStats:
             self.kv_bytes_held = kv_bytes_held
             self.peak_kv_bytes_held = max(self.peak_kv_bytes_held, kv_bytes_held)
 
-    def on_step_times(self, plan_s: float, prefill_s: float, decode_s: float) -> None:
-        self.step_plan_s += plan_s
-        self.step_prefill_s += prefill_s
-        self.step_decode_s += decode_s
+    def on_plan(self, plan):
+        """A step's plan, before it runs (its admissions and preemptions); returns it."""
+        self.timeline.planned(plan)
+        return plan
+
+    def on_step_times(self, plan, out) -> None:
+        """A step ran ``plan`` and did ``out`` (``step_plan.StepOutput``)."""
+        self.step_plan_s += plan.plan_s
+        self.step_prefill_s += out.prefill_s
+        self.step_decode_s += out.decode_s
+        self.timeline.stepped(out)
 
     def step_breakdown_ms(self) -> dict:
         """Mean milliseconds per engine step in each part (see ``__init__``)."""

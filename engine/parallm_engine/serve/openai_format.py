@@ -181,6 +181,10 @@ def sum_usage(results) -> Usage:
         total.reasoning_tokens += r.usage.reasoning_tokens
         total.spec_proposed_tokens += r.usage.spec_proposed_tokens
         total.spec_accepted_tokens += r.usage.spec_accepted_tokens
+        # The call's timings: each phase as long as its longest request's (they ran together).
+        total.queue_s = max(total.queue_s, r.usage.queue_s)
+        total.prefill_s = max(total.prefill_s, r.usage.prefill_s)
+        total.decode_s = max(total.decode_s, r.usage.decode_s)
     return total
 
 

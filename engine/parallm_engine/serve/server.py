@@ -63,6 +63,7 @@ from parallm_engine.serve.anthropic_routes import anthropic_router
 from parallm_engine.serve.live_routes import add_live_routes
 from parallm_engine.errors import ParaLLMError, RankLostError
 from parallm_engine.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from parallm_engine.serve.trace_context import TraceContext
 from parallm_engine.serve.metrics import ServerMetrics, render as render_metrics
 from parallm_engine.serve.openai_format import APIError, api_error_from
 from parallm_engine.serve.openai_routes import openai_router
@@ -292,6 +293,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
     app.state.parallm = state
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.add_middleware(_HTTPCounter, metrics=state.metrics)
+    app.add_middleware(TraceContext)  # a caller's traceparent: the engine's spans are its children
 
     # -- error handlers ---------------------------------------------------------------------------
     @app.exception_handler(APIError)

@@ -1,16 +1,17 @@
 """What the engine is doing now, for the live page, ``/v1/status`` and ``parallm top`` (issue 76).
 
-:meth:`LiveStatus.snapshot` (any thread) reads the engine's published ``stats()`` and, between steps on the
-engine thread (``EngineCore.call``), every request in flight: its phase (queued / prefill / decode), place in the
-queue, cached and generated tokens, pages held, whether its session is pinned; and a bounded view of the radix
-tree (which programs' prompts pass through which prefix, how many requests read it from the cache). Between
-snapshots it keeps what the view needs over time: tokens per second per row, a timeline record per request
-(queued, prefill, decode, finished or aborted, preemptions) and a history of throughput, TTFT, ITL and queue
-depth. Everything is observed at the snapshots (a few per second while someone watches), so a request that
-starts and ends between two of them is counted in the engine's figures but has no bar of its own.
+:meth:`LiveStatus.snapshot` (any thread) reads the engine's published ``stats()``, its lifecycle recorder
+(``Engine.timeline()``, ``timeline.py``: every request's queue / prefill / decode times, preemptions, how it
+ended) and, between steps on the engine thread (``EngineCore.call``), every request in flight: its phase
+(queued / prefill / decode), place in the queue, cached and generated tokens, pages held, whether its session is
+pinned; and a bounded view of the radix tree (which programs' prompts pass through which prefix, and how many
+requests read it from the cache). Between snapshots it keeps what rates need (tokens per second per row) and a
+history of throughput, TTFT, ITL and queue depth. The tree's programs and hits are those the snapshots saw: a
+request that starts and ends between two of them (a few per second while someone watches) has its bar on the
+timeline but is not counted on the tree.
 
-A request's ``program`` is its session (``Engine.submit(session=...)``, the server's ``x-session-id`` / ``user``)
-or None; its ``lane`` on the timeline is its program, else its own id.
+A request's ``program`` is ``timeline.program_of`` (today its session: ``Engine.submit(session=...)``, the
+server's ``x-session-id`` / ``user``) or None; its ``lane`` on the timeline is its program, else its own id.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import time
 import weakref
 from collections import deque
 
-#: Finished requests the timeline keeps, and how far back (seconds) the history goes.
+from parallm_engine.core.timeline import program_of
+
+#: Requests the timeline shows at most (the latest), and how far back (seconds) it and the history go.
 MAX_FINISHED = 512
 HISTORY_S = 300.0
 HISTORY_STEP_S = 0.5  # the history's points (and the engine-wide tokens per second) at least this far apart
@@ -29,6 +32,7 @@ MAX_TREE_NODES = 64
 PREVIEW_TOKENS = 48
 #: Snapshots closer together than this share one look at the engine thread (several viewers, one cost).
 MIN_INTERVAL_S = 0.2
+RECENT_S = 5.0  # the history's TTFT: of the calls whose first token came this many seconds before the point
 
 _views: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _views_lock = threading.Lock()
@@ -43,50 +47,14 @@ def live_status(engine) -> "LiveStatus":
         return view
 
 
-class _Record:
-    """One request as the timeline shows it (times in ``time.monotonic()`` seconds)."""
-
-    __slots__ = ("request", "id", "program", "arrival", "admitted", "first_token", "finish", "finish_reason",
-                 "prompt_tokens", "cached_tokens", "output_tokens", "preemptions", "preempted_at", "tokens_at",
-                 "tps", "counted")
-
-    def __init__(self, req, now: float):
-        self.request = req  # dropped once the request has ended
-        self.id = req.id
-        self.program = req.session
-        self.arrival = req.arrival
-        self.admitted: float | None = None
-        self.first_token: float | None = None
-        self.finish: float | None = None
-        self.finish_reason: str | None = None
-        self.prompt_tokens = len(req.prompt_ids)
-        self.cached_tokens = 0
-        self.output_tokens = 0
-        self.preemptions = 0
-        self.preempted_at: list[float] = []
-        self.tokens_at = (now, 0)  # (time, output tokens) at the last snapshot: tokens per second
-        self.tps = 0.0
-        self.counted = False  # its prefix-cache hit counted on the tree's nodes
-
-    def as_dict(self, now: float) -> dict:
-        ago = lambda t: None if t is None else round(now - t, 3)  # noqa: E731  (seconds before the snapshot)
-        return {"id": self.id, "program": self.program, "lane": self.program or self.id,
-                "arrival_ago": ago(self.arrival), "admitted_ago": ago(self.admitted),
-                "first_token_ago": ago(self.first_token), "finish_ago": ago(self.finish),
-                "finish_reason": self.finish_reason, "aborted": self.finish_reason == "abort",
-                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "output_tokens": self.output_tokens, "preemptions": self.preemptions,
-                "preempted_ago": [ago(t) for t in self.preempted_at]}
-
-
 class LiveStatus:
     """Snapshots of one engine for the live views (see the module docstring). Thread-safe."""
 
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
         self._lock = threading.Lock()
-        self._records: dict[str, _Record] = {}  # in flight
-        self._finished: deque[_Record] = deque(maxlen=MAX_FINISHED)
+        self._rates: dict[str, tuple[float, int, float]] = {}  # in flight: (time, output tokens, tokens/s)
+        self._counted: set[str] = set()  # in flight, their prefix-cache hit counted on the tree's nodes
         self._history: deque[dict] = deque()
         self._hits: dict[int, int] = {}  # radix node id -> requests that read it from the cache
         self._programs: dict[int, set] = {}  # radix node id -> programs (lanes) whose prompts pass through it
@@ -116,8 +84,13 @@ class LiveStatus:
             page = stats.get("memory", {}).get("kv_page_tokens") or 0
             for r in live["rows"]:  # pages a row holds: its context's KV, in the pools' pages
                 r["pages"] = -(-r["computed_tokens"] // page) if page and r["phase"] != "queued" else 0
-            snap = {"time": time.time(), "engine": self._engine_part(engine, stats, live, now),
-                    "requests": live["rows"], "timeline": self._timeline(now), "tree": live["tree"],
+            records = engine.timeline(since=now - HISTORY_S)["requests"][-MAX_FINISHED:]
+            cached = {r["id"]: r["cached_tokens"] for r in live["rows"]}
+            for r in records:  # the recorder has a request's cached tokens when it ends; in flight, its row's
+                if r["finish"] is None and r["id"] in cached:
+                    r["cached_tokens"] = cached[r["id"]]
+            snap = {"time": time.time(), "engine": self._engine_part(engine, stats, live, records, now),
+                    "requests": live["rows"], "timeline": [_record(r, now) for r in records], "tree": live["tree"],
                     "history": [{k: v for k, v in p.items() if k != "t"} for p in self._history]}
             self._last, self._last_t = snap, time.monotonic()
             return snap
@@ -135,75 +108,40 @@ class LiveStatus:
         rows = []
         seen = set()
         for req in list(sched.requests.values()):
-            rec = self._records.get(req.id)
-            if rec is None:
-                rec = self._records[req.id] = _Record(req, now)
             seen.add(req.id)
             seqs = req.sequences or []
             generated = sum(len(getattr(s, "output_ids", ())) for s in seqs)
-            phases = []
+            t0, n0, tps = self._rates.get(req.id, (now, generated, 0.0))
+            if now - t0 >= MIN_INTERVAL_S / 2:  # over at least half the snapshots' interval
+                t0, n0, tps = now, generated, max(generated - n0, 0) / (now - t0)
+            self._rates[req.id] = (t0, n0, tps)
             for s in seqs:
                 sid = id(s)
                 phase = "decode" if sid in running else "prefill" if sid in prefilling else "queued"
-                phases.append(phase)
-                rows.append({"id": req.id, "index": getattr(s, "index", 0), "program": req.session,
+                computed = getattr(s, "computed", 0)
+                rows.append({"id": req.id, "index": getattr(s, "index", 0), "program": program_of(req),
                              "phase": phase, "queue_position": waiting.get(sid),
                              "prompt_tokens": len(req.prompt_ids), "cached_tokens": getattr(s, "cached_tokens", 0),
-                             "computed_tokens": getattr(s, "computed", 0),
-                             "kv_bytes": getattr(s, "computed", 0) * per_token if phase != "queued" else 0,
+                             "computed_tokens": computed, "kv_bytes": computed * per_token if phase != "queued" else 0,
                              "generated_tokens": len(getattr(s, "output_ids", ())),
                              "preemptions": getattr(s, "preemptions", 0), "priority": req.priority,
                              "pinned": req.session is not None and req.session in pins,
-                             "age_s": round(now - req.arrival, 3), "tokens_per_s": 0.0})
-            self._observe(rec, req, seqs, phases, generated, now)
-            for r in rows[len(rows) - len(seqs):]:
-                r["tokens_per_s"] = round(rec.tps / max(len(seqs), 1), 2)
+                             "age_s": round(now - req.arrival, 3), "tokens_per_s": round(tps / max(len(seqs), 1), 2)})
             if radix is not None and seqs and getattr(seqs[0], "started", False) and not seqs[0].embedding:
-                self._walk(radix, seqs[0], rec)
-        for rid in [r for r in self._records if r not in seen]:
-            self._retire(self._records.pop(rid), now)
+                self._walk(radix, seqs[0], program_of(req) or req.id, req.id not in self._counted)
+                self._counted.add(req.id)
+        for rid in [r for r in self._rates if r not in seen]:
+            del self._rates[rid]
+        self._counted &= seen
         tree = self._tree(radix, tokenizer, per_token) if radix is not None else None
         return {"now": now, "rows": rows, "tree": tree}
 
-    def _observe(self, rec: _Record, req, seqs, phases, generated: int, now: float) -> None:
-        if rec.admitted is None and any(p != "queued" for p in phases):
-            rec.admitted = now
-        if rec.first_token is None and req.first_token_time is not None:
-            rec.first_token = req.first_token_time
-        if rec.first_token is not None:  # seen only at a snapshot: it was admitted before its first token
-            rec.admitted = min(rec.admitted or rec.first_token, rec.first_token)
-        preemptions = sum(getattr(s, "preemptions", 0) for s in seqs)
-        if preemptions > rec.preemptions:
-            rec.preempted_at.append(now)
-            rec.preemptions = preemptions
-        rec.cached_tokens = max(rec.cached_tokens, max((getattr(s, "cached_tokens", 0) for s in seqs), default=0))
-        t0, n0 = rec.tokens_at
-        if now - t0 >= MIN_INTERVAL_S / 2:
-            rec.tps = max(generated - n0, 0) / (now - t0)
-            rec.tokens_at = (now, generated)
-        rec.output_tokens = generated
-
-    def _retire(self, rec: _Record, now: float) -> None:
-        req, rec.request = rec.request, None
-        result = req.result
-        if result is not None:
-            rec.finish = req.finish_time or now
-            rec.finish_reason = result.finish_reason or "stop"
-            rec.output_tokens = result.usage.completion_tokens
-            rec.cached_tokens = result.usage.cached_tokens
-            if rec.first_token is None:
-                rec.first_token = req.first_token_time
-        else:  # ended with an error: cancelled (its client went away), rejected, or the engine failing
-            rec.finish, rec.finish_reason = now, "abort"
-        self._finished.append(rec)
-
-    def _walk(self, radix, seq, rec: _Record) -> None:
-        """Follow ``seq``'s prompt down the tree (reading only): its program on every node it passes, and once
-        per request a hit on every node wholly inside the prefix it read from the cache."""
+    def _walk(self, radix, seq, lane: str, count_hit: bool) -> None:
+        """Follow ``seq``'s prompt down the tree (reading only): its ``lane`` on every node it passes, and (once
+        per request: ``count_hit``) a hit on every node wholly inside the prefix it read from the cache."""
         node = radix.roots.get(seq.adapter_key)
         ids, i, n = seq.prompt_ids, 0, len(seq.prompt_ids)
         cached = seq.cached_tokens
-        lane = rec.program or rec.id
         while node is not None and i < n:
             child = node.children.get(ids[i])
             if child is None:
@@ -215,10 +153,9 @@ class LiveStatus:
             progs = self._programs.setdefault(child.id, set())
             if len(progs) < 64:
                 progs.add(lane)
-            if not rec.counted and i <= cached:
+            if count_hit and i <= cached:
                 self._hits[child.id] = self._hits.get(child.id, 0) + 1
             node = child
-        rec.counted = True
 
     def _tree(self, radix, tokenizer, per_token: int) -> dict:
         """The largest nodes (by tokens below them), parents before children, at most ``MAX_TREE_NODES``."""
@@ -255,11 +192,7 @@ class LiveStatus:
                 "bytes": stats["bytes"], "hit_rate": stats["hit_rate"], "shown": len(out)}
 
     # -- assembling ----------------------------------------------------------------------------------
-    def _timeline(self, now: float) -> list[dict]:
-        recs = list(self._finished) + list(self._records.values())
-        return [r.as_dict(now) for r in recs if r.finish is None or now - r.finish < HISTORY_S]
-
-    def _engine_part(self, engine, stats: dict, live: dict, now: float) -> dict:
+    def _engine_part(self, engine, stats: dict, live: dict, records: list[dict], now: float) -> dict:
         mem = stats.get("memory", {})
         rows = live["rows"]
         generated = stats.get("generated_tokens", 0)
@@ -268,10 +201,10 @@ class LiveStatus:
             self._tps = (generated - prev[1]) / (now - prev[0]) if prev is not None else 0.0
             self._last_generated = (now, generated)
         tps = self._tps
-        recent = [r for r in self._records.values() if r.first_token is not None and now - r.first_token < 5.0]
-        recent += [r for r in self._finished if r.first_token is not None and now - r.first_token < 5.0]
-        ttft = [r.first_token - r.arrival for r in recent]
-        decoding = [r.tps for r in self._records.values() if r.tps > 0]
+        # TTFT of the calls whose first token came in the last few seconds; ITL of the rows decoding now.
+        ttft = [r["first_token"] - r["arrival"] for r in records
+                if r["first_token"] is not None and now - r["first_token"] < RECENT_S]
+        decoding = [tps for _, _, tps in self._rates.values() if tps > 0]
         point = {"ago": 0.0, "t": now, "tokens_per_s": round(tps, 2),
                  "ttft_s": round(sum(ttft) / len(ttft), 4) if ttft else None,
                  "itl_s": round(len(decoding) / sum(decoding), 4) if decoding else None,
@@ -309,6 +242,17 @@ class LiveStatus:
             "requests_aborted": stats.get("requests_aborted", 0),
             "ttft_p50_s": stats.get("ttft_p50_s"), "itl_p50_s": stats.get("itl_p50_s"),
         }
+
+
+def _record(r: dict, now: float) -> dict:
+    """A timeline record (``timeline.RequestRecord``) with its times as seconds before ``now``, and its lane."""
+    ago = lambda t: None if t is None else round(now - t, 3)  # noqa: E731
+    return {"id": r["id"], "program": r["program"], "lane": r["program"] or r["id"],
+            "arrival_ago": ago(r["arrival"]), "admitted_ago": ago(r["admitted"]),
+            "first_token_ago": ago(r["first_token"]), "finish_ago": ago(r["finish"]),
+            "finish_reason": r["finish_reason"], "aborted": r["aborted"], "prompt_tokens": r["prompt_tokens"],
+            "cached_tokens": r["cached_tokens"], "output_tokens": r["output_tokens"],
+            "preemptions": len(r["preemptions"]), "preempted_ago": [ago(t) for t in r["preemptions"]]}
 
 
 def _text(tokenizer, ids) -> str:

@@ -16,12 +16,15 @@ server's ``x-session-id`` / ``user``) or None; its ``lane`` on the timeline is i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
 from collections import deque
 
 from parallm_engine.core.timeline import program_of
+
+logger = logging.getLogger("parallm_engine")
 
 #: Requests the timeline shows at most (the latest), and how far back (seconds) it and the history go.
 MAX_FINISHED = 512
@@ -133,8 +136,14 @@ class LiveStatus:
         for rid in [r for r in self._rates if r not in seen]:
             del self._rates[rid]
         self._counted &= seen
-        tree = self._tree(radix, tokenizer, per_token) if radix is not None else None
-        return {"now": now, "rows": rows, "tree": tree}
+        tree = None
+        if radix is not None:
+            try:
+                tree = self._tree(radix, tokenizer, per_token)
+            except Exception:  # noqa: BLE001  (a view must never stop the engine, nor fail the rest of it)
+                logger.warning("could not read the prefix tree for the live view", exc_info=True)
+        # What this look held the engine thread for (between two steps): the live view's cost to the engine.
+        return {"now": now, "rows": rows, "tree": tree, "look_ms": round(1e3 * (time.monotonic() - now), 3)}
 
     def _walk(self, radix, seq, lane: str, count_hit: bool) -> None:
         """Follow ``seq``'s prompt down the tree (reading only): its ``lane`` on every node it passes, and (once
@@ -241,6 +250,7 @@ class LiveStatus:
             "requests_finished": stats.get("requests_finished", 0),
             "requests_aborted": stats.get("requests_aborted", 0),
             "ttft_p50_s": stats.get("ttft_p50_s"), "itl_p50_s": stats.get("itl_p50_s"),
+            "snapshot_ms": live["look_ms"],
         }
 
 

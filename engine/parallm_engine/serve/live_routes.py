@@ -101,9 +101,13 @@ def add_live_routes(app: FastAPI, get_engine: Callable[[], object], api_keys: Se
             return await asyncio.to_thread(live_status(engine).snapshot, max_age=max_age)
         except EngineDeadError as exc:
             raise APIError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead") from None
+        except TimeoutError:  # the engine thread did not reach a step boundary in time
+            raise APIError(503, "the engine is busy: no snapshot in time; retry", type="server_error",
+                           code="engine_busy", headers={"Retry-After": "1"}) from None
 
     @app.get("/v1/status", include_in_schema=True)
-    async def status(request: Request):
+    async def status(request: Request, sections: str | None = None, limit: str | None = None,
+                     key: str | None = None):  # (declared for the schema; parsed by _query)
         """The engine and every request in flight, now (``docs/observability.md``). ``sections``: a
         comma-separated subset of engine, requests, timeline, tree, history (default all); ``limit``: the most
         requests / timeline records (the latest)."""
@@ -128,6 +132,9 @@ def add_live_routes(app: FastAPI, get_engine: Callable[[], object], api_keys: Se
                 except EngineDeadError as exc:
                     yield f"event: engine_dead\ndata: {json.dumps({'message': str(exc)})}\n\n"
                     return
+                except TimeoutError:  # a long step: the next interval tries again
+                    await asyncio.sleep(interval)
+                    continue
                 yield f"event: status\ndata: {json.dumps(_trimmed(snap, sections, limit))}\n\n"
                 await asyncio.sleep(interval)
 

@@ -94,6 +94,9 @@ def test_the_live_page_in_chromium(engine, tmp_path):
             page.wait_for_function("document.querySelectorAll('#timeline .lane[data-state=\"finished\"]').length >= 8",
                                    timeout=60_000)
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            busy = httpx.get(f"{srv.url}/v1/status?sections=engine", headers=AUTH).json()["engine"]
+            print(f"a snapshot mid-traffic held the engine thread {busy['snapshot_ms']} ms "
+                  f"({busy['rows_running']} rows decoding)")
             traffic.join(300)
             assert not traffic.is_alive()
 

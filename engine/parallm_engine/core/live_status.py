@@ -57,7 +57,8 @@ class LiveStatus:
         self._engine = weakref.ref(engine)
         self._lock = threading.Lock()
         self._rates: dict[str, tuple[float, int, float]] = {}  # in flight: (time, output tokens, tokens/s)
-        self._counted: set[str] = set()  # in flight, their prefix-cache hit counted on the tree's nodes
+        # In flight and walked down the tree (their hit counted): the tree's shape at their last walk.
+        self._walked: dict[str, tuple] = {}
         self._history: deque[dict] = deque()
         self._hits: dict[int, int] = {}  # radix node id -> requests that read it from the cache
         self._programs: dict[int, set] = {}  # radix node id -> programs (lanes) whose prompts pass through it
@@ -108,6 +109,9 @@ class LiveStatus:
         pins = getattr(getattr(kv, "sessions", None), "pins", None) or {}
         radix = sched.radix
         per_token = kv.kv_bytes_per_token or 0
+        if radix is not None:
+            tree_stats = radix.stats()
+            shape = (tree_stats["nodes"], tree_stats["tokens"], tree_stats["evictions"])
         rows = []
         seen = set()
         for req in list(sched.requests.values()):
@@ -130,12 +134,14 @@ class LiveStatus:
                              "preemptions": getattr(s, "preemptions", 0), "priority": req.priority,
                              "pinned": req.session is not None and req.session in pins,
                              "age_s": round(now - req.arrival, 3), "tokens_per_s": round(tps / max(len(seqs), 1), 2)})
-            if radix is not None and seqs and getattr(seqs[0], "started", False) and not seqs[0].embedding:
-                self._walk(radix, seqs[0], program_of(req) or req.id, req.id not in self._counted)
-                self._counted.add(req.id)
+            if radix is not None and seqs and getattr(seqs[0], "started", False) and not seqs[0].embedding \
+                    and self._walked.get(req.id) != shape:  # (the tree is as it was at its last walk: skip)
+                self._walk(radix, seqs[0], program_of(req) or req.id, req.id not in self._walked)
+                self._walked[req.id] = shape
         for rid in [r for r in self._rates if r not in seen]:
             del self._rates[rid]
-        self._counted &= seen
+        for rid in [r for r in self._walked if r not in seen]:
+            del self._walked[rid]
         tree = None
         if radix is not None:
             try:

@@ -80,8 +80,7 @@ def test_an_aborted_request_ends_its_lane_as_aborted(engine, server):
     mine = next(r for r in snap["requests"] if r["id"] == handle.id)
     assert mine["program"] == "agent-7" and mine["phase"] == "decode"
     handle.abort()
-    engine.run_on_engine_thread(lambda: None)
-    time.sleep(0.25)  # past the snapshots' sharing interval
+    engine.run_on_engine_thread(lambda: None)  # the abort has reached the engine thread
     snap = httpx.get(f"{server.url}/v1/status?sections=timeline", headers=AUTH, timeout=30).json()
     rec = next(r for r in snap["timeline"] if r["id"] == handle.id)
     assert rec["lane"] == "agent-7" and rec["aborted"] and rec["finish_ago"] is not None
@@ -140,3 +139,37 @@ def test_an_in_process_engine_serves_its_page_on_loopback(engine):
         assert stop_dashboard(engine)
     with pytest.raises(httpx.ConnectError):
         httpx.get(url, timeout=5)
+
+
+def test_queue_positions_and_preemptions_under_a_tight_kv_budget(tiny_engine, tiny_model_dir):
+    """64 requests on a KV budget far too small for them (a tiny random model): while they run, the queued rows
+    are numbered 0, 1, 2... in queue order; afterwards the timeline marks the preempted calls, each mark between
+    the call's admission and its end."""
+    from parallm_engine import Engine
+    from parallm_engine.core.live_status import live_status
+
+    from .model_zoo import prompt_ids
+
+    vocab = tiny_engine.model_info.vocab_size
+    small = Engine(str(tiny_model_dir), kv_budget_bytes=tiny_engine.model_info.kv_bytes_per_token() * 400,
+                   decode_lanes=1)
+    try:
+        view = live_status(small)
+        handles = [small.submit(prompt_ids(8 + (i % 13), vocab, seed=i), max_tokens=24, ignore_eos=True,
+                                session=f"agent-{i % 4}") for i in range(64)]
+        queued = []
+        while not all(h.request.finished for h in handles):
+            snap = view.snapshot(max_age=0.0)
+            positions = [r["queue_position"] for r in snap["requests"] if r["phase"] == "queued"]
+            if positions:
+                queued.append(positions)
+            time.sleep(0.05)
+        assert queued and all(p == list(range(len(p))) for p in queued), queued[:3]
+        assert small.stats()["preemptions"] > 0
+        snap = view.snapshot(max_age=0.0)
+        assert {r["lane"] for r in snap["timeline"]} == {f"agent-{i}" for i in range(4)}
+        preempted = [r for r in snap["timeline"] if r["preemptions"]]
+        assert preempted and all(len(r["preempted_ago"]) == r["preemptions"] for r in preempted)
+        assert all(r["admitted_ago"] >= t >= r["finish_ago"] for r in preempted for t in r["preempted_ago"])
+    finally:
+        small.shutdown()

@@ -173,3 +173,25 @@ def test_queue_positions_and_preemptions_under_a_tight_kv_budget(tiny_engine, ti
         assert all(r["admitted_ago"] >= t >= r["finish_ago"] for r in preempted for t in r["preempted_ago"])
     finally:
         small.shutdown()
+
+
+def test_a_stopped_engine_ends_the_stream_and_answers_503(tiny_model_dir):
+    from parallm_engine import Engine
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1)
+    url = serve_dashboard(eng, api_key=KEY)
+    base = url.rsplit("/", 1)[0]
+    try:
+        with httpx.stream("GET", f"{base}/v1/status/stream?interval=0.2&sections=engine", headers=AUTH,
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            assert any(line.startswith("data: ") for line in lines)
+            eng.shutdown()
+            rest = list(lines)  # the server ends the stream after saying why
+        assert "event: engine_dead" in rest
+        r = httpx.get(f"{base}/v1/status", headers=AUTH, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(url, headers=AUTH, timeout=30).status_code == 200  # the page itself still loads
+    finally:
+        stop_dashboard(eng)
+        eng.shutdown()

@@ -109,8 +109,11 @@ def test_the_live_routes_need_the_key_as_header_query_or_cookie(server):
             r = browser.get(bad)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", bad
         assert browser.get("/dashboard?bogus=1").status_code == 400
+        assert browser.get("/v1/status?key=wrong").status_code == 401  # a key given is the one checked
         assert browser.get("/v1/status/stream?interval=0").status_code == 400
         assert browser.get("/v1/status/stream?interval=inf").status_code == 400
+    with httpx.Client(base_url=server.url, timeout=30) as other:  # only a valid ?key= becomes the cookie
+        assert other.get("/dashboard?key=wrong", headers=AUTH).status_code == 200 and not other.cookies
 
 
 def test_the_stream_sends_snapshots(server):

@@ -85,14 +85,24 @@ def _trimmed(snap: dict, sections: Sequence[str], limit: int | None) -> dict:
 def add_live_routes(app: FastAPI, get_engine: Callable[[], object], api_keys: Sequence[str]) -> None:
     """The routes on ``app``: ``get_engine()`` returns the running engine or raises ``APIError`` (503)."""
 
+    def valid(token: str, encoding: str = "utf-8") -> bool:
+        """``token`` is one of the keys (compared as bytes, with every key: no early exit on a match). Headers
+        and cookies arrive as latin-1 text, query parameters as UTF-8."""
+        raw = token.encode(encoding, "replace")
+        return bool(token) and any([hmac.compare_digest(raw, k.encode()) for k in api_keys])
+
     def check_key(request: Request) -> None:
         if not api_keys:
             return
         given = request.headers.get("authorization", "")
-        token = (given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")) \
-            or request.query_params.get("key", "") or request.cookies.get(COOKIE, "")
-        raw = token.encode("latin-1", "replace")
-        if not token or not any([hmac.compare_digest(raw, k.encode()) for k in api_keys]):
+        header = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if header:
+            ok = valid(header, "latin-1")
+        elif "key" in request.query_params:
+            ok = valid(request.query_params["key"])
+        else:
+            ok = valid(request.cookies.get(COOKIE, ""), "latin-1")
+        if not ok:
             raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>', or open "
                                 "/dashboard?key=<key>.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -146,7 +156,7 @@ def add_live_routes(app: FastAPI, get_engine: Callable[[], object], api_keys: Se
         check_key(request)
         q = _query(request, {"key": str})
         page = HTMLResponse(_asset("index.html"), headers={"Cache-Control": "no-store"})
-        if "key" in q:  # the page's own requests (EventSource, assets) then carry it as a cookie
+        if api_keys and valid(q.get("key", "")):  # the page's own requests (EventSource, assets) then carry it
             page.set_cookie(COOKIE, q["key"], httponly=True, samesite="strict", path="/")
         return page
 

@@ -289,6 +289,14 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_top(args) -> int:
+    from parallm_engine import settings
+    from parallm_engine.serve.live_top import run_top
+
+    keys = [args.api_key] if args.api_key else settings.api_keys()
+    return run_top(args.url, api_key=keys[0] if keys else None, interval=args.interval)
+
+
 def cmd_pull(args) -> int:
     from parallm_engine.models.hub import fetch_model
     from parallm_engine.models.model_store import describe_model_dir, pull_report
@@ -334,6 +342,16 @@ def cmd_bench(args) -> int:
     from parallm_bench.bench import main as bench_main
 
     return bench_main(args)
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.2 <= value <= 60:
+        raise argparse.ArgumentTypeError("must be between 0.2 and 60 seconds")
+    return value
 
 
 def _share(text: str) -> float:
@@ -470,6 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--replica-gpus", type=float, default=0.0, metavar="N",
                      help="with --ray: Ray GPUs each replica takes (1: one replica per GPU; default 0)")
     sp.set_defaults(fn=cmd_serve)
+
+    sp = sub.add_parser("top", help="the live view of a running server in this terminal (q quits)")
+    sp.add_argument("--url", default="http://127.0.0.1:8000", help="the server (parallm serve, or serve_dashboard)")
+    sp.add_argument("--api-key", default=None, help="its API key (default: $PARALLM_API_KEYS / $PARALLM_API_KEY)")
+    sp.add_argument("--interval", type=_interval, default=1.0, help="seconds between updates (0.2 to 60)")
+    sp.set_defaults(fn=cmd_top)
 
     sp = sub.add_parser("pull", help="download a Hugging Face model (org/name[@revision]) and say what it is")
     sp.add_argument("model_id")

@@ -10,7 +10,8 @@ any OpenAI client talks to it::
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream as server-sent
 events), ``GET /v1/models[/{id}]``, ``POST /tokenize`` and ``/detokenize`` (vLLM-compatible; these in
 :mod:`parallm_engine.serve.openai_routes`),
-``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``; Anthropic's ``POST /v1/messages[/count_tokens]``
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``; the live view's ``GET /v1/status[/stream]``
+and ``GET /dashboard`` (:mod:`parallm_engine.serve.live_routes`); Anthropic's ``POST /v1/messages[/count_tokens]``
 (:mod:`parallm_engine.serve.anthropic_routes`) and OpenAI's ``/v1/responses`` (:mod:`parallm_engine.serve.responses_routes`),
 translated onto the chat endpoint's request path (``docs/server-apis.md``).
 
@@ -59,6 +60,7 @@ from parallm_engine import settings
 from parallm_engine import __version__
 from parallm_engine.serve.anthropic_format import anthropic_error, is_anthropic_path
 from parallm_engine.serve.anthropic_routes import anthropic_router
+from parallm_engine.serve.live_routes import add_live_routes
 from parallm_engine.errors import ParaLLMError, RankLostError
 from parallm_engine.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from parallm_engine.serve.trace_context import TraceContext
@@ -194,7 +196,8 @@ class _HTTPCounter:
     up the metric's cardinality."""
 
     KNOWN = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-             "/detokenize", "/version", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
+             "/detokenize", "/version", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+             "/v1/status", "/v1/status/stream", "/dashboard")
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
@@ -392,6 +395,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
     add_rerank_routes(app, state, checked, rerank_model, engine_config)
     app.include_router(anthropic_router(kit))
     app.include_router(responses_router(kit))
+    add_live_routes(app, state.engine_or_503, state.api_keys)  # /v1/status, /dashboard (live_routes.py)
     return app
 
 

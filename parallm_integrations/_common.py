@@ -217,6 +217,21 @@ class ParaLLMParams(BaseModel):
     def _on_engine_loaded(self, engine) -> None:  # hook for subclasses
         pass
 
+    def close_session(self, session: str) -> dict:
+        """The agent run ``session`` names (a session, a LangGraph ``thread_id``, or a program) is over: the engine
+        lets go of its pinned context now instead of at its TTL, and drops its program's figures. In-process:
+        ``Engine.close_session``; with ``base_url``: the server's ``POST /close_session`` (SGLang's route)."""
+        if not self.base_url:
+            return self._get_engine().close_session(session)
+        import httpx
+
+        root = self.base_url.rstrip("/").removesuffix("/v1")
+        key = self.api_key.get_secret_value() if self.api_key is not None else None
+        r = httpx.post(f"{root}/close_session", json={"session_id": session},
+                       headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=self.timeout or 60)
+        r.raise_for_status()
+        return r.json()
+
     # -- where requests run ---------------------------------------------------------------------
     def _backend_options(self) -> dict[str, Any]:
         """How the backend treats special-token text (subclasses: their ``allow_special_tokens``)."""

@@ -306,3 +306,25 @@ def test_the_programs_bench_runs_every_system_on_one_trace(tiny_model_dir):
         assert row["fifo"]["most_passed"] == 0  # FIFO passes nobody
     assert r["mlx_lm_batch"]["completed"] == 3 and r["mlx_lm_batch"]["calls"] == 10
     assert any(line.startswith("  tight: fifo / programs") for line in bpr.format_lines(r))
+
+
+def test_chat_parallm_closes_a_thread_in_process_and_over_base_url(tiny_model_dir):
+    """``ChatParaLLM.close_session`` lets a thread's pin go: on its own engine, and on a server's through
+    ``base_url=`` (the server's ``POST /close_session``)."""
+    from parallm_engine import Engine
+    from parallm_engine.serve.server import ServerThread
+    from parallm_integrations import ChatParaLLM
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, kv_disk=0)
+    try:
+        with ServerThread(engine=eng, api_key="k") as srv:
+            remote = ChatParaLLM(base_url=srv.base_url, api_key="k", max_tokens=2, temperature=0)
+            remote.invoke("Hello there", config={"configurable": {"thread_id": "t-remote"}})
+            assert settled_stats(eng)["memory"]["sessions_pinned"] == 1
+            assert remote.close_session("t-remote") == {"released": 1, "program": True}
+            assert settled_stats(eng)["memory"]["sessions_pinned"] == 0
+    finally:
+        eng.shutdown()
+    local = ChatParaLLM(model=str(tiny_model_dir), max_tokens=2, temperature=0, engine_kwargs={"kv_disk": 0})
+    local.invoke("Hello there", config={"configurable": {"thread_id": "t-local"}})
+    assert local.close_session("t-local")["released"] == 1

@@ -19,14 +19,21 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from parallm_engine.formats.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
-from parallm_engine.errors import InvalidRequestError, ParaLLMError, QueueFullError
-from parallm_engine.serve.openai_format import APIError, Timing, abort_all, merged, reported, sum_usage
+from parallm_engine.errors import ContextLengthExceededError, InvalidRequestError, ParaLLMError, QueueFullError
+from parallm_engine.serve.openai_format import (APIError, PromptTooLongError, Timing, abort_all, merged, reported,
+                                                sum_usage)
 from parallm_engine.serve.protocol import ChatCompletionRequest, ChatMessage, ErrorResponse, NamedToolChoice
 from parallm_engine.serve.queue_shares import Lease
+from parallm_engine.serve.request_identity import identity_fields, request_session
 from parallm_engine.vision.chat import chat_prompt as vision_chat_prompt
 from parallm_engine.vision.inputs import IMAGE_PART_TYPES, has_images
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Sent when a stream has been silent this long (a long prompt prefilling), so clients and proxies with idle
+#: timeouts keep the connection: an SSE comment, which every SSE parser skips (Anthropic's routes send
+#: their ``ping`` event instead). Twice a second, so a client sees one at least every second.
+KEEPALIVE_S = 0.5
+SSE_KEEPALIVE = ": keep-alive\n\n"
 #: The OpenAI-shaped error answers the routes document.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
@@ -49,6 +56,7 @@ class PreparedChat:
     single_call: bool  # parallel_tool_calls=False: at most one call is reported
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     allow_special_tokens: bool = False
+    identity: dict[str, Any] = field(default_factory=dict)  # request_identity.identity_fields of the client's request
 
 
 @dataclass
@@ -103,13 +111,45 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def with_keepalive(events: AsyncIterator[str], beat: str, interval: float = KEEPALIVE_S) -> AsyncIterator[str]:
+    """``events``, with ``beat`` sent whenever the next event takes longer than ``interval`` seconds."""
+    it = events.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield beat
+                continue
+            finished, pending = pending, None
+            try:
+                event = finished.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:  # the client went: stop the events' generator before it is closed
+            pending.cancel()
+            try:
+                await pending
+            except BaseException:  # its cancellation, or whatever it raised: the response is over
+                pass
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
+
+
 class EngineStream(StreamingResponse):
     """A streaming response that aborts its engine requests however the response ends (finished,
-    client gone, send failed, never started)."""
+    client gone, send failed, never started), and keeps a silent stream alive with ``keepalive``
+    every :data:`KEEPALIVE_S` seconds."""
 
     def __init__(self, content, handles: list, on_close: Callable[[bool], None] | None = None,
-                 lease: Lease | None = None):
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+                 lease: Lease | None = None, keepalive: str = SSE_KEEPALIVE, headers: dict[str, str] | None = None):
+        super().__init__(with_keepalive(content, keepalive), media_type="text/event-stream",
+                         headers={**SSE_HEADERS, **(headers or {})})
         self._handles = handles
         self._on_close = on_close
         self._lease = lease
@@ -215,20 +255,20 @@ class ServerKit:
 
     def submit_kwargs(self, req) -> dict[str, Any]:
         """``Engine.submit``'s keyword arguments for a chat or completion request: its sampling, the LoRA
-        adapter its ``model`` names, its ``response_format``, its session (``user``: OpenAI's field, the
-        Responses API's, and Anthropic's ``metadata.user_id`` translated onto it; kv/session_pins.py)."""
+        adapter its ``model`` names, its ``response_format`` (the session is the request's identity's:
+        :func:`~parallm_engine.serve.request_identity.request_session`, at submit)."""
         kwargs = req.sampling_kwargs()
         kwargs["adapter"] = self.state.adapter_for(req.model)
-        if getattr(req, "user", None):
-            kwargs["session"] = req.user[:256]
         response_format = req.response_format.to_engine() if req.response_format else None
         if response_format is not None:  # "text" is no constraint
             kwargs["response_format"] = response_format
         return kwargs
 
-    def prepare_chat(self, req: ChatCompletionRequest, template_kwargs: dict | None = None) -> PreparedChat:
+    def prepare_chat(self, req: ChatCompletionRequest, template_kwargs: dict | None = None,
+                     origin: Any = None) -> PreparedChat:
         """A chat request as the engine takes it: its messages and the submit kwargs (tools, tool_choice,
-        grammar). The Anthropic and Responses routes translate their requests onto this too."""
+        grammar). The Anthropic and Responses routes translate their requests onto this too; ``origin`` is
+        the request as the client sent it (its identity fields name the session; default ``req``)."""
         state = self.state
         model_name = state.check_model(req.model)
         state.engine_or_503()
@@ -249,7 +289,8 @@ class ServerKit:
         response_format = kwargs.get("response_format")
         constrained = response_format is not None or bool(tools and tool_choice not in (None, "auto"))
         return PreparedChat(model_name, messages, tools, kwargs, constrained, req.parallel_tool_calls is False,
-                            dict(template_kwargs or {}), req.allow_special_tokens)
+                            dict(template_kwargs or {}), req.allow_special_tokens,
+                            identity_fields(req if origin is None else origin))
 
     async def chat_prompt(self, p: PreparedChat):
         """The prepared chat's prompt: token ids, or a vision prompt."""
@@ -263,13 +304,17 @@ class ServerKit:
         """Submit a prepared chat under this request's queue share; the caller ends the lease (or hands
         it to the stream)."""
         prompt = await self.chat_prompt(p) if prompt is None else prompt
-        session = request.headers.get("x-session-id")
-        if session:  # the header names the session for any API (and wins over the body's user)
-            p.kwargs["session"] = session[:256]
+        session = request_session(request.headers, p.identity)
+        if session:
+            p.kwargs["session"] = session
         timing = Timing(self.state.metrics)
         lease = self.reserve(request, p.kwargs.get("n", 1), endpoint, "n")
         try:
             handles = await self.submit([prompt], p.kwargs, endpoint, offload=p.constrained)
+        except ContextLengthExceededError as exc:  # each API's own words for it (PromptTooLongError)
+            lease.release()
+            raise PromptTooLongError(prompt_length(prompt), self.state.engine_or_503().context_window,
+                                     param="input" if endpoint == "responses" else "messages") from exc
         except BaseException:
             lease.release()
             raise
@@ -284,19 +329,23 @@ class ServerKit:
             run.end()
 
     async def stream_chat(self, p: PreparedChat, request: Request, endpoint: str,
-                          events: Callable[[ChatRun], AsyncIterator[str]]) -> StreamingResponse:
-        """Start a prepared chat and answer with ``events(run)`` as server-sent events; the stream aborts the
-        run's requests and gives its lease back when it ends."""
+                          events: Callable[[ChatRun], AsyncIterator[str]], keepalive: str = SSE_KEEPALIVE,
+                          headers: dict[str, str] | None = None) -> StreamingResponse:
+        """Start a prepared chat and answer with ``events(run)`` as server-sent events (``keepalive`` while
+        they are silent; ``headers`` besides SSE's); the stream aborts the run's requests and gives its lease
+        back when it ends."""
         run = await self.start_chat(p, request, endpoint)
         try:
-            return self.engine_stream(events(run), run, endpoint)
+            return self.engine_stream(events(run), run, endpoint, keepalive, headers)
         finally:
             run.end()  # nothing left to release once the stream holds the lease
 
-    def engine_stream(self, gen, run: ChatRun, endpoint: str) -> StreamingResponse:
+    def engine_stream(self, gen, run: ChatRun, endpoint: str, keepalive: str = SSE_KEEPALIVE,
+                      headers: dict[str, str] | None = None) -> StreamingResponse:
         """The SSE response for ``gen``; it aborts the run's requests and gives its lease back when it ends."""
         lease, run.lease = run.lease, None
-        return EngineStream(gen, run.handles, self.stream_closed(endpoint, run.timing, run.handles), lease)
+        return EngineStream(gen, run.handles, self.stream_closed(endpoint, run.timing, run.handles), lease,
+                            keepalive, headers)
 
 
 def chat_request(body: dict[str, Any], param_prefix: str = "") -> ChatCompletionRequest:

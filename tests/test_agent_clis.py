@@ -1,7 +1,8 @@
 """The real coding agents, installed from npm, against ``parallm serve`` on the default model (SmolLM2-135M,
 8,192-token context), configured as docs/coding-agents.md says:
 
-- Codex CLI (``codex exec``, a ``wire_api = "responses"`` provider) completes a turn;
+- Codex CLI (``codex exec``, a ``wire_api = "responses"`` provider, configured by docs/coding-agents.md's toml
+  block) completes a turn;
 - Claude Code (``claude -p`` with ``ANTHROPIC_BASE_URL``) shows its "Prompt is too long" error: its own
   prompt (system prompt and 25 tool schemas, ~23k tokens) is far over this model's context.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -54,32 +56,23 @@ def server(engine):
 
 
 def codex_config(base_url: str, context_window: int) -> str:
-    """docs/coding-agents.md's Codex configuration for a small local model."""
-    return f"""model = "default"
-model_provider = "parallm"
-model_context_window = {context_window}
-check_for_update_on_startup = false
-
-[features]
-goals = false
-
-[agents]
-enabled = false
-
-[analytics]
-enabled = false
-
-[model_providers.parallm]
-name = "ParaLLM"
-base_url = "{base_url}"
-wire_api = "responses"
-"""
+    """docs/coding-agents.md's Codex configuration (its toml block), for this server's model and address."""
+    doc = (Path(__file__).parents[1] / "docs" / "coding-agents.md").read_text()
+    block = re.search(r"```toml\n(.*?)```", doc, re.S).group(1)
+    block = block.replace('model = "local"', 'model = "default"')
+    block = re.sub(r"model_context_window = \d+", f"model_context_window = {context_window}", block)
+    return re.sub(r'base_url = "[^"]*"', f'base_url = "{base_url}"', block)
 
 
 def test_codex_exec_completes_a_turn(agents, server, engine, tmp_path):
     home = tmp_path / "codex-home"
     home.mkdir()
-    (home / "config.toml").write_text(codex_config(server.base_url, engine.context_window))
+    # The docs' small-context options, so the turn is quick on a CPU: short instructions in place of Codex's
+    # ~20 KB, no environment or collaboration-mode context (~1,650 tokens in all instead of ~5,600).
+    (home / "instructions.md").write_text("You are a coding agent. Answer briefly.\n")
+    small = (f'model_instructions_file = "{home / "instructions.md"}"\ninclude_environment_context = false\n'
+             "include_collaboration_mode_instructions = false\n")
+    (home / "config.toml").write_text(small + codex_config(server.base_url, engine.context_window))
     env = {**os.environ, "CODEX_HOME": str(home), "HOME": str(tmp_path), "NO_COLOR": "1"}
     env.pop("OPENAI_API_KEY", None)
     done = subprocess.run([str(agents / ".bin" / "codex"), "exec", "--skip-git-repo-check", "Say hello."],

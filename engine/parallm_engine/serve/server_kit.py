@@ -11,6 +11,7 @@ Each extra API translates its request into a :class:`~parallm_engine.serve.proto
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -34,6 +35,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: their ``ping`` event instead). Twice a second, so a client sees one at least every second.
 KEEPALIVE_S = 0.5
 SSE_KEEPALIVE = ": keep-alive\n\n"
+#: Chat prompts longer than this (characters of message text) are rendered and tokenized off the event loop:
+#: an agent's 20k-token prompt takes a few hundred ms, which would stall every other stream's events.
+LONG_PROMPT_CHARS = 16_384
 #: The OpenAI-shaped error answers the routes document.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
@@ -297,8 +301,11 @@ class ServerKit:
         eng = self.state.engine_or_503()
         if has_images(p.messages):  # decoding, hashing and the image processor: off the event loop
             return await asyncio.to_thread(vision_chat_prompt, eng, p.messages, p.tools, {})  # remote URLs never fetched
-        return eng.apply_chat_template(p.messages, tools=p.tools, allow_special_tokens=p.allow_special_tokens,
-                                       **p.template_kwargs)
+        render = functools.partial(eng.apply_chat_template, p.messages, tools=p.tools,
+                                   allow_special_tokens=p.allow_special_tokens, **p.template_kwargs)
+        if sum(len(m["content"]) for m in p.messages if isinstance(m.get("content"), str)) > LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(render)  # a coding agent's prompt: the other streams keep flowing
+        return render()
 
     async def start_chat(self, p: PreparedChat, request: Request, endpoint: str, prompt=None) -> ChatRun:
         """Submit a prepared chat under this request's queue share; the caller ends the lease (or hands

@@ -95,6 +95,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_32k_model_dir(tmp_path_factory) -> Path:
+    """:func:`write_tiny_llama` with a 32,768-token context: a coding agent's prompts fit (its text is garbage)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32k"), max_position_embeddings=32768)
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir):
     from parallm_engine import get_engine
 

@@ -123,6 +123,10 @@ def test_sessions_from_each_api():
     assert session("/v1/chat/completions", {}, {"user": "u1", "messages": []}) == "u1"
     assert session("/v1/messages", {}, {"metadata": {"user_id": "u2"}, "messages": []}) == "u2"
     assert session("/v1/responses", {"x-session-id": "s3"}, {"user": "u3", "input": "hi"}) == "s3"
+    # Coding agents' ids, read by the server's own rule (request_identity.py): Codex CLI's, Claude Code's.
+    assert session("/v1/responses", {"session-id": "s4"}, {"prompt_cache_key": "t4", "input": "hi"}) == "t4"
+    assert session("/v1/messages", {}, {"metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "c5"})},
+                                        "messages": []}) == "c5"
     assert routing_fields("/v1/responses", {}, b'{"previous_response_id": "resp-1", "input": "x"}')[2] == "resp-1"
     assert routing_fields("/v1/chat/completions", {}, b"not json") == ([], None, None)
 

@@ -165,7 +165,8 @@ def test_errors_have_anthropic_shape(server):
     assert_anthropic_error(httpx.post(url, headers=auth, json={**ok, "model": "claude-x"}), 404, "not_found_error")
     bad_block = {**ok, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}
     assert_anthropic_error(httpx.post(url, headers=auth, json=bad_block), 400, "invalid_request_error")
-    server_tool = {**ok, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+    server_tool = {**ok, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                   "tool_choice": {"type": "tool", "name": "web_search"}}  # not offered (agent_tools.py)
     assert_anthropic_error(httpx.post(url, headers=auth, json=server_tool), 400, "invalid_request_error")
     unknown = {**ok, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}
     assert_anthropic_error(httpx.post(url, headers=auth, json=unknown), 400, "invalid_request_error")

@@ -133,7 +133,8 @@ def test_errors_have_openai_shape(server):
     url, auth = f"{server.base_url}/responses", {"Authorization": f"Bearer {KEY}"}
     assert_error_body(httpx.post(url, json={"input": "hi"}), 401, code="invalid_api_key")
     assert_error_body(httpx.post(url, headers=auth, json={}), 400, param="input")
-    assert_error_body(httpx.post(url, headers=auth, json={"input": "hi", "tools": [{"type": "web_search"}]}), 400)
+    assert_error_body(httpx.post(url, headers=auth, json={"input": "hi", "tools": [{"type": "custom", "name": "x"}]}),
+                      400, param="tools[0].type")
     assert_error_body(httpx.post(url, headers=auth, json={"input": [{"type": "item_reference", "id": "x"}]}), 400)
     assert_error_body(httpx.post(url, headers=auth, json={"input": "hi", "model": "gpt-9"}), 404)
     r = httpx.post(url, headers={**auth, "Content-Type": "application/json"}, content='{"input": "a\\udc00"}')

@@ -24,6 +24,8 @@ def _engine_config(args) -> dict:
         cfg["kv_bits"] = args.kv_bits
     if getattr(args, "kv_disk", None) is not None:
         cfg["kv_disk"] = args.kv_disk
+    if getattr(args, "session_ttl", None) is not None:
+        cfg["session_ttl"] = args.session_ttl
     if getattr(args, "adapter", None):
         cfg["adapters"] = dict(args.adapter)
     if getattr(args, "kv_events", None):
@@ -384,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--kv-disk", type=_size, default=None, metavar="SIZE",
                         help="the prefix cache's disk tier: its size cap (e.g. 8GiB), 0 turns it off (default: "
                              "on, 16 GiB or a tenth of the free disk; PARALLM_KV_DISK; `parallm cache` lists it)")
+        sp.add_argument("--session-ttl", type=float, default=None, metavar="SECONDS",
+                        help="seconds a session's context stays pinned after its turn (default 30; 0 turns "
+                             "sessions off; docs/memory.md)")
         sp.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                         help="publish what the prefix cache holds as vLLM-format KV events on this ZMQ endpoint "
                              "(e.g. tcp://*:5557) for prefix-aware routers (llm-d, Dynamo); needs pyzmq, msgspec")

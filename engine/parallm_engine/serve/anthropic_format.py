@@ -36,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import from_json
 
 from parallm_engine.formats.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
-from parallm_engine.serve.openai_format import APIError, dumps, reported_calls, stream_error
+from parallm_engine.serve.agent_tools import OfferedTools
+from parallm_engine.serve.openai_format import APIError, PromptTooLongError, dumps, reported_calls, stream_error
 from parallm_engine.serve.protocol import MAX_STOP, ModelCard, new_id
 from parallm_engine.serve.server_kit import ChatRun, Finished, output_pieces
 
@@ -85,12 +86,12 @@ class ContentBlock(_Model):
 
 
 class AnthropicMessage(_Model):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a mid-conversation system message (Claude Code's)
     content: str | list[ContentBlock]
 
 
 class AnthropicTool(_Model):
-    type: str | None = None  # absent or "custom"; Anthropic's server tools are not run here
+    type: str | None = None  # absent or "custom"; Anthropic's server tools are not offered (agent_tools.py)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
@@ -130,6 +131,9 @@ class CountTokensRequest(_Model):
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    # Accepted and ignored: earlier thinking is never shown to the model again, so there is none to clear,
+    # and tool results are kept whole.
+    context_management: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -190,12 +194,32 @@ def _image_part(block: ContentBlock, param: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+#: Claude Code's first system block: billing metadata for Anthropic's servers, not prompt text, and different
+#: in every session (it would end the prefix that sessions' identical system prompts share at its first tokens).
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _system_prompt(req: CountTokensRequest) -> str | None:
+    """``system`` (without the billing block), then each system message in ``messages`` in order: one system
+    prompt (chat templates take one, first)."""
+    system = req.system
+    if isinstance(system, list):
+        system = [b for b in system if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER))]
+    texts = [_text_of(system, "system")] if system else []
+    texts += [_text_of(m.content, f"messages[{i}].content") for i, m in enumerate(req.messages) if m.role == "system"]
+    texts = [t for t in texts if t]
+    return "\n\n".join(texts) if texts else None
+
+
 def _chat_messages(req: CountTokensRequest) -> list[dict]:
     out: list[dict] = []
-    if req.system:
-        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    system = _system_prompt(req)
+    if system:
+        out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         param = f"messages[{i}].content"
+        if m.role == "system":
+            continue  # in the system prompt
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -238,22 +262,17 @@ def _chat_messages(req: CountTokensRequest) -> list[dict]:
     return out
 
 
-def _tool_fields(req: CountTokensRequest) -> dict[str, Any]:
+def _tool_fields(req: CountTokensRequest, tools: OfferedTools) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if req.tools:
-        for i, t in enumerate(req.tools):
-            if t.type not in (None, "custom"):
-                raise APIError(400, f"tools[{i}]: server tool {t.type!r} is not available; give custom tools "
-                               "(name, description, input_schema)", param=f"tools[{i}].type")
-        out["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                          "parameters": t.input_schema}} for t in req.tools]
+    if tools.tools:
+        out["tools"] = tools.tools
     choice = req.tool_choice
     if choice is not None:
         if choice.type == "tool":
             if not choice.name:
                 raise APIError(400, "tool_choice: type 'tool' needs a name", param="tool_choice.name")
-            if not any(t.name == choice.name for t in req.tools or []):
-                raise APIError(400, f"tool_choice: no tool named {choice.name!r}", param="tool_choice.name")
+            if not any(t["function"]["name"] == choice.name for t in tools.tools):
+                raise APIError(400, f"tool_choice: no custom tool named {choice.name!r}", param="tool_choice.name")
             out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
             out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
@@ -262,9 +281,10 @@ def _tool_fields(req: CountTokensRequest) -> dict[str, Any]:
     return out
 
 
-def chat_body(req: CountTokensRequest) -> dict[str, Any]:
-    """The chat-completions request body ``req`` means (for :func:`server_kit.chat_request`)."""
-    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req), **_tool_fields(req)}
+def chat_body(req: CountTokensRequest, tools: OfferedTools) -> dict[str, Any]:
+    """The chat-completions request body ``req`` means, offering ``tools`` (``anthropic_tools(req.tools)``;
+    for :func:`server_kit.chat_request`). Its session is read from ``req`` itself (request_identity.py)."""
+    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req), **_tool_fields(req, tools)}
     fmt = req.output_config.format if req.output_config else None
     if fmt is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt.schema_}}
@@ -277,8 +297,6 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
             body["top_k"] = req.top_k
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
-        if req.metadata and isinstance(req.metadata.get("user_id"), str):
-            body["user"] = req.metadata["user_id"]
         thinking = req.thinking
         if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
             if thinking.budget_tokens >= req.max_tokens:
@@ -358,6 +376,10 @@ def thinking_signature(thinking: str) -> str:
 
 def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {dumps({'type': name, **data})}\n\n"
+
+
+#: Anthropic's keep-alive event, sent while a stream is silent (a long prompt prefilling; server_kit.KEEPALIVE_S).
+PING = _event("ping", {})
 
 
 async def message_stream(run: ChatRun, model_name: str, single_call: bool,
@@ -449,6 +471,9 @@ def is_anthropic_path(path: str) -> bool:
 
 def _error_detail(err: APIError) -> dict:
     kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    if isinstance(err, PromptTooLongError):  # Anthropic's words, which Claude Code recognises
+        return {"type": kind, "message": f"prompt is too long: {err.prompt_tokens} tokens > "
+                                         f"{err.context_window - 1} maximum"}
     return {"type": kind, "message": err.message}
 
 
@@ -459,8 +484,10 @@ def anthropic_error(err: APIError) -> JSONResponse:
 
 def anthropic_model_card(card: ModelCard) -> dict:
     created = datetime.datetime.fromtimestamp(card.created, datetime.timezone.utc)
+    limit = card.max_model_len - 1 if card.max_model_len else None  # one token is left to generate
     return {"type": "model", "id": card.id, "display_name": card.id,
-            "created_at": created.isoformat().replace("+00:00", "Z")}
+            "created_at": created.isoformat().replace("+00:00", "Z"), "lifecycle": "active",
+            "max_input_tokens": limit, "max_tokens": limit}
 
 
 def anthropic_model_list(cards: list[ModelCard]) -> dict:

@@ -8,7 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from parallm_engine.serve.agent_tools import anthropic_tools
 from parallm_engine.serve.anthropic_format import (
+    PING,
     AnthropicErrorResponse,
     CountTokensRequest,
     CountTokensResponse,
@@ -30,18 +32,20 @@ def anthropic_router(kit: ServerKit) -> APIRouter:
     @router.post("/v1/messages", dependencies=kit.checked,
                  responses={**errors, 200: {"content": {"text/event-stream": {}}}})
     async def create_message(req: MessagesRequest, request: Request):
-        p = kit.prepare_chat(chat_request(chat_body(req)), template_kwargs(req))
+        tools = anthropic_tools(req.tools)
+        p = kit.prepare_chat(chat_request(chat_body(req, tools)), template_kwargs(req), origin=req)
         stops = list(req.stop_sequences or [])
         if req.stream:
             return await kit.stream_chat(p, request, ENDPOINT,
-                                         lambda run: message_stream(run, p.model_name, p.single_call, stops))
+                                         lambda run: message_stream(run, p.model_name, p.single_call, stops),
+                                         keepalive=PING, headers=tools.headers())
         result = await kit.complete_chat(p, request, ENDPOINT)
-        return JSONResponse(message_response(result, p.model_name, p.single_call, stops))
+        return JSONResponse(message_response(result, p.model_name, p.single_call, stops), headers=tools.headers())
 
     @router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, dependencies=kit.checked,
                  responses=errors)
     async def count_tokens(req: CountTokensRequest):
-        p = kit.prepare_chat(chat_request(chat_body(req)), template_kwargs(req))
+        p = kit.prepare_chat(chat_request(chat_body(req, anthropic_tools(req.tools))), template_kwargs(req))
         return CountTokensResponse(input_tokens=prompt_length(await kit.chat_prompt(p)))
 
     return router

@@ -60,6 +60,18 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class PromptTooLongError(APIError):
+    """A prompt the context cannot hold: 400 ``context_length_exceeded`` in OpenAI's words (the message
+    Codex CLI, aider and LiteLLM recognise); :mod:`anthropic_format` words it as Anthropic does."""
+
+    def __init__(self, prompt_tokens: int, context_window: int, param: str = "messages"):
+        super().__init__(400, f"This model's maximum context length is {context_window} tokens. However, your "
+                         f"messages resulted in {prompt_tokens} tokens (at least one token must be left to "
+                         "generate). Please reduce the length of the messages.", param=param,
+                         code="context_length_exceeded")
+        self.prompt_tokens, self.context_window = prompt_tokens, context_window
+
+
 def api_error_from(exc: BaseException) -> APIError:
     """Map an engine error (or anything else) onto the HTTP error a client should see."""
     if isinstance(exc, APIError):

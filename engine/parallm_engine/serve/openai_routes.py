@@ -30,6 +30,7 @@ from parallm_engine.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from parallm_engine.serve.request_identity import identity_fields, identity_kwargs
 from parallm_engine.serve.server_kit import ERROR_RESPONSES, EngineStream, ServerKit, message_dict
 
 
@@ -38,14 +39,15 @@ def openai_router(kit: ServerKit) -> APIRouter:
     state = kit.state
 
     def _card() -> ModelCard:
-        ctx = getattr(state.engine, "context_window", None)
-        return ModelCard(id=state.model_name, created=state.created, max_model_len=ctx)
+        return ModelCard.with_context(getattr(state.engine, "context_window", None), id=state.model_name,
+                                      created=state.created)
 
     @router.get("/v1/models", response_model=ModelList, dependencies=kit.auth,
                 responses={401: ERROR_RESPONSES[401]})
     async def list_models(request: Request):
-        adapters = [ModelCard(id=name, created=state.created, max_model_len=getattr(state.engine, "context_window", None),
-                              parent=state.model_name) for name in state.adapter_names()]
+        adapters = [ModelCard.with_context(getattr(state.engine, "context_window", None), id=name,
+                                           created=state.created, parent=state.model_name)
+                    for name in state.adapter_names()]
         if "anthropic-version" in request.headers:  # the anthropic SDK's models.list shape
             return JSONResponse(anthropic_model_list([_card(), *adapters]))
         return ModelList(data=[_card(), *adapters])
@@ -56,7 +58,7 @@ def openai_router(kit: ServerKit) -> APIRouter:
         state.check_model(model_id)
         card = _card()
         if state.adapter_for(model_id):
-            card = ModelCard(id=model_id, created=state.created, max_model_len=card.max_model_len, parent=card.id)
+            card = ModelCard.with_context(card.max_model_len, id=model_id, created=state.created, parent=card.id)
         if "anthropic-version" in request.headers:
             return JSONResponse(anthropic_model_card(card))
         return card
@@ -111,6 +113,7 @@ def openai_router(kit: ServerKit) -> APIRouter:
         if req.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         kwargs = kit.submit_kwargs(req)
+        kwargs.update(identity_kwargs(request.headers, identity_fields(req)))
         n = req.n or 1
         timing = Timing(state.metrics)
         lease = kit.reserve(request, len(prompts) * n, "completions", "prompt")

@@ -122,6 +122,8 @@ class _Sampling(_Model):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # names the session (request_identity.py), as user may
     # ParaLLM extension: the agent run the request is a call of (core/programs.py; default: its session)
     program: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM extensions
@@ -374,8 +376,16 @@ class ModelCard(_Model):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "parallm"
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # the context window in tokens, under each name agents read it: vLLM's,
+    context_length: int | None = None  # OpenRouter's / llama.cpp's,
+    context_window: int | None = None  # LiteLLM's and several agents',
+    max_context_length: int | None = None  # LM Studio's
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+
+    @classmethod
+    def with_context(cls, context: int | None, **fields: Any) -> "ModelCard":
+        return cls(max_model_len=context, context_length=context, context_window=context,
+                   max_context_length=context, **fields)
 
 
 class ModelList(_Model):

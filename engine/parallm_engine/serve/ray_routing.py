@@ -12,7 +12,7 @@ router: what was sent there, not what its radix cache still holds). :meth:`Routi
 
 1. a request naming a replica (``target``: the front asking each replica for its metrics, a stored response)
    goes there;
-2. a request naming a session (``x-session-id``, ``user``, Anthropic ``metadata.user_id``) goes to the
+2. a request naming a session (:mod:`~parallm_engine.serve.request_identity`: ``x-session-id``, an agent's ids) goes to the
    replica its session went to before;
 3. otherwise to the replica holding the longest prefix of its key (at least ``min_match_blocks``; ties: the
    least loaded);
@@ -38,6 +38,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from parallm_engine.serve.request_identity import request_session
 
 #: Bytes of the routing text per block: ~16 tokens of English, ~10 token ids as JSON. Small, so a new
 #: conversation's own question (after a shared system prompt) fills a block of its own: that is how a next turn
@@ -102,13 +104,9 @@ def block_hashes(parts: Sequence[Any], block_bytes: int = BLOCK_BYTES) -> list[i
 
 
 def session_of(headers: dict[str, str], body: dict) -> str | None:
-    """The session a request names: ``x-session-id`` (any API), ``user`` (OpenAI's, the Responses API's) or
-    Anthropic's ``metadata.user_id``; the same precedence as the server's session pins."""
-    session = headers.get("x-session-id") or body.get("user")
-    metadata = body.get("metadata")
-    if not session and isinstance(metadata, dict):
-        session = metadata.get("user_id")
-    return str(session)[:256] if session else None
+    """The session a request names: the server's own rule (:func:`request_identity.request_session`), so a
+    session's turns go to the replica that pins its context."""
+    return request_session(headers, body)
 
 
 def stored_response_id(path: str, body: dict) -> str | None:

@@ -2,7 +2,8 @@
 request the engine's chat endpoint runs, the response object and the server-sent event stream
 (:mod:`parallm_engine.serve.responses_routes` has the endpoints and the stored responses).
 
-Translation: ``instructions`` is the system message; ``input`` (a string, or items) the turns: message
+Translation: ``instructions`` is the system message (with the ``system`` / ``developer`` messages the input
+starts with: one system prompt); ``input`` (a string, or items) the turns: message
 items (``input_text`` / ``output_text`` parts, ``input_image`` parts for a vision model),
 ``function_call`` items the assistant's tool calls, ``function_call_output`` items tool messages;
 ``reasoning`` items a client sends back are dropped. ``tools`` are function tools, ``tool_choice`` as
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from parallm_engine.formats.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
 from parallm_engine.formats.typed_output import TRUNCATED_CALL
+from parallm_engine.serve.agent_tools import OfferedTools, offered_name
 from parallm_engine.serve.openai_format import APIError, dumps, reported_calls, stream_error
 from parallm_engine.serve.protocol import ReasoningEffort, effort_template_kwargs, new_id, now
 from parallm_engine.serve.server_kit import ChatRun, Finished, output_pieces
@@ -57,20 +59,26 @@ class InputItem(_Model):
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    namespace: str | None = None  # a function_call's, for a namespaced function
     output: str | list[InputPart] | None = None
 
 
-class FunctionTool(_Model):
+class ResponsesTool(_Model):
+    """A tool: ``function``; ``namespace`` (``name``, ``description`` and function ``tools``); or a hosted
+    or built-in tool (any other ``type``: not offered, :mod:`~parallm_engine.serve.agent_tools`)."""
+
     type: str = "function"
     name: str | None = Field(default=None, min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[ResponsesTool] | None = None  # a namespace's functions
 
 
 class FunctionToolChoice(_Model):
     type: Literal["function"]
     name: str = Field(min_length=1)
+    namespace: str | None = None
 
 
 class TextFormat(_Model):
@@ -99,7 +107,7 @@ class ResponsesRequest(_Model):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -113,6 +121,11 @@ class ResponsesRequest(_Model):
     previous_response_id: str | None = Field(default=None, max_length=200)
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    # Accepted as OpenAI documents them; what they ask of OpenAI's servers does not apply here:
+    include: list[str] | None = None  # no encrypted reasoning to include (reasoning items carry text)
+    prompt_cache_key: str | None = None  # names the session (request_identity.py); caching is automatic
+    client_metadata: dict[str, Any] | None = None  # its thread_id / session_id name the session
 
 
 class DeletedResponse(_Model):
@@ -160,7 +173,7 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             if not item.call_id or not item.name:
                 raise APIError(400, f"{param}: a function_call needs call_id and name", param=param)
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+                    "function": {"name": offered_name(item.name, item.namespace), "arguments": item.arguments or "{}"}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -179,24 +192,32 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     return out
 
 
-def chat_body(req: ResponsesRequest, history: list[dict]) -> dict[str, Any]:
+def _one_system_prompt(messages: list[dict]) -> list[dict]:
+    """The instructions and the system / developer messages the input starts with (Codex CLI sends two) as one
+    system message: many chat templates take one system message, first, and refuse a second."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system" and isinstance(messages[lead]["content"], str):
+        lead += 1
+    if lead < 2:
+        return messages
+    system = "\n\n".join(m["content"] for m in messages[:lead] if m["content"])
+    return [{"role": "system", "content": system}, *messages[lead:]]
+
+
+def chat_body(req: ResponsesRequest, history: list[dict], tools: OfferedTools) -> dict[str, Any]:
     """The chat-completions request body ``req`` means, after the stored ``history`` of its
-    ``previous_response_id`` (for :func:`server_kit.chat_request`)."""
+    ``previous_response_id``, offering ``tools`` (``responses_tools(req.tools)``; for
+    :func:`server_kit.chat_request`)."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
-    messages += input_messages(req)
+    messages = _one_system_prompt(messages + input_messages(req))
     if not messages:
         raise APIError(400, "input must not be empty", param="input")
     body: dict[str, Any] = {"model": req.model, "messages": messages}
-    if req.tools:
-        for i, t in enumerate(req.tools):
-            if t.type != "function" or not t.name:
-                raise APIError(400, f"tools[{i}]: only function tools (with a name) are supported",
-                               param=f"tools[{i}]")
-        body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                           "parameters": t.parameters, "strict": t.strict}}
-                         for t in req.tools]
+    if tools.tools:
+        body["tools"] = tools.tools
     if isinstance(req.tool_choice, FunctionToolChoice):
-        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+        name = offered_name(req.tool_choice.name, req.tool_choice.namespace)
+        body["tool_choice"] = {"type": "function", "function": {"name": name}}
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     fmt = req.text.format if req.text else None
@@ -263,10 +284,15 @@ def message_item(text: str | None, item_id: str | None = None, status: str = "co
             "content": [] if text is None else [output_text_part(text)]}
 
 
-def function_call_item(call_id: str, name: str, arguments: str, item_id: str | None = None,
+def function_call_item(call_id: str, offered: str, arguments: str, tools: OfferedTools, item_id: str | None = None,
                        status: str = "completed") -> dict:
-    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call_id, "name": name,
+    """A ``function_call`` item for a call of the tool offered as ``offered`` (its namespace split off)."""
+    name, namespace = tools.reported(offered)
+    item = {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def call_status(call) -> str:
@@ -291,7 +317,8 @@ def finish_response(body: dict, output: list[dict], finish_reason: str | None, u
     return body
 
 
-def response_body(result, req: ResponsesRequest, rid: str, model_name: str, single_call: bool) -> dict:
+def response_body(result, req: ResponsesRequest, rid: str, model_name: str, single_call: bool,
+                  tools: OfferedTools) -> dict:
     c = result.choices[0]
     calls = reported_calls(c.tool_calls, single_call)
     output: list[dict] = []
@@ -301,7 +328,7 @@ def response_body(result, req: ResponsesRequest, rid: str, model_name: str, sing
     if text or not calls:
         output.append(message_item(text or ""))
     for call in calls:
-        output.append(function_call_item(call.id, call.name, call_arguments(call), status=call_status(call)))
+        output.append(function_call_item(call.id, call.name, call_arguments(call), tools, status=call_status(call)))
     return finish_response(response_shell(rid, req, model_name, "in_progress"), output, c.finish_reason,
                            result.usage)
 
@@ -311,7 +338,7 @@ def history_of(messages: list[dict], output: list[dict]) -> list[dict]:
     assistant's turn (text and tool calls; reasoning is not shown again)."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
     calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
+              "function": {"name": offered_name(item["name"], item.get("namespace")), "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
     turn: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
@@ -337,7 +364,7 @@ class _Events:
 
 
 async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_name: str, single_call: bool,
-                          on_done) -> AsyncIterator[str]:
+                          tools: OfferedTools, on_done) -> AsyncIterator[str]:
     """``response.created`` and ``response.in_progress``; per output item ``response.output_item.added``,
     its deltas (``response.reasoning_text.delta``, ``response.content_part.added`` +
     ``response.output_text.delta``, ``response.function_call_arguments.delta``) and ``...done`` events,
@@ -394,7 +421,7 @@ async def response_stream(run: ChatRun, req: ResponsesRequest, rid: str, model_n
             if isinstance(piece, ToolCallDelta):
                 called = True
                 if piece.id is not None:
-                    for ev in open_item(function_call_item(piece.id, piece.name or "", "")):
+                    for ev in open_item(function_call_item(piece.id, piece.name or "", "", tools)):
                         yield ev
                 if piece.arguments_delta and current is not None:
                     current["arguments"] += piece.arguments_delta

@@ -18,6 +18,7 @@ from typing import Any, Hashable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from parallm_engine.serve.agent_tools import responses_tools
 from parallm_engine.serve.openai_format import APIError
 from parallm_engine.serve.protocol import ErrorResponse, new_id
 from parallm_engine.serve.responses_format import (
@@ -97,7 +98,8 @@ def responses_router(kit: ServerKit, store: ResponseStore | None = None) -> APIR
             if prev is None:
                 raise _not_found(req.previous_response_id, "previous_response_id")
             history = prev.history
-        p = kit.prepare_chat(chat_request(chat_body(req, history)), template_kwargs(req))
+        tools = responses_tools(req.tools)
+        p = kit.prepare_chat(chat_request(chat_body(req, history, tools)), template_kwargs(req), origin=req)
         rid = new_id("resp")
         turns = history + input_messages(req)
 
@@ -106,12 +108,12 @@ def responses_router(kit: ServerKit, store: ResponseStore | None = None) -> APIR
                 store.put(key, rid, StoredResponse(body, history_of(turns, body["output"])))
 
         if req.stream:
-            return await kit.stream_chat(p, request, ENDPOINT,
-                                         lambda run: response_stream(run, req, rid, p.model_name, p.single_call, keep))
+            return await kit.stream_chat(p, request, ENDPOINT, lambda run: response_stream(
+                run, req, rid, p.model_name, p.single_call, tools, keep), headers=tools.headers())
         result = await kit.complete_chat(p, request, ENDPOINT)
-        body = response_body(result, req, rid, p.model_name, p.single_call)
+        body = response_body(result, req, rid, p.model_name, p.single_call, tools)
         keep(body)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=tools.headers())
 
     @router.get("/v1/responses/{response_id}", dependencies=kit.auth, responses=errors)
     async def get_response(response_id: str, request: Request):

@@ -11,6 +11,7 @@ Each extra API translates its request into a :class:`~parallm_engine.serve.proto
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -19,14 +20,24 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from parallm_engine.formats.chat_format import ContentDelta, ReasoningDelta, ToolCallDelta
-from parallm_engine.errors import InvalidRequestError, ParaLLMError, QueueFullError
-from parallm_engine.serve.openai_format import APIError, Timing, abort_all, merged, reported, sum_usage
+from parallm_engine.errors import ContextLengthExceededError, InvalidRequestError, ParaLLMError, QueueFullError
+from parallm_engine.serve.openai_format import (APIError, PromptTooLongError, Timing, abort_all, merged, reported,
+                                                sum_usage)
 from parallm_engine.serve.protocol import ChatCompletionRequest, ChatMessage, ErrorResponse, NamedToolChoice
 from parallm_engine.serve.queue_shares import Lease
+from parallm_engine.serve.request_identity import identity_fields, identity_kwargs
 from parallm_engine.vision.chat import chat_prompt as vision_chat_prompt
 from parallm_engine.vision.inputs import IMAGE_PART_TYPES, has_images
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Sent when a stream has been silent this long (a long prompt prefilling), so clients and proxies with idle
+#: timeouts keep the connection: an SSE comment, which every SSE parser skips (Anthropic's routes send
+#: their ``ping`` event instead). Twice a second, so a client sees one at least every second.
+KEEPALIVE_S = 0.5
+SSE_KEEPALIVE = ": keep-alive\n\n"
+#: Chat prompts longer than this (characters of message text) are rendered and tokenized off the event loop:
+#: an agent's 20k-token prompt takes a few hundred ms, which would stall every other stream's events.
+LONG_PROMPT_CHARS = 16_384
 #: The OpenAI-shaped error answers the routes document.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
@@ -49,6 +60,7 @@ class PreparedChat:
     single_call: bool  # parallel_tool_calls=False: at most one call is reported
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     allow_special_tokens: bool = False
+    identity: dict[str, Any] = field(default_factory=dict)  # request_identity.identity_fields of the client's request
 
 
 @dataclass
@@ -103,13 +115,45 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def with_keepalive(events: AsyncIterator[str], beat: str, interval: float = KEEPALIVE_S) -> AsyncIterator[str]:
+    """``events``, with ``beat`` sent whenever the next event takes longer than ``interval`` seconds."""
+    it = events.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield beat
+                continue
+            finished, pending = pending, None
+            try:
+                event = finished.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:  # the client went: stop the events' generator before it is closed
+            pending.cancel()
+            try:
+                await pending
+            except BaseException:  # its cancellation, or whatever it raised: the response is over
+                pass
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
+
+
 class EngineStream(StreamingResponse):
     """A streaming response that aborts its engine requests however the response ends (finished,
-    client gone, send failed, never started)."""
+    client gone, send failed, never started), and keeps a silent stream alive with ``keepalive``
+    every :data:`KEEPALIVE_S` seconds."""
 
     def __init__(self, content, handles: list, on_close: Callable[[bool], None] | None = None,
-                 lease: Lease | None = None):
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+                 lease: Lease | None = None, keepalive: str = SSE_KEEPALIVE, headers: dict[str, str] | None = None):
+        super().__init__(with_keepalive(content, keepalive), media_type="text/event-stream",
+                         headers={**SSE_HEADERS, **(headers or {})})
         self._handles = handles
         self._on_close = on_close
         self._lease = lease
@@ -215,22 +259,20 @@ class ServerKit:
 
     def submit_kwargs(self, req) -> dict[str, Any]:
         """``Engine.submit``'s keyword arguments for a chat or completion request: its sampling, the LoRA
-        adapter its ``model`` names, its ``response_format``, its session (``user``: OpenAI's field, the
-        Responses API's, and Anthropic's ``metadata.user_id`` translated onto it; kv/session_pins.py)."""
+        adapter its ``model`` names, its ``response_format`` (the session is the request's identity's:
+        :func:`~parallm_engine.serve.request_identity.request_session`, at submit)."""
         kwargs = req.sampling_kwargs()
         kwargs["adapter"] = self.state.adapter_for(req.model)
-        if getattr(req, "user", None):
-            kwargs["session"] = req.user[:256]
-        if getattr(req, "program", None):
-            kwargs["program"] = req.program
         response_format = req.response_format.to_engine() if req.response_format else None
         if response_format is not None:  # "text" is no constraint
             kwargs["response_format"] = response_format
         return kwargs
 
-    def prepare_chat(self, req: ChatCompletionRequest, template_kwargs: dict | None = None) -> PreparedChat:
+    def prepare_chat(self, req: ChatCompletionRequest, template_kwargs: dict | None = None,
+                     origin: Any = None) -> PreparedChat:
         """A chat request as the engine takes it: its messages and the submit kwargs (tools, tool_choice,
-        grammar). The Anthropic and Responses routes translate their requests onto this too."""
+        grammar). The Anthropic and Responses routes translate their requests onto this too; ``origin`` is
+        the request as the client sent it (its identity fields name the session; default ``req``)."""
         state = self.state
         model_name = state.check_model(req.model)
         state.engine_or_503()
@@ -251,30 +293,33 @@ class ServerKit:
         response_format = kwargs.get("response_format")
         constrained = response_format is not None or bool(tools and tool_choice not in (None, "auto"))
         return PreparedChat(model_name, messages, tools, kwargs, constrained, req.parallel_tool_calls is False,
-                            dict(template_kwargs or {}), req.allow_special_tokens)
+                            dict(template_kwargs or {}), req.allow_special_tokens,
+                            identity_fields(req if origin is None else origin))
 
     async def chat_prompt(self, p: PreparedChat):
         """The prepared chat's prompt: token ids, or a vision prompt."""
         eng = self.state.engine_or_503()
         if has_images(p.messages):  # decoding, hashing and the image processor: off the event loop
             return await asyncio.to_thread(vision_chat_prompt, eng, p.messages, p.tools, {})  # remote URLs never fetched
-        return eng.apply_chat_template(p.messages, tools=p.tools, allow_special_tokens=p.allow_special_tokens,
-                                       **p.template_kwargs)
+        render = functools.partial(eng.apply_chat_template, p.messages, tools=p.tools,
+                                   allow_special_tokens=p.allow_special_tokens, **p.template_kwargs)
+        if sum(len(m["content"]) for m in p.messages if isinstance(m.get("content"), str)) > LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(render)  # a coding agent's prompt: the other streams keep flowing
+        return render()
 
     async def start_chat(self, p: PreparedChat, request: Request, endpoint: str, prompt=None) -> ChatRun:
         """Submit a prepared chat under this request's queue share; the caller ends the lease (or hands
         it to the stream)."""
         prompt = await self.chat_prompt(p) if prompt is None else prompt
-        session = request.headers.get("x-session-id")
-        if session:  # the header names the session for any API (and wins over the body's user)
-            p.kwargs["session"] = session[:256]
-        program = request.headers.get("x-parallm-program")
-        if program:  # likewise the program (core/programs.py)
-            p.kwargs["program"] = program[:256]
+        p.kwargs.update(identity_kwargs(request.headers, p.identity))
         timing = Timing(self.state.metrics)
         lease = self.reserve(request, p.kwargs.get("n", 1), endpoint, "n")
         try:
             handles = await self.submit([prompt], p.kwargs, endpoint, offload=p.constrained)
+        except ContextLengthExceededError as exc:  # each API's own words for it (PromptTooLongError)
+            lease.release()
+            raise PromptTooLongError(prompt_length(prompt), self.state.engine_or_503().context_window,
+                                     param="input" if endpoint == "responses" else "messages") from exc
         except BaseException:
             lease.release()
             raise
@@ -289,19 +334,23 @@ class ServerKit:
             run.end()
 
     async def stream_chat(self, p: PreparedChat, request: Request, endpoint: str,
-                          events: Callable[[ChatRun], AsyncIterator[str]]) -> StreamingResponse:
-        """Start a prepared chat and answer with ``events(run)`` as server-sent events; the stream aborts the
-        run's requests and gives its lease back when it ends."""
+                          events: Callable[[ChatRun], AsyncIterator[str]], keepalive: str = SSE_KEEPALIVE,
+                          headers: dict[str, str] | None = None) -> StreamingResponse:
+        """Start a prepared chat and answer with ``events(run)`` as server-sent events (``keepalive`` while
+        they are silent; ``headers`` besides SSE's); the stream aborts the run's requests and gives its lease
+        back when it ends."""
         run = await self.start_chat(p, request, endpoint)
         try:
-            return self.engine_stream(events(run), run, endpoint)
+            return self.engine_stream(events(run), run, endpoint, keepalive, headers)
         finally:
             run.end()  # nothing left to release once the stream holds the lease
 
-    def engine_stream(self, gen, run: ChatRun, endpoint: str) -> StreamingResponse:
+    def engine_stream(self, gen, run: ChatRun, endpoint: str, keepalive: str = SSE_KEEPALIVE,
+                      headers: dict[str, str] | None = None) -> StreamingResponse:
         """The SSE response for ``gen``; it aborts the run's requests and gives its lease back when it ends."""
         lease, run.lease = run.lease, None
-        return EngineStream(gen, run.handles, self.stream_closed(endpoint, run.timing, run.handles), lease)
+        return EngineStream(gen, run.handles, self.stream_closed(endpoint, run.timing, run.handles), lease,
+                            keepalive, headers)
 
 
 def chat_request(body: dict[str, Any], param_prefix: str = "") -> ChatCompletionRequest:

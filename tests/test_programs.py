@@ -328,3 +328,27 @@ def test_chat_parallm_closes_a_thread_in_process_and_over_base_url(tiny_model_di
     local = ChatParaLLM(model=str(tiny_model_dir), max_tokens=2, temperature=0, engine_kwargs={"kv_disk": 0})
     local.invoke("Hello there", config={"configurable": {"thread_id": "t-local"}})
     assert local.close_session("t-local")["released"] == 1
+
+
+def test_metrics_report_programs_with_bounded_labels(tiny_model_dir):
+    """/metrics carries the programs tracked and in flight, and per program (the 16 most recent) its times and
+    tokens: label cardinality stays bounded however many programs run."""
+    import httpx
+
+    from parallm_engine import Engine
+    from parallm_engine.serve.metrics import METRIC_PROGRAMS
+    from parallm_engine.serve.server import ServerThread
+
+    eng = Engine(str(tiny_model_dir), decode_lanes=1, kv_disk=0, session_ttl=0)
+    try:
+        for i in range(METRIC_PROGRAMS + 4):
+            eng.generate([[500 + i, 501, 502]], max_tokens=1, temperature=0, program=f"run-{i}")
+        settled_stats(eng)
+        with ServerThread(engine=eng) as srv:
+            body = httpx.get(f"{srv.url}/metrics").text
+    finally:
+        eng.shutdown()
+    assert f"parallm_programs_tracked{{model=" in body and "parallm_programs_in_flight{" in body
+    series = [line for line in body.splitlines() if line.startswith("parallm_program_calls{")]
+    assert len(series) == METRIC_PROGRAMS
+    assert 'program="run-19"' in series[-1] and not any('program="run-0"' in line for line in series)

@@ -237,9 +237,41 @@ def render_engine_stats(stats: dict, model: str) -> list[str]:
     cache = stats.get("prefix_cache") or {}
     for key, suffix, kind, help in _PREFIX_CACHE_METRICS:
         out += _gauge_lines(f"{PREFIX}_{suffix}", kind, help, cache.get(key), labels)
+    out += _program_lines(stats.get("programs") or {}, labels)
     dist = stats.get("distributed")
     if dist:
         out += _distributed_lines(dist, labels)
+    return out
+
+
+#: Programs (agent runs) given their own series on /metrics: the most recently active ones (bounded label
+#: cardinality; ``Engine.stats()["programs"]`` has up to 512, core/programs.py).
+METRIC_PROGRAMS = 16
+_PROGRAM_METRICS = (
+    ("job_completion_s", "program_job_completion_seconds", "Seconds from the program's first call to its last end."),
+    ("queued_s", "program_queued_seconds", "Seconds the program had a call waiting and none running."),
+    ("running_s", "program_running_seconds", "Seconds the program had a call admitted."),
+    ("paused_s", "program_paused_seconds", "Seconds the program had nothing in flight (tool calls, its own work)."),
+    ("calls", "program_calls", "Calls the program made."),
+    ("cached_tokens", "program_cached_tokens", "Prompt tokens of the program's calls read from the cache."),
+    ("computed_tokens", "program_computed_tokens", "Prompt tokens of the program's calls computed."),
+)
+
+
+def _program_lines(programs: dict, labels: dict) -> list[str]:
+    """How many programs the engine tracks and has in flight; per program (the ``METRIC_PROGRAMS`` most recently
+    active) its times and tokens."""
+    p = PREFIX
+    out = _gauge_lines(f"{p}_programs_tracked", "gauge", "Programs (agent runs) the engine reports.",
+                       len(programs), labels)
+    out += _gauge_lines(f"{p}_programs_in_flight", "gauge", "Programs with a call queued or running.",
+                        sum(1 for v in programs.values() if v.get("in_flight")), labels)
+    recent = list(programs.items())[-METRIC_PROGRAMS:]
+    for key, suffix, help in _PROGRAM_METRICS:
+        rows = [(name, v.get(key)) for name, v in recent if isinstance(v.get(key), (int, float))]
+        if rows:
+            out += [f"# HELP {p}_{suffix} {help}", f"# TYPE {p}_{suffix} gauge"]
+            out += [f"{p}_{suffix}{_labels({**labels, 'program': name})} {_num(value)}" for name, value in rows]
     return out
 
 

@@ -587,10 +587,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
                                       param="session")
 
         def close():
-            released = self._scheduler.kv.release_session(session)
-            with self._stats._lock:
-                dropped = self._stats.programs.forget(session)
-            return {"released": released, "program": dropped}
+            return {"released": self._scheduler.kv.release_session(session),
+                    "program": self._stats.forget_program(session)}
         return self.core.call(close, mirror=("release_session", (session,)))
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -262,6 +262,11 @@ class EngineStats:
             "programs": self.programs_snapshot(),
         }
 
+    def forget_program(self, name: str) -> bool:
+        """Drop a closed program's figures (``Engine.close_session``); False if none were kept."""
+        with self._lock:
+            return self.programs.forget(name)
+
     def programs_snapshot(self) -> dict:
         with self._lock:
             return self.programs.snapshot()

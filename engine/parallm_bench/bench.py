@@ -42,6 +42,8 @@ Workloads (sizes for the full run; ``--quick`` shrinks them):
               100 / 1,000 / 8,000-token prefixes with the rule's pick (``restart``).
 - sessions:   the agents trace with 2-10 s tool calls under a KV budget a third of its working set, with and
               without sessions (and with the default budget): re-prefilled tokens, TTFT (``sessions``).
+- observe:    the throughput and fan-out prompts with the live page watched and OpenTelemetry spans on vs
+              both off, alternating: what watching costs (``observe``).
 - programs:   agent runs (coding agents, BFCL-like runs with parallel tool calls, Send fan-outs) arriving as a
               Poisson process, with call-level FIFO and no retention vs the defaults (programs and sessions),
               under a third of the working set and with room, and mlx-lm's BatchGenerator: job completion
@@ -112,7 +114,7 @@ DEFAULT_WORKLOADS = "throughput,fanout,single,peer,roofline,paths,arrival"
 SHAPE_WORKLOADS = "throughput,fanout,single"
 ALL_WORKLOADS = ("throughput", "fanout", "single", "peer", "roofline", "llamacpp", "agents", "longctx", "paths",
                  "arrival", "memory", "preempt", "spec", "constrained", "vision", "embed", "rerank", "lora", "restart",
-                 "sessions", "programs", "curve")
+                 "sessions", "programs", "curve", "observe")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -546,6 +548,10 @@ def run_bench(engine, workloads: list[str], quick: bool = False, progress=None, 
 
         result["workloads"]["programs"] = bpr.run_programs(
             engine, bpr.QUICK_PROGRAMS if quick else bpr.FULL_PROGRAMS, tick, lambda f: _on_engine(engine, f))
+    if "observe" in workloads:  # the live page watched and spans on vs both off, alternating (bench_observe)
+        from parallm_bench import observe as bench_observe
+
+        result["workloads"]["observe"] = bench_observe.run_observe(engine, sz, tick)
     if "curve" in workloads:  # TPOT vs aggregate tok/s at concurrency 1..64, ParaLLM (both paths) and mlx-lm
         from parallm_bench import curve as bench_curve
 
@@ -619,7 +625,7 @@ _OWN_FORMAT = {"llamacpp": "llamacpp", "agents": "agents", "agents_ray": "ray_ag
                "paths": "paths", "arrival": "paths", "memory": "memory", "preempt": "preemption",
                "spec": "spec", "constrained": "constrained", "vision": "vision", "embed": "embed", "lora": "lora",
                "restart": "restart", "sessions": "sessions", "rerank": "rerank",
-               "programs": "programs", "curve": "curve"}
+               "programs": "programs", "curve": "curve", "observe": "observe"}
 
 
 def format_table(result: dict) -> str:

@@ -61,7 +61,8 @@ def main(args) -> int:
     steps = sum({"throughput": 3, "fanout": 4, "single": 2 * reps, "peer": 3, "roofline": 1, "llamacpp": 6,
                  "agents": 3, "longctx": 1, "paths": 1, "arrival": 1, "memory": 2, "preempt": 3, "constrained": 1, "vision": 3,
                  "embed": 6, "rerank": 2, "lora": 8, "restart": 8, "sessions": 4,
-                 "programs": 5, "curve": 9 if args.quick else 21}.get(w, 0)
+                 "programs": 5, "curve": 9 if args.quick else 21,
+                 "observe": 12}.get(w, 0)
                 for w in workloads)
     agent_sizes, longctx_sizes = _sizes_from_args(args)
     ray_replicas = getattr(args, "ray_replicas", None)

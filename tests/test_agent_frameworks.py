@@ -6,15 +6,21 @@ model class: openai-agents (Responses and Chat Completions models, a streamed ru
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 from pydantic import BaseModel
 
-os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
-os.environ.setdefault("OTEL_SDK_DISABLED", "true")
+from parallm_engine.serve.server import ServerThread
 
-from parallm_engine.serve.server import ServerThread  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_telemetry():
+    """The frameworks' tracing off while this module runs, and only then: set at import, xdist's collection
+    would turn OpenTelemetry's SDK off in every worker (tests/test_tracing.py needs it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
+        mp.setenv("OTEL_SDK_DISABLED", "true")
+        yield
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -12,7 +12,8 @@ import sys
 def test_the_observe_workload_watches_and_traces_its_on_runs(tiny_model_dir, tmp_path):
     out = tmp_path / "observe.json"
     env = {**os.environ, "PARALLM_KV_DISK": "0"}
-    env.pop("PARALLM_OTEL", None)
+    for name in ("PARALLM_OTEL", "OTEL_SDK_DISABLED"):
+        env.pop(name, None)
     run = subprocess.run([sys.executable, "-m", "parallm_engine.cli", "bench", "--model", str(tiny_model_dir),
                           "--workloads", "observe", "--quick", "--json", str(out)],
                          capture_output=True, text=True, env=env, timeout=600)

@@ -358,8 +358,10 @@ def test_harmony_on_every_route_and_class(harmony, harmony_dir):
     assert body["choices"][0]["message"]["reasoning_content"] == reasoning
     assert body["choices"][0]["message"]["content"] == content
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == BUDGET
+    from parallm_engine.serve.agent_tools import responses_tools
+
     req = responses_format.ResponsesRequest(input="x")
-    out = responses_format.response_body(ref, req, "resp-1", "tiny", single_call=False)
+    out = responses_format.response_body(ref, req, "resp-1", "tiny", single_call=False, tools=responses_tools(None))
     assert [i["type"] for i in out["output"]] == ["reasoning", "message"]
     assert out["output"][0]["content"][0]["text"] == reasoning and out["output"][1]["content"][0]["text"] == content
     assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == BUDGET
@@ -376,7 +378,8 @@ def test_harmony_on_every_route_and_class(harmony, harmony_dir):
 
         first = run()
         chat = [x async for x in openai_format.chat_stream(first.handles, first.timing, "tiny", False, True)]
-        resp = [x async for x in responses_format.response_stream(run(), req, "resp-2", "tiny", False, lambda b: None)]
+        resp = [x async for x in responses_format.response_stream(run(), req, "resp-2", "tiny", False,
+                                                                       responses_tools(None), lambda b: None)]
         anth = [x async for x in anthropic_format.message_stream(run(), "tiny", False, [])]
         return chat, resp, anth
 

@@ -42,7 +42,8 @@ def test_top_shows_a_running_fan_out_and_quits_on_q(engine):
                        check=True, env=env)
         try:
             _wait(lambda: "batch now" in _pane(session), 30, "top to start", session)
-            handles += [engine.submit(p, max_tokens=300, ignore_eos=True) for p in prompts]
+            # long enough to be on screen however slow the machine (aborted once seen)
+            handles += [engine.submit(p, max_tokens=4000, ignore_eos=True) for p in prompts]
             _wait(lambda: _pane(session).count(" decode ") >= 8, 60, "the fan-out's 8 rows decoding", session)
             screen = _pane(session)
             print(screen)

@@ -32,11 +32,13 @@ def spans():
 
     exporter = InMemorySpanExporter()
     processor = SimpleSpanProcessor(exporter)
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-    provider = trace.get_tracer_provider()
-    provider.add_span_processor(processor)
-    yield exporter
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("OTEL_SDK_DISABLED", raising=False)  # a provider made with it set records nothing
+        if not isinstance(trace.get_tracer_provider(), TracerProvider):
+            trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+        provider.add_span_processor(processor)
+        yield exporter
     processor.shutdown()
 
 

@@ -382,7 +382,7 @@ def create_app(engine=None, model=None, api_key: str | Sequence[str] | None = No
         freed = await asyncio.to_thread(engine.clear_prefix_cache)
         return {"freed_bytes": freed}
 
-    @app.post("/close_session", dependencies=auth, responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401]})
+    @app.post("/close_session", dependencies=checked, responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401]})
     async def close_session(body: CloseSessionRequest):
         """SGLang's route: the agent run ``session_id`` names is over; its pinned context is let go at once."""
         engine = state.engine_or_503()

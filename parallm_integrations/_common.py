@@ -137,9 +137,10 @@ class ParaLLMParams(BaseModel):
     sent as OpenAI's ``user`` field. ``Engine.release_session`` lets go early."""
 
     program: str | None = None
-    """The agent run these calls belong to (the engine orders admission by program: a program that has been
-    served least goes first, and ``Engine.stats()["programs"]`` reports each). None: the session. A per-call
-    ``program=`` overrides it; with ``base_url`` it is sent as the ``program`` extension field."""
+    """The agent run these calls belong to (the engine orders admission by program: the turn of a run under way
+    goes ahead of runs that started after it, and ``Engine.stats()["programs"]`` reports each; docs/programs.md).
+    None: the session. A per-call ``program=`` overrides it; with ``base_url`` it is sent as the ``program``
+    extension field."""
 
     adapter: str | None = None
     """LoRA adapter the requests run under: a name the engine knows (``engine_kwargs={"adapters": {name:

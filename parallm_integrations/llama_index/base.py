@@ -200,9 +200,9 @@ class ParaLLMLlamaIndex(FunctionCallingLLM):
     )
     program: str | None = Field(
         default=None,
-        description="The agent run these calls belong to: the engine orders admission by program (the least "
-        "served first) and Engine.stats()['programs'] reports each. None: the session. A per-call program= "
-        "overrides it.",
+        description="The agent run these calls belong to: the engine orders admission by program (a run under "
+        "way before runs that started after it) and Engine.stats()['programs'] reports each. None: the session. "
+        "A per-call program= overrides it.",
     )
     adapter: str | None = Field(
         default=None,

@@ -19,10 +19,10 @@ sequences of that priority:
    arrived). A running agent's next turn goes ahead of programs that started after it, so the programs under
    way finish instead of all of them advancing together and each finishing late.
 
-Why not least attained service first (Autellix's PLAS, which ``programs.py`` reports): under memory
-pressure it starts every new program ahead of the runs under way, which interleaves them all; on the programs
-trace (``parallm bench --workloads programs``) program-level FCFS gave the lower job completion times
-(docs/programs.md). Where no call names a program or a session, rules 2 and 4 reduce to the queue's order
+Least attained service first (Autellix's PLAS; ``programs.py`` reports each program's) starts every new
+program ahead of the runs under way, which under memory pressure keeps them all resident at once; program-level
+FCFS is Continuum's choice for exactly that case. What the programs trace measured of both: docs/programs.md.
+Where no call names a program or a session, rules 2 and 4 reduce to the queue's order
 and admission is FIFO with fair groups, bounded by rule 1.
 """
 

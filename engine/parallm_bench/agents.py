@@ -284,6 +284,30 @@ def run_parallm_agents(engine, trace: AgentTrace, sessions: bool = False, delay=
 
 # -- mlx-lm: BatchGenerator + LRUPromptCache, as mlx_lm.server drives them ------------------------
 
+def server_insert(gen, lru, key: str, prompt: list[int], n_sys: int, max_tokens: int):
+    """Admit ``prompt`` as ``mlx_lm.server`` does: the nearest cached prefix fetched, the system prompt (its
+    first ``n_sys`` tokens) a segment of its own so its cache is saved once prefilled. Returns (uid, cached
+    tokens, the segment types whose caches :func:`server_step` saves)."""
+    cache, rest = lru.fetch_nearest_cache(key, prompt)
+    cached = len(prompt) - len(rest)
+    if cached < n_sys:  # (mlx_lm.server: a segment per message)
+        segments, types = [prompt[cached:n_sys], prompt[n_sys:]], ["system"]
+    else:
+        segments, types = [prompt[cached:]], []
+    (uid,) = gen.insert_segments([segments], max_tokens=[max_tokens], caches=[cache], all_tokens=[prompt[:cached]])
+    return uid, cached, types
+
+
+def server_step(gen, lru, key: str, live: dict) -> list:
+    """One ``BatchGenerator.next()``; the caches of the segments that ended are saved (``live[uid]["types"]``
+    from :func:`server_insert`). Returns the step's generation responses."""
+    prompt_responses, gen_responses = gen.next()
+    ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt and live[r.uid]["types"]]
+    for uid, (cache, tokens) in gen.extract_cache(ends).items():
+        lru.insert_cache(key, tokens[:], cache, cache_type=live[uid]["types"].pop())
+    return gen_responses
+
+
 def run_mlx_lm_agents(model, trace: AgentTrace, cache_entries: int | None = None) -> dict:
     """Single-threaded like mlx_lm.server's generation thread: admit the requests whose time has come,
     then one ``BatchGenerator.next()`` (a decode step for the running rows + a prefill chunk)."""
@@ -309,24 +333,14 @@ def run_mlx_lm_agents(model, trace: AgentTrace, cache_entries: int | None = None
         while ready and ready[0][0] <= now:
             at, a, k = heapq.heappop(ready)
             prompt = prompts[a]
-            cache, rest = lru.fetch_nearest_cache(key, prompt)
-            cached = len(prompt) - len(rest)
-            if cached < n_sys:  # the system prompt is a segment of its own (mlx_lm.server: per message)
-                segments, types = [prompt[cached:n_sys], prompt[n_sys:]], ["system"]
-            else:
-                segments, types = [prompt[cached:]], []
-            (uid,) = gen.insert_segments([segments], max_tokens=[sz.reply_tokens], caches=[cache],
-                                         all_tokens=[prompt[:cached]])
+            uid, cached, types = server_insert(gen, lru, key, prompt, n_sys, sz.reply_tokens)
             live[uid] = {"agent": a, "turn": k, "ready": at, "times": [], "ids": [],
                          "cached": cached, "types": types, "prompt_len": len(prompt)}
         if not live:
             if ready:
                 time.sleep(max(0.0, ready[0][0] - time.perf_counter()))
             continue
-        prompt_responses, gen_responses = gen.next()
-        ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt and live[r.uid]["types"]]
-        for uid, (cache, tokens) in gen.extract_cache(ends).items():
-            lru.insert_cache(key, tokens[:], cache, cache_type=live[uid]["types"].pop())
+        gen_responses = server_step(gen, lru, key, live)
         now = time.perf_counter()
         for r in gen_responses:
             st = live[r.uid]

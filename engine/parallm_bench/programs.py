@@ -42,7 +42,8 @@ import time
 from dataclasses import asdict, dataclass
 
 
-from parallm_bench.agents import _TASKS, _text_ids, new_prompt_tokens, system_prompt_ids
+from parallm_bench.agents import (_TASKS, _text_ids, new_prompt_tokens, server_insert, server_step,
+                                   system_prompt_ids)
 from parallm_bench.bench import _pct
 
 
@@ -258,24 +259,14 @@ def run_mlx_lm_programs(model, trace: ProgramTrace) -> dict:
             prompts = _prompts(trace.programs[i], k, st["context"], st["replies"])
             st["left"], st["out"], st["prompts"] = len(prompts), {}, prompts
             for j, prompt in enumerate(prompts):
-                cache, rest = lru.fetch_nearest_cache("m", prompt)
-                cached = len(prompt) - len(rest)
-                if cached < n_sys:  # the system prompt is a segment of its own (mlx_lm.server: per message)
-                    segments, types = [prompt[cached:n_sys], prompt[n_sys:]], ["system"]
-                else:
-                    segments, types = [prompt[cached:]], []
-                (uid,) = gen.insert_segments([segments], max_tokens=[sz.reply_tokens], caches=[cache],
-                                             all_tokens=[prompt[:cached]])
+                uid, cached, types = server_insert(gen, lru, "m", prompt, n_sys, sz.reply_tokens)
                 live[uid] = {"key": (i, k, j), "ready": at, "prompt": prompt, "ids": [], "first": None,
                              "cached": cached, "types": types}
         if not live:
             if ready:
                 time.sleep(max(0.0, ready[0][0] - time.perf_counter()))
             continue
-        prompt_responses, responses = gen.next()
-        ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt and live[r.uid]["types"]]
-        for uid, (cache, tokens) in gen.extract_cache(ends).items():
-            lru.insert_cache("m", tokens[:], cache, cache_type=live[uid]["types"].pop())
+        responses = server_step(gen, lru, "m", live)
         now = time.perf_counter()
         for r in responses:
             c = live[r.uid]

@@ -1,6 +1,6 @@
 """`parallm bench --workloads curve`: the latency-throughput curve engines are compared by (the MLC LLM
 study's plot): at each concurrency, the aggregate generated tok/s against the time per output token (TPOT:
-the median gap between a request's tokens), for ParaLLM on both CPU paths (native, and pure MLX: what Metal
+(latency - TTFT) / (output tokens - 1), ``_point``), for ParaLLM on both CPU paths (native, and pure MLX: what Metal
 and CUDA run; on a GPU its one path) and mlx-lm's BatchGenerator, on the same prompts.
 
 ``--plot DIR`` writes ``curve.csv`` and ``curve.svg`` (drawn here, no library needed) and, with matplotlib,
@@ -67,7 +67,12 @@ def run_curve(engine, sizes: CurveSizes = QUICK_CURVE, tick=None) -> dict:
 
 
 def _point(run: dict) -> dict:
-    return {"tok_s": run["tok_s"], "tpot_s": run["itl_p50_s"], "tpot_p95_s": run["itl_p95_s"],
+    """A run as a point: TPOT as the MLC / vLLM studies define it, (latency - TTFT) / (output tokens - 1), from
+    the run's wall time and median TTFT (the requests start together). Not the median gap between deltas: a
+    loaded machine's caller reads several queued deltas at one instant, and that median fell to 0 in CI."""
+    per_request = run["tokens"] / max(1, run["requests"])
+    tpot = max(0.0, run["wall_s"] - run["ttft_p50_s"]) / max(1.0, per_request - 1)
+    return {"tok_s": run["tok_s"], "tpot_s": round(tpot, 6), "tpot_p95_s": run["itl_p95_s"],
             "ttft_p50_s": run["ttft_p50_s"], "requests": run["requests"], "tokens": run["tokens"]}
 
 

@@ -78,20 +78,10 @@ class ProgramTable:
         self.max_programs = max_programs
         self.records: OrderedDict[str, ProgramRecord] = OrderedDict()
 
-    def service(self, program: str | None) -> int:
-        """Tokens the program's ended calls cost (0 for a program not seen, or none: a call of its own)."""
-        rec = self.records.get(program) if program is not None else None
-        return rec.service if rec is not None else 0
-
     def started(self, program: str | None) -> float | None:
         """When the program's first call arrived (None for a program not seen, or none)."""
         rec = self.records.get(program) if program is not None else None
         return rec.first_arrival if rec is not None else None
-
-    def returning(self, program: str | None) -> bool:
-        """The program has had a call before (this is a later turn of a run that is under way)."""
-        rec = self.records.get(program) if program is not None else None
-        return rec is not None and rec.calls > 1
 
     def arrive(self, req, now: float | None = None) -> None:
         if req.program is None:

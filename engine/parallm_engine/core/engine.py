@@ -405,9 +405,8 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
         for name, value in (("session", session), ("program", program)):
-            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
-                raise InvalidRequestError(f"{name} must be a non-empty string of at most 256 characters",
-                                          param=name)
+            if value is not None:
+                _check_run_name(name, value)
         given = sampling.pop("params", None)
         # A request that sets no max_tokens is stopped if it starts cycling (repetition_guard.py).
         guard_cycles = given is None and sampling.get("max_tokens") is None
@@ -582,9 +581,7 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         """The agent run named ``session`` (a session or a program) is over: its pinned context is let go now
         (it stays cached as any prefix does) and its program's figures leave ``stats()["programs"]``. Returns
         what was closed: ``{"released": pins let go, "program": whether figures were dropped}``."""
-        if not isinstance(session, str) or not 0 < len(session) <= 256:
-            raise InvalidRequestError("session must be a non-empty string of at most 256 characters",
-                                      param="session")
+        _check_run_name("session", session)
 
         def close():
             return {"released": self._scheduler.kv.release_session(session),
@@ -595,6 +592,12 @@ class Engine(EngineConvenienceAPI, EmbeddingAPI, RerankAPI, EngineBase):
         self.core.shutdown(timeout)
         if getattr(self.model, "vision", None) is not None:
             self.model.vision.close()
+
+
+def _check_run_name(param: str, value) -> None:
+    """A session or program name: a non-empty string of at most 256 characters."""
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise InvalidRequestError(f"{param} must be a non-empty string of at most 256 characters", param=param)
 
 
 def _bf16_dot_kernel() -> bool:
